@@ -1,0 +1,210 @@
+"""Small, validated configuration dataclasses, one per subsystem.
+
+Every field has a docstring-style comment. Each config validates itself in
+``__post_init__`` and raises ``ValueError`` naming the bad field, its value and what is
+allowed. ``VllmConfig`` bundles them; it is built by ``EngineArgs.create_engine_config``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """Raise ValueError unless ``value`` is an int (not bool) in [low, high]."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if ok and value >= low and (high is None or value <= high):
+        return
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    """Path to a Hugging Face model directory (config.json + *.safetensors + tokenizer)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to ``model``."""
+    dtype: str | torch.dtype = "auto"
+    """Compute dtype: "auto" (config's torch_dtype; float32 on CPU for float16 models), or a name."""
+    seed: int = 0
+    """Seed for the global RNG (random sampling without a per-request seed)."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; defaults to the config's max_position_embeddings."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM compatibility; only built-in architectures are supported."""
+    hf_config: Any = field(default=None, repr=False)
+    """The parsed ``transformers`` config (filled in ``__post_init__``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} is invalid: must be a model directory path")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model={self.model!r}: no such directory (this engine loads local "
+                             "Hugging Face model directories only; there is no model hub access)")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model={self.model!r}: directory has no config.json")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        _check_int("seed", self.seed, 0)
+        if self.hf_config is None:
+            from transformers import AutoConfig
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.dtype = self._resolve_dtype(self.dtype)
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        _check_int("max_model_len", self.max_model_len, 1)
+
+    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            if dtype in _DTYPES.values():
+                return dtype
+        elif dtype == "auto":
+            cfg_dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(
+                self.hf_config, "dtype", None)
+            if isinstance(cfg_dtype, str):
+                cfg_dtype = _DTYPES.get(cfg_dtype)
+            return cfg_dtype if cfg_dtype in (torch.float32, torch.bfloat16) else torch.float32
+        elif isinstance(dtype, str) and dtype in _DTYPES:
+            return _DTYPES[dtype]
+        raise ValueError(f"dtype={dtype!r} is invalid: must be 'auto' or one of {sorted(_DTYPES)}")
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else type(self.hf_config).__name__
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per paged KV-cache block."""
+    num_gpu_blocks: int | None = None
+    """Number of KV blocks; derived from ``kv_cache_memory_bytes`` (or a default budget) when None."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes to give the KV cache; overrides ``gpu_memory_utilization`` when set."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of accelerator memory the engine may use (CUDA only; CPU uses a fixed budget)."""
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        g = self.gpu_memory_utilization
+        if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization={g!r} is invalid: must be a number in (0, 1]")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+
+
+MOE_CACHE_POLICIES = ("lru", "lfu", "lfru", "auto")
+
+
+@dataclass
+class MoECacheConfig:
+    cache_size: int = 0
+    """Expert slots per MoE layer on the compute device; 0 = off (all experts resident)."""
+    policy: str = "auto"
+    """Eviction policy name; "auto" picks the measured best (see docs/expert-cache.md)."""
+    routing_trace_path: str | None = None
+    """If set, record every MoE layer's routing (topk_ids) to this .npz in the shared trace format."""
+
+    def __post_init__(self) -> None:
+        if self.cache_size is None:
+            self.cache_size = 0
+        _check_int("moe_expert_cache_size", self.cache_size, 0)
+        from vllm.model_executor.layers.fused_moe.expert_cache.policy import policy_names
+        names = policy_names() + ("auto",)
+        if not isinstance(self.policy, str) or self.policy not in names:
+            raise ValueError(f"moe_expert_cache_policy={self.policy!r} is invalid: must be one of "
+                             f"{list(names)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cache_size > 0
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+    """"auto" (cuda when available, else cpu), "cpu" or "cuda[:N]"."""
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is invalid: must be 'auto', 'cpu' or 'cuda'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    moe_cache_config: MoECacheConfig
+    device_config: DeviceConfig
+    enforce_eager: bool = False
+    """Accepted for vLLM compatibility; CUDA graphs are CUDA-only, CPU always runs eagerly."""
+
+    def summary(self) -> str:
+        m = self.model_config
+        return json.dumps({
+            "model": m.model, "architecture": m.architecture, "dtype": str(m.dtype),
+            "device": self.device_config.device, "max_model_len": m.max_model_len,
+            "moe_expert_cache_size": self.moe_cache_config.cache_size,
+            "moe_expert_cache_policy": self.moe_cache_config.policy,
+        })
+
+
+_current_config: VllmConfig | None = None
+
+
+class set_current_vllm_config:
+    """Context manager that makes ``cfg`` visible to layers while a model is being built."""
+
+    def __init__(self, cfg: VllmConfig | None):
+        self.cfg = cfg
+
+    def __enter__(self) -> VllmConfig | None:
+        global _current_config
+        self.prev, _current_config = _current_config, self.cfg
+        return self.cfg
+
+    def __exit__(self, *exc) -> None:
+        global _current_config
+        _current_config = self.prev
+
+
+def get_current_vllm_config() -> VllmConfig | None:
+    return _current_config

@@ -1,0 +1,52 @@
+"""Per-step attention metadata, made visible to attention layers for one forward pass.
+
+Model files stay plain (``forward(positions, hidden_states)``); the runner wraps each
+forward in ``set_forward_context`` and attention layers read the metadata from here.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one flattened batch. Tokens of a sequence are contiguous, decodes first.
+
+    Invariants: ``query_start_loc[-1] == T``; for each sequence i,
+    ``seq_lens[i] >= query_lens[i]`` and its new tokens are the last ``query_lens[i]``
+    of its ``seq_lens[i]`` context tokens.
+    """
+
+    slot_mapping: torch.Tensor     # [T] int64, flat KV slot (block_id * block_size + offset)
+    block_tables: torch.Tensor     # [B, max_blocks] int64, padded with 0
+    seq_lens: torch.Tensor         # [B] int64, context length incl. this step's tokens
+    query_start_loc: torch.Tensor  # [B + 1] int64, prefix sums of query lengths
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+    num_decodes: int
+    """Sequences 0..num_decodes-1 have exactly one query token (batched together)."""
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+_context: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata | None):
+    global _context
+    prev, _context = _context, attn_metadata
+    try:
+        yield
+    finally:
+        _context = prev
+
+
+def get_attn_metadata() -> AttentionMetadata | None:
+    return _context

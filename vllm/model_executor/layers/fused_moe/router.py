@@ -1,0 +1,56 @@
+"""Expert selection (routing): router logits -> (topk_weights, topk_ids)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    top_k: int
+    renormalize: bool = True
+    """Divide the selected weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    scoring_func: str = "softmax"
+    """"softmax" or "sigmoid" (DeepSeek-V3 style)."""
+    num_expert_group: int | None = None
+    """Grouped top-k: experts split into this many groups, ``topk_group`` groups kept."""
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    """Multiplies the final weights (DeepSeek-V2/V3)."""
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func={self.scoring_func!r} is invalid: must be 'softmax' or "
+                             "'sigmoid'")
+        if self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} is invalid: must be >= 1")
+
+
+def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (topk_weights [T, K] float32, topk_ids [T, K] int64).
+
+    The correction bias (if any) only affects which experts are selected, never the weights.
+    """
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if cfg.num_expert_group:
+        choice = _mask_groups(choice, cfg.num_expert_group, cfg.topk_group or cfg.num_expert_group)
+    topk_ids = torch.topk(choice, cfg.top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if cfg.renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if cfg.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * cfg.routed_scaling_factor
+    return topk_weights, topk_ids
+
+
+def _mask_groups(scores: torch.Tensor, num_groups: int, keep: int) -> torch.Tensor:
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_score = grouped.max(dim=-1).values                       # [T, G]
+    kept = torch.topk(group_score, keep, dim=-1).indices            # [T, keep]
+    mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~mask[..., None], float("-inf")).view(T, E)

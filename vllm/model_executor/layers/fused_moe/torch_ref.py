@@ -1,0 +1,57 @@
+"""The plain torch expert computation: the reference every backend and the cache are checked against.
+
+Layout (vLLM's): w13 [E, 2N, K] (gate rows then up rows), w2 [E, K, N]; K = hidden, N = intermediate.
+Results are produced per (token, k) pair and reduced over k afterwards, so a computation split
+into waves of experts (the expert cache) reduces in exactly the same order as an unsplit one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _present_experts(flat_ids: torch.Tensor, num_experts: int):
+    """Expert rows to visit. Eager: only experts that occur (one read of a tiny [E] tensor).
+    Under torch.compile: all rows, so the graph has no data-dependent control flow."""
+    if torch.compiler.is_compiling():
+        return range(num_experts)
+    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=num_experts)
+    return counts.nonzero().flatten().tolist()
+
+
+def expert_pairs_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                     activation: str = "silu") -> None:
+    """Write ``out[t, k] = topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for pairs whose id is
+    >= 0; pairs with a negative id are left untouched.
+
+    x [T, K_h]; w13 [E', 2N, K_h]; w2 [E', K_h, N]; topk_* [T, top_k]; out [T, top_k, K_h].
+    Each expert sees its tokens in ascending token order, so a pair's value does not depend on
+    which other experts are computed in the same call.
+    """
+    T, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)                      # [T * top_k]
+    flat_w = topk_weights.reshape(-1).to(x.dtype)
+    out_flat = out.view(T * top_k, -1)
+    for e in _present_experts(flat_ids, w13.shape[0]):
+        pair = (flat_ids == e).nonzero().squeeze(1)      # [P] ascending pair indices
+        y = expert_mlp(x[pair // top_k], w13[e], w2[e], activation)
+        out_flat.index_copy_(0, pair, y * flat_w[pair, None])
+
+
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str = "silu"):
+    """One expert: x [P, K] -> [P, K]; w13 [2N, K], w2 [K, N]."""
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate)
+    return F.linear(act * up, w2)
+
+
+def combine_pairs(out: torch.Tensor) -> torch.Tensor:
+    """[T, top_k, K] -> [T, K], summed in k order."""
+    return out.sum(dim=1)
+
+
+def fused_experts_ref(x, w13, w2, topk_weights, topk_ids, activation: str = "silu"):
+    out = x.new_zeros(topk_ids.shape[0], topk_ids.shape[1], x.shape[-1])
+    expert_pairs_ref(x, w13, w2, topk_weights, topk_ids, out, activation)
+    return combine_pairs(out)
