@@ -1,22 +1,160 @@
 """Residency: which expert sits in which slot of one MoE layer (the cache's "block manager").
 
-INTERFACE STUB - to be implemented. Contract (all tensors on the slots' device; no host sync):
+Everything here is fixed-shape tensor code on the slots' device: no host synchronisation, no
+branching on tensor values, so ``plan``/``remap``/``split_waves`` run under
+``torch.compile(fullgraph=True)`` and inside CUDA graphs.
+
+A ``Residency`` may hold a batch of independent layers (``layers=L``): every per-layer tensor then
+gains a leading ``[L]`` dim. The engine uses the unbatched case (one per FusedMoE); the replay
+benchmark uses ``layers=L`` so one ``plan`` call advances all L layers of a step at once. The two
+are the same code: the unbatched case is the batched one with an empty batch shape.
+
+Invariants (per layer):
+  slot_of_expert[e] == s >= 0  <=>  expert_of_slot[s] == e
+  at most N experts are resident; an expert needed by a plan() is resident when it returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.expert_cache.policy import EvictionPolicy
+
+
+@dataclass
+class LoadPlan:
+    """Copies one plan() asks for; entry i means "copy expert experts[i] into slot slots[i]"
+    when valid[i]. Fixed shape [..., N]; valid entries come first (invalid ones are padding)."""
+    slots: torch.Tensor       # [..., N] int64
+    experts: torch.Tensor     # [..., N] int64 (-1 where not valid)
+    valid: torch.Tensor       # [..., N] bool
+    num_loads: torch.Tensor   # [...] int64 == valid.sum(-1)
+
+
+def num_waves(num_experts: int, max_needed: int, num_slots: int) -> int:
+    """Static wave count: a step of T tokens x top-k needs at most min(E, T*k) distinct experts."""
+    if num_slots < 1:
+        raise ValueError(f"num_slots={num_slots} is invalid: must be >= 1")
+    return max(1, -(-min(num_experts, max_needed) // num_slots))
+
+
+def wave_index(needed: torch.Tensor, slot_of_expert: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[..., E] int64: which wave each needed expert runs in (-1 = not needed).
+
+    Needed experts are ordered resident-first, then by expert id, and cut into chunks of
+    ``num_slots``; so if any wave has a miss, every resident needed expert is in wave 0 (hits are
+    never deferred behind loads) and later waves hold only misses.
+    """
+    num_experts = needed.shape[-1]
+    ids = torch.arange(num_experts, device=needed.device)
+    # key: resident needed < non-resident needed < not needed; ties by expert id.
+    key = torch.where(needed, torch.where(slot_of_expert >= 0, 0, 1), 2) * num_experts + ids
+    order = torch.argsort(key, dim=-1)
+    rank = torch.empty_like(order).scatter_(-1, order, ids.expand_as(order).contiguous())
+    return torch.where(needed, rank // num_slots, -1)
+
+
+def split_waves(needed: torch.Tensor, slot_of_expert: torch.Tensor, num_slots: int,
+                max_needed: int) -> list[torch.Tensor]:
+    """Split needed [..., E] bool into ``num_waves(E, max_needed, num_slots)`` masks [..., E] bool,
+    each with at most ``num_slots`` experts (trailing ones may be empty; plan() of an empty wave is
+    a no-op). ``max_needed`` is a static bound on distinct experts, normally T * top_k.
+    ``slot_of_expert`` must be the residency *before* the first wave is planned."""
+    waves = wave_index(needed, slot_of_expert, num_slots)
+    count = num_waves(needed.shape[-1], max_needed, num_slots)
+    return [waves == w for w in range(count)]
+
 
 class Residency:
-    def __init__(self, num_experts: int, num_slots: int, policy: EvictionPolicy, device):
-        slot_of_expert: [E] int64, -1 = not resident      (owner: this class)
-        expert_of_slot: [N] int64, -1 = empty             (owner: this class)
-        policy_state: dict of small tensors               (owner: this class, updated by policy)
-        clock: int64 scalar tensor, +1 per plan() call
-        counters (int64 tensors, cumulative): hits, misses, evictions  (scalars)
+    """Slot maps + policy state + counters for one MoE layer (or a batch of ``layers``)."""
 
-    def plan(self, needed: Tensor) -> LoadPlan:
-        needed: [E] bool, the experts this wave must have resident; needed.sum() <= N is a
-        precondition (the caller splits larger sets into waves).
-        Marks needed experts resident: hits stay where they are, each miss gets a victim slot
-        chosen among slots NOT holding a needed expert (empty slots first, then lowest
-        policy.keep_score). Never evicts a needed expert. Updates maps, policy state, counters.
-        Returns LoadPlan(slots [N] int64, experts [N] int64, valid [N] bool, num_loads scalar int64):
-        entry i says "copy expert experts[i] into slot slots[i]" when valid[i]. Fixed shape [N].
+    def __init__(self, num_experts: int, num_slots: int, policy: EvictionPolicy,
+                 device: torch.device | str | None = None, layers: int | None = None):
+        if not 1 <= num_slots <= num_experts:
+            raise ValueError(f"num_slots={num_slots} is invalid: must be in [1, num_experts="
+                             f"{num_experts}]")
+        if layers is not None and layers < 1:
+            raise ValueError(f"layers={layers} is invalid: must be >= 1 or None")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.num_experts, self.num_slots, self.policy = num_experts, num_slots, policy
+        self.batch_shape: tuple[int, ...] = () if layers is None else (layers,)
+        b = self.batch_shape
+        i64 = dict(dtype=torch.int64, device=device)
+        self.slot_of_expert = torch.full((*b, num_experts), -1, **i64)   # [..., E], -1 = absent
+        self.expert_of_slot = torch.full((*b, num_slots), -1, **i64)     # [..., N], -1 = empty
+        # Clock broadcasts against [..., E]: a scalar unbatched, [L, 1] batched.
+        self.clock = torch.zeros(b + ((1,) if b else ()), **i64)
+        self.policy_state = {k: v.expand(*b, *v.shape).clone()
+                             for k, v in policy.init_state(num_experts, device).items()}
+        self.hits, self.misses, self.evictions = (torch.zeros(b, **i64) for _ in range(3))
+        self.last_hits, self.last_misses = torch.zeros(b, **i64), torch.zeros(b, **i64)
+        self._ids_e = torch.arange(num_experts, device=device)
+        self._ids_n = torch.arange(num_slots, device=device)
 
-    def remap(self, topk_ids: Tensor) -> Tensor:  [T, K] expert ids -> [T, K] slot ids (slot_of_expert gather)
+    def plan(self, needed: torch.Tensor) -> LoadPlan:
+        """Make needed [..., E] bool resident (precondition: needed.sum(-1) <= N).
+
+        Hits stay in their slots; each miss (in expert-id order) takes a victim slot among slots
+        not holding a needed expert: empty slots first (by slot index), then the lowest policy
+        keep_score, ties broken by the lower expert id. An empty ``needed`` is an exact no-op (clock and policy state unchanged).
+        """
+        n, e = self.num_slots, self.num_experts
+        resident = self.slot_of_expert >= 0
+        miss = needed & ~resident
+        num_miss = miss.sum(-1)                                              # [...]
+        clock = self.clock
+        score = self.policy.keep_score(self.policy_state, clock).float()     # [..., E]
+        # Rank experts by (score, expert id): a stable sort over ids already in order.
+        by_score = torch.sort(score, dim=-1, stable=True).indices
+        rank = torch.empty_like(by_score).scatter_(
+            -1, by_score, self._ids_e.expand_as(by_score).contiguous())     # [..., E]
+        held = self.expert_of_slot.clamp(min=0)
+        slot_key = torch.gather(rank, -1, held)                              # [..., N]
+        slot_needed = torch.gather(needed, -1, held) & (self.expert_of_slot >= 0)
+        slot_key = torch.where(self.expert_of_slot < 0, -1, slot_key)        # empty first
+        slot_key = torch.where(slot_needed, e, slot_key)                     # needed never
+        victims = torch.sort(slot_key, dim=-1, stable=True).indices          # [..., N]
+        # Miss experts in id order, first N of them (at most N misses by the precondition).
+        miss_key = torch.where(miss, 0, 1) * e + self._ids_e
+        miss_experts = torch.argsort(miss_key, dim=-1)[..., :n]              # [..., N]
+        valid = self._ids_n < num_miss.unsqueeze(-1)                         # [..., N]
+        experts = torch.where(valid, miss_experts, -1)
+        old = torch.gather(self.expert_of_slot, -1, victims)                 # [..., N]
+        evicted = valid & (old >= 0)
+        self._apply(victims, experts, valid, old, evicted)
+        # Policy sees the wave after the victim choice; empty waves change nothing.
+        self.policy.on_access(self.policy_state, needed, clock)
+        hits = (needed & resident).sum(-1)
+        self.last_hits.copy_(hits)
+        self.last_misses.copy_(num_miss)
+        self.hits.add_(hits)
+        self.misses.add_(num_miss)
+        self.evictions.add_(evicted.sum(-1))
+        any_needed = needed.any(-1)
+        self.clock.add_(any_needed.unsqueeze(-1) if self.batch_shape else any_needed)
+        return LoadPlan(victims, experts, valid, num_miss)
+
+    def _apply(self, slots: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor,
+               old: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Update both maps; invalid entries scatter into a dump column (index E / N) that is
+        dropped, so shapes stay fixed and nothing branches on values."""
+        n, e = self.num_slots, self.num_experts
+        pad = torch.full((*self.batch_shape, 1), -1, dtype=torch.int64, device=slots.device)
+        soe = torch.cat([self.slot_of_expert, pad], -1)                      # [..., E+1]
+        soe.scatter_(-1, torch.where(evicted, old, e), pad.expand_as(old))
+        soe.scatter_(-1, torch.where(valid, experts, e), slots)
+        eos = torch.cat([self.expert_of_slot, pad], -1)                      # [..., N+1]
+        eos.scatter_(-1, torch.where(valid, slots, n), experts)
+        self.slot_of_expert.copy_(soe[..., :e])
+        self.expert_of_slot.copy_(eos[..., :n])
+
+    def remap(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, K] global expert ids -> [T, K] slot ids (-1 where not resident). Unbatched only."""
+        if self.batch_shape:
+            raise ValueError("remap() is per layer: this Residency holds a batch of layers")
+        return self.slot_of_expert[topk_ids.long()]
+
+    def resident_mask(self) -> torch.Tensor:
+        """[..., E] bool, experts currently in a slot."""
+        return self.slot_of_expert >= 0
