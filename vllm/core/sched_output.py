@@ -59,6 +59,8 @@ class SampledToken:
     """Log-probability of the sampled token (only when logprobs were requested)."""
     top_logprobs: list[tuple[int, float]] | None = None
     """The top-k (token id, logprob) pairs, best first (only when logprobs were requested)."""
+    rank: int | None = None
+    """1-based rank of the sampled token among all tokens by logprob (when logprobs requested)."""
 
 
 @dataclass
