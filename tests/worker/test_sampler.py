@@ -1,0 +1,221 @@
+import math
+
+import pytest
+import torch
+
+from vllm.core.sched_output import ScheduledSequence
+from vllm.sampling_params import SamplingParams
+from vllm.worker.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
+                                 apply_top_k_top_p)
+
+V = 50
+
+
+def seq(rid, sp, prompt=(1, 2, 3), outputs=(), do_sample=True):
+    return ScheduledSequence(req_id=rid, token_ids=[0], start_pos=0, block_ids=[0],
+                             do_sample=do_sample, sampling_params=sp,
+                             prompt_token_ids=list(prompt), output_token_ids=list(outputs))
+
+
+def meta(seqs, generators=None, eos=None):
+    return SamplingMetadata.build(seqs, {} if generators is None else generators, "cpu",
+                                  eos_token_id=eos)
+
+
+# ---- plain references, written independently of the sampler (per row, Python loops) ----
+def ref_allowed_top_k(row: torch.Tensor, k: int) -> set[int]:
+    vals = sorted(row.tolist(), reverse=True)
+    kth = vals[k - 1]
+    return {i for i, v in enumerate(row.tolist()) if v >= kth}
+
+
+def ref_allowed_top_p(row: torch.Tensor, p: float) -> set[int]:
+    probs = torch.softmax(row.double(), -1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, total = set(), 0.0
+    for i in order:
+        kept.add(i)
+        total += probs[i]
+        if total >= p:
+            break
+    return kept
+
+
+def ref_allowed_min_p(row: torch.Tensor, min_p: float) -> set[int]:
+    probs = torch.softmax(row.double(), -1).tolist()
+    return {i for i, q in enumerate(probs) if q >= min_p * max(probs)}
+
+
+def kept(x: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(x)).flatten().tolist())
+
+
+def test_greedy_is_argmax_and_skips_non_sampling_sequences():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    seqs = [seq("a", SamplingParams(temperature=0)), seq("skip", SamplingParams(), do_sample=False),
+            seq("b", SamplingParams(temperature=0, top_k=3)), seq("c", SamplingParams(temperature=0))]
+    md = meta(seqs)
+    assert md.req_ids == ["a", "b", "c"]
+    out = Sampler()(logits, md)
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+    assert all(t.logprob is None for t in out)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_top_k_mask_matches_reference(k):
+    torch.manual_seed(k)
+    x = torch.randn(4, V)
+    masked = apply_top_k_top_p(x.clone(), torch.tensor([k, 0, k, 1]), None)
+    for r, kk in enumerate([k, 0, k, 1]):
+        want = ref_allowed_top_k(x[r], kk) if kk else set(range(V))
+        assert kept(masked[r]) == want
+        assert torch.equal(masked[r][list(want)], x[r][list(want)])
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1.0])
+def test_top_p_mask_matches_reference(p):
+    torch.manual_seed(int(p * 100))
+    x = torch.randn(5, V) * 2
+    masked = apply_top_k_top_p(x.clone(), None, torch.full((5,), p))
+    for r in range(5):
+        assert kept(masked[r]) == ref_allowed_top_p(x[r], p)
+
+
+def test_top_k_then_top_p_matches_reference():
+    torch.manual_seed(3)
+    x = torch.randn(3, V) * 2
+    masked = apply_top_k_top_p(x.clone(), torch.tensor([10, 10, 10]), torch.full((3,), 0.7))
+    for r in range(3):
+        restricted = x[r].clone()
+        top = ref_allowed_top_k(x[r], 10)
+        restricted[[i for i in range(V) if i not in top]] = float("-inf")
+        assert kept(masked[r]) == ref_allowed_top_p(restricted, 0.7)
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3])
+def test_min_p_mask_matches_reference(min_p):
+    torch.manual_seed(7)
+    x = torch.randn(4, V) * 2
+    masked = apply_min_p(x.clone(), torch.full((4,), min_p))
+    for r in range(4):
+        assert kept(masked[r]) == ref_allowed_min_p(x[r], min_p)
+
+
+def test_samples_stay_inside_masks_and_follow_distribution():
+    torch.manual_seed(0)
+    row = torch.randn(V) * 2
+    n = 4000
+    sp = SamplingParams(temperature=0.7, top_k=12, top_p=0.8)
+    out = Sampler()(row.expand(n, V).clone(), meta([seq(f"r{i}", sp) for i in range(n)]))
+    ids = torch.tensor([t.token_id for t in out])
+    scaled = row / 0.7
+    allowed = ref_allowed_top_k(scaled, 12)
+    restricted = scaled.clone()
+    restricted[[i for i in range(V) if i not in allowed]] = float("-inf")
+    allowed = ref_allowed_top_p(restricted, 0.8)
+    assert set(ids.tolist()) <= allowed
+    # Empirical frequencies match the renormalised probabilities (loose 5-sigma bound).
+    probs = torch.full((V,), float("-inf"))
+    probs[list(allowed)] = scaled[list(allowed)]
+    probs = probs.softmax(-1)
+    freq = torch.bincount(ids, minlength=V).float() / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert torch.all((freq - probs).abs() <= 5 * sigma + 1e-3)
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition():
+    torch.manual_seed(0)
+    steps = [torch.randn(4, V) for _ in range(5)]
+    sp = SamplingParams(temperature=1.0, seed=1234)
+    # The seeded request "s" alone ...
+    alone, gens = [], {}
+    for logits in steps:
+        alone.append(Sampler()(logits[2:3].clone(), meta([seq("s", sp)], gens))[0].token_id)
+    # ... and at row 2 of a mixed batch, with a different global RNG state.
+    mixed, gens = [], {}
+    for logits in steps:
+        seqs = [seq("x", SamplingParams()), seq("y", SamplingParams(seed=5)), seq("s", sp),
+                seq("z", SamplingParams(temperature=0))]
+        torch.manual_seed(99)
+        mixed.append(Sampler()(logits.clone(), meta(seqs, gens))[2].token_id)
+    assert alone == mixed
+    assert set(gens) == {"s", "y"}  # generators are created for seeded rows only
+
+
+def test_different_seeds_give_different_tokens():
+    flat = torch.zeros(1, 1000)  # uniform: two seeds agree with probability 1/1000
+    sp = SamplingParams(temperature=1.0, seed=1234)
+    a = [Sampler()(flat.clone(), meta([seq("s", sp)], {}))[0].token_id for _ in range(2)]
+    b = Sampler()(flat.clone(), meta([seq("s", sp.clone(seed=77))], {}))[0].token_id
+    assert a[0] == a[1] and a[0] != b
+
+
+def ref_penalties(row, prompt, outputs, rep, pres, freq):
+    row = row.clone()
+    seen = set(prompt) | set(outputs)
+    for t in seen:
+        row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+    for t in set(outputs):
+        row[t] -= pres + freq * outputs.count(t)
+    return row
+
+
+def test_penalties_match_reference():
+    torch.manual_seed(1)
+    logits = torch.randn(3, V)
+    cases = [((1, 2, 3, 3), (4, 4, 5, 1), 1.3, 0.5, 0.2),
+             ((7,), (), 0.8, 0.0, 0.0),
+             ((9, 10), (10, 10, 10, 11), 1.0, -0.5, 1.5)]
+    seqs = [seq(f"r{i}", SamplingParams(repetition_penalty=r, presence_penalty=p,
+                                         frequency_penalty=f), prompt=pr, outputs=o)
+            for i, (pr, o, r, p, f) in enumerate(cases)]
+    got = apply_penalties(logits.clone(), meta(seqs))
+    for i, (pr, o, r, p, f) in enumerate(cases):
+        want = ref_penalties(logits[i], list(pr), list(o), r, p, f)
+        torch.testing.assert_close(got[i], want)
+
+
+def test_penalties_change_greedy_choice():
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 1.0
+    logits[0, 6] = 0.9
+    sp = SamplingParams(temperature=0, frequency_penalty=0.5)
+    assert Sampler()(logits, meta([seq("a", sp, outputs=(4,))]))[0].token_id == 6
+    assert Sampler()(logits, meta([seq("a", sp)]))[0].token_id == 4
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.zeros(3, V)
+    logits[:, 7] = 10.0  # eos
+    logits[:, 8] = 9.0  # stop token
+    logits[:, 9] = 8.0
+    sp = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[8])
+    seqs = [seq("a", sp, outputs=(1,)), seq("b", sp, outputs=(1, 2)),
+            seq("c", sp.clone(ignore_eos=True), outputs=())]
+    out = Sampler()(logits.clone(), meta(seqs, eos=7))
+    assert [t.token_id for t in out] == [9, 7, 7]
+
+
+def test_logprobs_are_raw_log_softmax():
+    torch.manual_seed(2)
+    logits = torch.randn(3, V) * 3
+    seqs = [seq("a", SamplingParams(temperature=0.5, logprobs=3, repetition_penalty=1.5)),
+            seq("b", SamplingParams(temperature=0, logprobs=0)),
+            seq("c", SamplingParams(temperature=1.0))]
+    out = Sampler()(logits.clone(), meta(seqs))
+    ref = torch.log_softmax(logits.double(), -1)
+    for i in range(2):
+        t = out[i]
+        assert math.isclose(t.logprob, ref[i, t.token_id].item(), abs_tol=1e-5)
+        assert t.rank == int((ref[i] > ref[i, t.token_id]).sum()) + 1
+    vals, idx = torch.topk(ref[0], 3)
+    assert [tid for tid, _ in out[0].top_logprobs] == idx.tolist()
+    assert [lp for _, lp in out[0].top_logprobs] == pytest.approx(vals.tolist(), abs=1e-5)
+    assert out[1].top_logprobs == [] and out[1].rank == 1
+    assert out[2].logprob is None and out[2].top_logprobs is None
+
+
+def test_row_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="rows"):
+        Sampler()(torch.zeros(2, V), meta([seq("a", SamplingParams())]))
