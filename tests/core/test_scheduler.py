@@ -218,3 +218,28 @@ def test_random_workload_invariants_and_completion():
         assert r.status is RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == [fake_token(r.request_id, k)
                                       for k in range(r.sampling_params.max_tokens)]
+
+
+def test_failure_is_reported_even_when_nothing_is_scheduled():
+    s = make_sched(num_blocks=2, block_size=2)
+    s.add_request(req("big", 9))
+    out = s.schedule()
+    assert out.is_empty and out.finished_req_ids == {"big"}
+    (r,) = s.update_from_output(out, RunnerOutput({}))
+    assert r.status is RequestStatus.FINISHED_ERROR and not s.has_unfinished_requests()
+    assert s.schedule().is_empty  # an empty step needs no update before the next schedule
+
+
+def test_schedule_twice_without_update_is_an_error():
+    s = make_sched()
+    s.add_request(req("a", 3))
+    s.schedule()
+    with pytest.raises(RuntimeError, match="update_from_output"):
+        s.schedule()
+
+
+def test_duplicate_request_id_rejected():
+    s = make_sched()
+    s.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="'a'"):
+        s.add_request(req("a", 3))

@@ -126,7 +126,7 @@ class Scheduler:
         out = SchedulerOutput(sequences=decodes + prefills, finished_req_ids=self._finished_ids,
                               num_preempted=num_preempted)
         self._finished_ids = set()
-        self._in_flight = True
+        self._in_flight = bool(out.sequences)
         return out
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSequence],
@@ -220,8 +220,10 @@ class Scheduler:
         """Advance computed counts and append sampled tokens.
 
         Returns the requests with something to report this step: those that got a new token,
-        then those that ``schedule()`` finished because they can never fit. Requests finished
-        or aborted between ``schedule()`` and this call are skipped.
+        then those that ``schedule()`` finished because they can never fit (status
+        FINISHED_ERROR with ``error`` set, or FINISHED_LENGTH). Call it after every
+        ``schedule()``, with ``RunnerOutput({})`` when the output is empty, so those failures
+        are reported. Requests finished or aborted since ``schedule()`` are skipped.
         """
         self._in_flight = False
         touched: list[Request] = []
