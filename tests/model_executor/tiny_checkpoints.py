@@ -1,0 +1,104 @@
+"""Test helpers (imported by name; no package): tiny random Hugging Face checkpoints and a minimal paged-KV driver for our models."""
+from __future__ import annotations
+
+import random
+
+import torch
+import transformers
+
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig, SchedulerConfig,
+                         VllmConfig)
+from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm.model_executor.layers.attention import Attention
+
+_COMMON = dict(vocab_size=160, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+
+TINY = {
+    "Qwen3MoeForCausalLM": lambda **kw: transformers.Qwen3MoeConfig(**{
+        **_COMMON, "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 24,
+        "num_experts": 6, "num_experts_per_tok": 2, "norm_topk_prob": True, **kw}),
+    "MixtralForCausalLM": lambda **kw: transformers.MixtralConfig(**{
+        **_COMMON, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "rope_theta": 10000.0, **kw}),
+    "Qwen2MoeForCausalLM": lambda **kw: transformers.Qwen2MoeConfig(**{
+        **_COMMON, "intermediate_size": 64, "moe_intermediate_size": 24, "num_experts": 8,
+        "num_experts_per_tok": 2, "shared_expert_intermediate_size": 40, **kw}),
+    "Qwen3ForCausalLM": lambda **kw: transformers.Qwen3Config(**{
+        **_COMMON, "head_dim": 16, "intermediate_size": 64, **kw}),
+    "LlamaForCausalLM": lambda **kw: transformers.LlamaConfig(**{
+        **_COMMON, "intermediate_size": 64, **kw}),
+}
+
+
+def build_checkpoint(arch: str, path, dtype: torch.dtype = torch.float32, seed: int = 0,
+                     max_shard_size=None, **overrides):
+    """Save a random tiny ``arch`` model to ``path``; return the (eager-attention, fp32) HF model."""
+    torch.manual_seed(seed)
+    config = TINY[arch](**overrides)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, arch)(config).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.to(dtype).save_pretrained(str(path), **kwargs)
+    return model.float()
+
+
+def make_vllm_config(path, dtype: str = "float32") -> VllmConfig:
+    return VllmConfig(ModelConfig(str(path), dtype=dtype), CacheConfig(), SchedulerConfig(),
+                      MoECacheConfig(), DeviceConfig("cpu"))
+
+
+@torch.no_grad()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """[len, vocab] float32 logits of one sequence (each position sees only its prefix)."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedDriver:
+    """Runs our model step by step over a paged KV cache, like a (tiny) model runner.
+
+    Blocks are handed out from a shuffled free list so block tables are non-contiguous.
+    """
+
+    def __init__(self, model, num_blocks: int = 48, block_size: int = 4, dtype=torch.float32):
+        self.model, self.block_size = model, block_size
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.kv_cache = torch.zeros(2, num_blocks, block_size, m.num_kv_heads, m.head_dim,
+                                         dtype=dtype)
+        self.free = list(range(1, num_blocks))      # block 0 doubles as table padding
+        random.Random(0).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[str, list[int]]], num_decodes: int = 0):
+        """chunks: (seq_id, new token ids), decodes first. Returns {seq_id: logits [n, vocab]}."""
+        ids, pos, slots, lens, qlens = [], [], [], [], []
+        for sid, toks in chunks:
+            done = self.computed.get(sid, 0)
+            table = self.tables.setdefault(sid, [])
+            while len(table) * self.block_size < done + len(toks):
+                table.append(self.free.pop())
+            for p in range(done, done + len(toks)):
+                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+            ids += toks
+            pos += range(done, done + len(toks))
+            lens.append(done + len(toks))
+            qlens.append(len(toks))
+        width = max(len(self.tables[sid]) for sid, _ in chunks)
+        tables = [self.tables[sid] + [0] * (width - len(self.tables[sid])) for sid, _ in chunks]
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables),
+            seq_lens=torch.tensor(lens), query_start_loc=torch.tensor([0] + qlens).cumsum(0),
+            seq_lens_cpu=lens, query_lens_cpu=qlens, num_decodes=num_decodes,
+            block_size=self.block_size)
+        with set_forward_context(md):
+            hidden = self.model(torch.tensor(ids), torch.tensor(pos))
+        logits = self.model.compute_logits(hidden)
+        out, start = {}, 0
+        for (sid, toks), n in zip(chunks, qlens):
+            out[sid] = logits[start:start + n]
+            start += n
+            self.computed[sid] = self.computed.get(sid, 0) + n
+        return out

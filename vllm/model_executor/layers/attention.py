@@ -1,0 +1,109 @@
+"""Paged causal attention for mixed prefill + decode batches (plain torch SDPA).
+
+KV cache layout (allocated by the model runner): ``kv_cache`` [2, num_blocks, block_size,
+num_kv_heads, head_dim], index 0 = keys, 1 = values, flat slot = block_id * block_size + offset.
+Query head h uses kv head ``h // (num_heads // num_kv_heads)`` (HF ``repeat_kv`` order).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.forward_context import AttentionMetadata, get_attn_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 prefix: str = ""):
+        super().__init__()
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{prefix}: num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.prefix = prefix
+        self.kv_cache: torch.Tensor | None = None
+        """Set by the runner: [2, num_blocks, block_size, num_kv_heads, head_dim], or None."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        T, D = q.shape[0], self.head_dim
+        q = q.view(T, self.num_heads, D)
+        k = k.view(T, self.num_kv_heads, D)
+        v = v.view(T, self.num_kv_heads, D)
+        md = get_attn_metadata()
+        if md is None:
+            # No batch layout: the whole input is one sequence starting at position 0.
+            return self._causal(q, k, v).reshape(T, -1)
+        starts = [0]
+        for n in md.query_lens_cpu:
+            starts.append(starts[-1] + n)
+        if starts[-1] != T:
+            raise ValueError(f"{self.prefix}: metadata covers {starts[-1]} tokens, input has {T}")
+        out = torch.empty_like(q)
+        if self.kv_cache is None:
+            # Dummy/profiling run without a cache: each sequence sees only its own new tokens.
+            for s, e in zip(starts[:-1], starts[1:]):
+                out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
+            return out.view(T, -1)
+        self._write_cache(k, v, md.slot_mapping)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], md)
+        for i in range(nd, md.num_seqs):
+            s, e = starts[i], starts[i + 1]
+            if md.seq_lens_cpu[i] == e - s:
+                # Whole prompt in this step: its context is exactly the new tokens.
+                out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
+            else:
+                out[s:e] = self._prefill_chunk(q[s:e], i, md)
+        return out.view(T, -1)
+
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # .view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self.kv_cache[0].view(shape).index_copy_(0, slot_mapping, k.to(self.kv_cache.dtype))
+        self.kv_cache[1].view(shape).index_copy_(0, slot_mapping, v.to(self.kv_cache.dtype))
+
+    def _gather(self, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_ids [..., nblk] -> (k, v) [..., length, Hkv, D] read from the paged cache."""
+        lead = block_ids.shape[:-1]
+        k = self.kv_cache[0][block_ids].reshape(*lead, -1, self.num_kv_heads, self.head_dim)
+        v = self.kv_cache[1][block_ids].reshape(*lead, -1, self.num_kv_heads, self.head_dim)
+        return k[..., :length, :, :], v[..., :length, :, :]
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One sequence from position 0: q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(0, 1)
+
+    def _prefill_chunk(self, q: torch.Tensor, i: int, md: AttentionMetadata) -> torch.Tensor:
+        """Sequence i's last Lq tokens attend to all earlier context plus causally to the chunk."""
+        Lq, ctx = q.shape[0], md.seq_lens_cpu[i]
+        nblk = -(-ctx // md.block_size)
+        k, v = self._gather(md.block_tables[i, :nblk], ctx)             # [ctx, Hkv, D]
+        q_pos = torch.arange(ctx - Lq, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]   # [Lq, ctx]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask[None],
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """All decodes in one padded call: q [B, Hq, D] (one token each) -> [B, Hq, D]."""
+        B = q.shape[0]
+        max_len = max(md.seq_lens_cpu[:B])
+        nblk = -(-max_len // md.block_size)
+        k, v = self._gather(md.block_tables[:B, :nblk], max_len)      # [B, L, Hkv, D]
+        lens = md.seq_lens[:B].to(q.device)
+        mask = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]   # [B, L]
+        # GQA without repeating K/V: a kv head's query group plays the role of the query length.
+        group = self.num_heads // self.num_kv_heads
+        qg = q.view(B, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+            scale=self.scale)                                          # [B, Hkv, G, D]
+        return out.reshape(B, self.num_heads, self.head_dim)

@@ -1,0 +1,141 @@
+"""Rotary position embedding with Hugging Face semantics (neox-style ``rotate_half`` layout).
+
+Scaling types: default, linear, llama3, yarn. Parameters come from ``hf_config.rope_parameters``
+(transformers >= 5) or the legacy ``rope_theta`` / ``rope_scaling`` fields.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    """Merged rope settings: always has "rope_theta" and "rope_type", plus the scaling fields."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if isinstance(legacy, dict):
+        params = {**legacy, **params}
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    params["rope_type"] = rope_type
+    if "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    return params
+
+
+def compute_inv_freq(params: dict, rotary_dim: int,
+                     max_position: int) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq [rotary_dim // 2] float32, attention_scaling applied to cos/sin)."""
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        return _llama3(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn(base, exponents, rotary_dim, params, max_position)
+    raise ValueError(f"rope_type={rope_type!r} is not supported: must be one of "
+                     f"{list(SUPPORTED_ROPE_TYPES)}")
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Low frequencies divided by ``factor``, high ones kept, a smooth blend in between."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_ctx = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn(base: float, exponents: torch.Tensor, dim: int, params: dict,
+          max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN: per-dimension blend of interpolated and extrapolated frequencies + an mscale."""
+    orig = params.get("original_max_position_embeddings") or max_position
+    factor = params.get("factor") or max_position / orig
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength completes ``rotations`` turns over the original context.
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** exponents
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0):
+        super().__init__()
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim={rotary_dim} is invalid: must be even and <= head_dim "
+                             f"({head_dim})")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        self.attention_scaling = attention_scaling
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes."""
+        # cos/sin on the fly in float32 (as HF does): a table for 100k+ positions would cost more.
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                        # [T, rd]
+        cos = (emb.cos() * self.attention_scaling)[:, None, :]         # [T, 1, rd]
+        sin = (emb.sin() * self.attention_scaling)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        x = x.view(T, -1, self.head_dim)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rd = self.rotary_dim
+        rot = x[..., :rd]
+        rot = rot * cos + _rotate_half(rot) * sin
+        out = rot if rd == self.head_dim else torch.cat((rot, x[..., rd:]), dim=-1)
+        return out.reshape(T, -1)
+
+
+def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+    params = rope_parameters(hf_config)
+    rotary_dim = int(head_dim * float(params["partial_rotary_factor"]))
+    max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
+    inv_freq, scaling = compute_inv_freq(params, rotary_dim, max_position)
+    return RotaryEmbedding(head_dim, rotary_dim, inv_freq, scaling)

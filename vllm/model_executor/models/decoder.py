@@ -1,0 +1,177 @@
+"""Building blocks shared by the decoder-only model files (Llama-style pre-norm transformer).
+
+Module names mirror Hugging Face checkpoints (``model.layers.{i}.self_attn.q_proj`` ...), so
+most checkpoint tensors load by name; expert tensors go through ``FusedMoE.load_expert_weight``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.layers.activation import get_act_fn
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
+from vllm.model_executor.models.weight_loading import load_decoder_weights
+
+
+def config_attr(hf_config: Any, *names: str, default: Any = None) -> Any:
+    """First non-None attribute among ``names`` (configs rename fields across versions)."""
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return config_attr(hf_config, "head_dim",
+                       default=hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); names match HF ``gate_proj/up_proj/down_proj``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
+                 bias: bool = False):
+        super().__init__()
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = get_act_fn(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm (Qwen3), rotary, paged attention, o_proj."""
+
+    def __init__(self, hf_config: Any, prefix: str = "", qkv_bias: bool = False,
+                 o_bias: bool = False, qk_norm: bool = False):
+        super().__init__()
+        H = hf_config.hidden_size
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = config_attr(hf_config, "num_key_value_heads", default=self.num_heads)
+        self.head_dim = D = head_dim_of(hf_config)
+        self.q_proj = Linear(H, self.num_heads * D, bias=qkv_bias)
+        self.k_proj = Linear(H, self.num_kv_heads * D, bias=qkv_bias)
+        self.v_proj = Linear(H, self.num_kv_heads * D, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * D, H, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            eps = hf_config.rms_norm_eps
+            self.q_norm, self.k_norm = RMSNorm(D, eps), RMSNorm(D, eps)
+        self.rotary_emb = get_rope(hf_config, D)
+        self.attn = Attention(self.num_heads, D, self.num_kv_heads, D ** -0.5, prefix=f"{prefix}.attn")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions [T], hidden_states [T, H] -> [T, H]."""
+        T = hidden_states.shape[0]
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.qk_norm:
+            q = self.q_norm(q.view(T, -1, self.head_dim)).view(T, -1)
+            k = self.k_norm(k.view(T, -1, self.head_dim)).view(T, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router linear ``gate`` [E, H] + ``FusedMoE`` experts (+ optional sigmoid-gated shared expert)."""
+
+    def __init__(self, hf_config: Any, num_experts: int, intermediate_size: int, renormalize: bool,
+                 prefix: str = "", shared_intermediate_size: int = 0):
+        super().__init__()
+        H = hf_config.hidden_size
+        act = config_attr(hf_config, "hidden_act", default="silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{prefix}: hidden_act={act!r} is not supported for MoE experts: "
+                             "must be 'silu'")
+        self.gate = Linear(H, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hf_config.num_experts_per_tok, H, intermediate_size,
+                                renormalize=renormalize, activation="silu",
+                                prefix=f"{prefix}.experts")
+        self.shared_expert = None
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(H, shared_intermediate_size, act)
+            self.shared_expert_gate = Linear(H, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        out = self.experts(x, self.gate(x))           # router logits [T, E]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp_name`` matches the checkpoint."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 mlp_name: str = "mlp"):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        h = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf_config: Any, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every model class. Subclasses implement ``make_layer(hf_config, i, prefix)``."""
+
+    def __init__(self, hf_config: Any, prefix: str = ""):
+        super().__init__()
+        self.config = hf_config
+        p = f"{prefix}.model" if prefix else "model"
+        layers = [self.make_layer(hf_config, i, f"{p}.layers.{i}")
+                  for i in range(hf_config.num_hidden_layers)]
+        self.model = DecoderModel(hf_config, layers)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def make_layer(self, hf_config: Any, layer_idx: int, prefix: str) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden_states [T, H]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, vocab] float32."""
+        weight = (self.model.embed_tokens.weight if self.tie_word_embeddings
+                  else self.lm_head.weight)
+        return F.linear(hidden_states, weight).float()
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        """Map a checkpoint name to this model's module path (identity unless overridden)."""
+        return name
+
+    def load_weights(self, weights) -> set[str]:
+        """Load (name, tensor) pairs in HF naming; raises ValueError on any mismatch."""
+        return load_decoder_weights(self, weights)
