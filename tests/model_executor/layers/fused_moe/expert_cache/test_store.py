@@ -1,0 +1,169 @@
+"""HostStore: built from the quant method's declaration, processed per expert on the host."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import vllm.logger
+from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, install_slots
+from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG, HostStore
+from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
+from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase
+
+E, H, I = 8, 32, 16
+
+
+class Int8ScaledMethod(FusedMoEMethodBase):
+    """Toy quantized method: int8 weights, per-expert per-row fp32 scales, an int32 g_idx-like
+    buffer and a shared (non-expert) input scale. Loaded layout of w2 is [E, I, H]; processing
+    transposes it to [H, I] per expert and folds ``input_scale`` nowhere (it must stay put)."""
+
+    def __init__(self):
+        self.processed: list[tuple[str, torch.device]] = []
+
+    def create_weights(self, layer, shape, device):
+        e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+        for name, shp, dt in (("w13_qweight", (e, 2 * i, h), torch.int8),
+                              ("w13_scale", (e, 2 * i), torch.float32),
+                              ("w2_qweight", (e, i, h), torch.int8),
+                              ("w2_scale", (e, h), torch.float32)):
+            layer.register_parameter(name, nn.Parameter(torch.zeros(shp, dtype=dt, device=device),
+                                                        requires_grad=False))
+        layer.register_buffer("perm", torch.zeros(e, h, dtype=torch.int32, device=device))
+        layer.register_buffer("input_scale", torch.ones((), device=device))
+
+    def expert_tensor_names(self):
+        return ("w13_qweight", "w13_scale", "w2_qweight", "w2_scale", "perm")
+
+    def process_expert(self, tensors):
+        self.processed.append((str(tensors["w2_qweight"].shape), tensors["w2_qweight"].device))
+        out = dict(tensors)
+        out["w2_qweight"] = tensors["w2_qweight"].t().contiguous()       # [I, H] -> [H, I]
+        return out
+
+    def apply_pairs(self, layer, x, topk_weights, topk_ids, out):
+        # perm permutes the input features per expert; undo it through the expert's weights.
+        xs = x * layer.input_scale
+        w13 = layer.w13_qweight.float() * layer.w13_scale[..., None]      # [n, 2I, H]
+        w2 = layer.w2_qweight.float() * layer.w2_scale[..., None]         # [n, H, I]
+        inv = torch.argsort(layer.perm.long(), dim=-1)                    # [n, H]
+        w13 = torch.gather(w13, 2, inv[:, None, :].expand_as(w13))
+        expert_pairs_ref(xs, w13.to(x.dtype), w2.to(x.dtype), topk_weights, topk_ids, out)
+
+
+def make_layer(method, seed=0):
+    from vllm.model_executor.layers.quantization.base import MoEShape
+    g = torch.Generator().manual_seed(seed)
+    layer = nn.Module()
+    layer.quant_method = method
+    method.create_weights(layer, MoEShape(E, H, I, torch.float32), torch.device("cpu"))
+    layer.w13_qweight.data.copy_(torch.randint(-127, 128, (E, 2 * I, H), generator=g))
+    layer.w2_qweight.data.copy_(torch.randint(-127, 128, (E, I, H), generator=g))
+    layer.w13_scale.data.copy_(torch.rand(E, 2 * I, generator=g) * 0.01)
+    layer.w2_scale.data.copy_(torch.rand(E, H, generator=g) * 0.01)
+    layer.perm.copy_(torch.stack([torch.randperm(H, generator=g) for _ in range(E)]))
+    return layer
+
+
+def test_store_holds_every_declared_tensor_processed_per_expert_on_host():
+    method = Int8ScaledMethod()
+    layer = make_layer(method)
+    loaded = {n: getattr(layer, n).clone() for n in method.expert_tensor_names()}
+    store = HostStore.from_layer(layer, method.expert_tensor_names(), method.process_expert,
+                                 pin=False)
+    assert list(store.tensors) == list(method.expert_tensor_names())
+    assert "input_scale" not in store.tensors
+    assert len(method.processed) == E                       # once per expert, never batched
+    assert all(shape == str(torch.Size([I, H])) and dev.type == "cpu"
+               for shape, dev in method.processed)
+    assert store.tensors["w2_qweight"].shape == (E, H, I)   # processed layout
+    for e in range(E):
+        assert torch.equal(store.tensors["w2_qweight"][e], loaded["w2_qweight"][e].t())
+        for n in ("w13_qweight", "w13_scale", "w2_scale", "perm"):
+            assert torch.equal(store.tensors[n][e], loaded[n][e])
+            assert store.tensors[n].dtype == loaded[n].dtype
+    want = sum(loaded[n][0].numel() * loaded[n].element_size() for n in loaded)
+    assert store.bytes_per_expert == want
+    assert not store.pinned
+
+
+def test_slots_take_the_declared_names_and_kinds():
+    method = Int8ScaledMethod()
+    layer = make_layer(method)
+    store = HostStore.from_layer(layer, method.expert_tensor_names(), method.process_expert,
+                                 pin=False)
+    install_slots(layer, allocate_slots(store, 3, torch.device("cpu")))
+    for n in method.expert_tensor_names():
+        t = getattr(layer, n)
+        assert t.shape == (3, *store.tensors[n].shape[1:]) and t.dtype == store.tensors[n].dtype
+        assert t.data_ptr() != store.tensors[n].data_ptr()
+    assert "perm" in layer._buffers and "w13_scale" in layer._parameters
+    assert layer.input_scale.shape == ()                    # non-expert tensor untouched
+
+
+@pytest.mark.parametrize("bad", [0, E + 1])
+def test_slot_count_out_of_range_is_rejected(bad):
+    method = Int8ScaledMethod()
+    layer = make_layer(method)
+    store = HostStore.from_layer(layer, method.expert_tensor_names(), method.process_expert,
+                                 pin=False)
+    with pytest.raises(ValueError, match=f"moe_expert_cache_size={bad}"):
+        allocate_slots(store, bad, torch.device("cpu"))
+
+
+def test_bad_process_expert_is_rejected():
+    method = Int8ScaledMethod()
+    layer = make_layer(method)
+    names = method.expert_tensor_names()
+    with pytest.raises(ValueError, match="exactly the declared names"):
+        HostStore.from_layer(layer, names, lambda t: {"w13_qweight": t["w13_qweight"]}, pin=False)
+    calls = []
+
+    def ragged(t):  # expert-dependent shape: not storable as one [E, ...] tensor
+        calls.append(1)
+        return {**t, "perm": t["perm"][: len(calls)]}
+    with pytest.raises(ValueError, match="same for all"):
+        HostStore.from_layer(layer, names, ragged, pin=False)
+    with pytest.raises(ValueError, match="declares no expert-indexed tensors"):
+        HostStore.from_layer(layer, (), method.process_expert, pin=False)
+    with pytest.raises(ValueError, match="is not a tensor"):
+        HostStore.from_layer(layer, ("nope",), method.process_expert, pin=False)
+
+
+@pytest.fixture
+def vllm_log(caplog, monkeypatch):
+    """Capture the package logger (it does not propagate) with a fresh log_once memory."""
+    monkeypatch.setattr(vllm.logger, "_once", set())
+    logger = logging.getLogger("vllm")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log, monkeypatch):
+    def fail(self, *a, **k):
+        raise RuntimeError("simulated: cannot pin (e.g. WSL)")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fail)
+    method = Int8ScaledMethod()
+    stores = [HostStore.from_layer(make_layer(method, s), method.expert_tensor_names(),
+                                   method.process_expert, pin=True) for s in range(3)]
+    assert not any(s.pinned for s in stores)
+    warnings = [r for r in vllm_log.records if r.getMessage() == PIN_FAILED_MSG]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+
+
+def test_pin_success_pins_every_tensor(monkeypatch):
+    pinned = []
+
+    def fake_pin(self, *a, **k):  # a CPU build cannot pin; record what would be pinned
+        copy = self.clone()
+        pinned.append(copy)
+        return copy
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    method = Int8ScaledMethod()
+    store = HostStore.from_layer(make_layer(method), method.expert_tensor_names(),
+                                 method.process_expert, pin=True)
+    assert store.pinned
+    assert sorted(t.data_ptr() for t in pinned) == sorted(
+        t.data_ptr() for t in store.tensors.values())

@@ -1,0 +1,85 @@
+"""Copy the experts a LoadPlan asks for from the host store into their device slots.
+
+Only misses move: entry i of the plan copies expert ``experts[i]`` into slot ``slots[i]`` when
+``valid[i]``, for every expert-indexed tensor of the store (weights and their scales, zeros,
+g_idx... together, so a slot never holds one expert's weights with another's scales).
+
+Paths, chosen by the slots' device:
+  * same device as the store (CPU): masked ``index_copy_`` over ``nonzero(valid)``; no host
+    sync, traceable with ``torch.compile(fullgraph=True)`` given
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops = True`` (nonzero's length is data
+    dependent).
+  * CUDA with a registered kernel (see the seam below): no host sync.
+  * otherwise (CUDA without a kernel, other accelerators): a plain torch fallback that reads the
+    plan on the host (ONE sync per wave) and issues one copy per (miss, tensor), asynchronous
+    when the store is pinned.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
+from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
+
+
+# ==== SEAM: device kernel reading pinned host memory (UNTESTED ON GPU: no kernel ships yet) ====
+class UvaCopyKernel(Protocol):
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
+                 slots: torch.Tensor, valid: torch.Tensor) -> None:
+        """Enqueue on the current stream: for each i with valid[i], dst[slots[i]] = src[experts[i]].
+
+        src [E, ...] contiguous pinned host tensor (read through its device-mapped/UVA address);
+        dst [N, ...] contiguous device tensor; experts, slots [N] int64 and valid [N] bool on the
+        device. Must not synchronise with the host, must skip invalid entries without reading
+        their (garbage, possibly -1) ids, and must bounds-check ids (0 <= experts[i] < E,
+        0 <= slots[i] < N). One launch per tensor, grid over (N, bytes-per-expert chunks).
+        """
+
+
+_cuda_copy_kernel: UvaCopyKernel | None = None
+
+
+def register_cuda_copy_kernel(kernel: UvaCopyKernel | None) -> None:
+    """Install (or remove, with None) the device copy kernel used for CUDA slots."""
+    global _cuda_copy_kernel
+    _cuda_copy_kernel = kernel
+# ==== END SEAM ==================================================================================
+
+
+def copy_misses(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan,
+                non_blocking: bool) -> None:
+    """Copy every valid plan entry's expert from ``store`` into ``slots``, all tensors.
+
+    slots: name -> [N, ...] on the device; plan fields [N]. ``non_blocking`` only when the
+    store is pinned (asynchronous copies from pageable memory are unsafe on some platforms).
+    """
+    device = next(iter(slots.values())).device
+    if device == next(iter(store.tensors.values())).device:
+        _copy_same_device(store, slots, plan)
+    elif device.type == "cuda" and _cuda_copy_kernel is not None and store.pinned:
+        for name, src in store.tensors.items():
+            _cuda_copy_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
+    else:
+        _copy_torch_fallback(store, slots, plan, non_blocking)
+
+
+def _copy_same_device(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
+    idx = plan.valid.nonzero().squeeze(1)                # [M] plan entries that load, M <= N
+    experts = plan.experts.index_select(0, idx)          # [M] expert ids (all >= 0)
+    dst = plan.slots.index_select(0, idx)                # [M] distinct slot ids
+    for name, src in store.tensors.items():
+        slots[name].index_copy_(0, dst, src.index_select(0, experts))
+
+
+def _copy_torch_fallback(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan,
+                         non_blocking: bool) -> None:
+    # The only host sync of the cached forward on an accelerator without a copy kernel.
+    idx = plan.valid.nonzero().squeeze(1)
+    pairs = torch.stack([plan.experts[idx], plan.slots[idx]], dim=1).tolist()
+    for expert, slot in pairs:
+        for name, src in store.tensors.items():
+            # Store rows are never written after loading, so an in-flight async read is safe;
+            # the slot write is stream-ordered after earlier kernels that read the slot.
+            slots[name][slot].copy_(src[expert], non_blocking=non_blocking)
