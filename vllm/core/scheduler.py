@@ -55,6 +55,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # finished since the last schedule()
         self._failed: list[Request] = []  # finished by schedule(); returned by next update
         self._in_flight = False  # a SchedulerOutput awaits update_from_output
+        self.num_preemptions_total = 0  # for metrics and tests
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -203,6 +204,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.appendleft(req)
 
     def _make_seq(self, req: Request, n_new: int) -> ScheduledSequence:

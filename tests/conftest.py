@@ -1,0 +1,29 @@
+"""Shared test setup: makes the helper modules in tests/ importable and builds tiny models once."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# 2-core CI machines: more threads than cores only adds contention.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Returns build(arch, **overrides) -> path of a tiny random model with a real tokenizer;
+    identical requests share one directory."""
+    from tiny_models import build_tiny_model
+    cache: dict = {}
+
+    def build(arch: str = "Qwen3MoeForCausalLM", **overrides):
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(arch)
+            build_tiny_model(arch, path, **overrides)
+            cache[key] = str(path)
+        return cache[key]
+    return build

@@ -1,0 +1,132 @@
+"""EngineArgs: the one definition of engine arguments, shared by ``LLM(...)`` and the CLI.
+
+Each field's docstring (the string after it) becomes its ``--help`` text; the CLI flag is
+the field name with dashes (vLLM's spelling). Nothing else lists the arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+from dataclasses import dataclass, fields
+
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig, SchedulerConfig,
+                         VllmConfig)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    """Path to a local Hugging Face model directory (default: the shipped default model)."""
+    tokenizer: str | None = None
+    """Tokenizer directory (default: the model directory)."""
+    dtype: str = "auto"
+    """Compute dtype: auto, float32, bfloat16 or float16."""
+    seed: int = 0
+    """Global random seed."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens (default: the model's max_position_embeddings)."""
+    max_num_seqs: int = 256
+    """Most requests batched in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step; longer prompts are prefilled in chunks."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_gpu_blocks_override: int | None = None
+    """Force the number of KV-cache blocks (testing preemption)."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV cache (default: 90% of free accelerator memory on CUDA, 1 GiB on CPU)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of accelerator memory the engine may use (CUDA only)."""
+    enforce_eager: bool = False
+    """Accepted for vLLM compatibility: CPU always runs eagerly."""
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM compatibility; only built-in architectures load."""
+    moe_expert_cache_size: int = 0
+    """Expert slots per MoE layer on the device (0 = off: all experts resident)."""
+    moe_expert_cache_policy: str = "auto"
+    """Expert-cache eviction policy (auto = the measured best; see docs/expert-cache.md)."""
+    moe_routing_trace_path: str | None = None
+    """Record every MoE layer's routing to this .npz (the shared trace format) at shutdown."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {unknown}; accepted engine arguments: "
+                            f"{cls.field_names()}")
+        return cls(**kwargs)
+
+    # ---- CLI -------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        docs = _field_docs(cls)
+        group = parser.add_argument_group("engine arguments")
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=help_text)
+            else:
+                group.add_argument(flag, type=_parser_for(f), default=f.default, help=help_text,
+                                   metavar=f.name.upper())
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+    # ---- config ----------------------------------------------------------------------------
+    def create_engine_config(self) -> VllmConfig:
+        from vllm import DEFAULT_MODEL
+        model = self.model or DEFAULT_MODEL
+        model_config = ModelConfig(model=model, tokenizer=self.tokenizer, dtype=self.dtype,
+                                   seed=self.seed, max_model_len=self.max_model_len,
+                                   trust_remote_code=self.trust_remote_code)
+        cache_config = CacheConfig(block_size=self.block_size,
+                                   num_gpu_blocks=self.num_gpu_blocks_override,
+                                   kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                                   gpu_memory_utilization=self.gpu_memory_utilization)
+        scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                           max_num_batched_tokens=self.max_num_batched_tokens)
+        moe = MoECacheConfig(cache_size=self.moe_expert_cache_size,
+                             policy=self.moe_expert_cache_policy,
+                             routing_trace_path=self.moe_routing_trace_path)
+        return VllmConfig(model_config, cache_config, scheduler_config, moe,
+                          DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager))
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) from the class source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            docs[prev.target.id] = str(node.value.value)
+    return docs
+
+
+def _parser_for(f: dataclasses.Field):
+    """argparse type for a field annotated as a string ("int | None", "str", "float")."""
+    base = str(f.type).replace(" ", "").split("|")[0]
+    conv = {"int": int, "float": float, "str": str}[base]
+    name = "--" + f.name.replace("_", "-")
+
+    def parse(text: str):
+        try:
+            return conv(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}={text!r} is invalid: must be {base}") from None
+    parse.__name__ = base
+    return parse

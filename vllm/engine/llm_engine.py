@@ -1,0 +1,158 @@
+"""LLMEngine: add_request / step / abort. One step = schedule -> run -> process outputs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm.config import VllmConfig
+from vllm.core.request import Request
+from vllm.core.scheduler import Scheduler
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.moe_stats import MoEStatsReporter
+from vllm.engine.output_processor import OutputProcessor, make_request_output
+from vllm.engine.prompt_processor import PromptProcessor
+from vllm.logger import init_logger
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Parent:
+    """Fan-in of an n > 1 request: child i is request ``f"{i}_{request_id}"``."""
+
+    child_ids: list[str]
+    latest: dict[str, CompletionOutput] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig):
+        self.vllm_config = vllm_config
+        mc = vllm_config.model_config
+        logger.info("Initializing engine: %s", vllm_config.summary())
+        self.prompts = PromptProcessor(mc)
+        self.tokenizer = self.prompts.tokenizer
+        self.runner = ModelRunner(vllm_config)
+        self.runner.eos_token_id = self.prompts.eos_token_id
+        self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
+                                   mc.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, mc.max_model_len)
+        self.moe_stats = MoEStatsReporter(self.runner, vllm_config.moe_cache_config)
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._closed = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args.create_engine_config())
+
+    # ---- requests --------------------------------------------------------------------------
+    def process_prompt(self, prompt, index: int | None = None) -> tuple[str | None, list[int]]:
+        """Validate and tokenize one prompt -> (text or None, token ids). Raises ValueError."""
+        return self.prompts.process(prompt, index)
+
+    def render_chat(self, messages, chat_template=None, add_generation_prompt=True) -> dict:
+        return self.prompts.render_chat(messages, chat_template, add_generation_prompt)
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. ``prompt``: text, token ids, or a TokensPrompt/TextPrompt dict. A bad or
+        too-long prompt raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._parents or request_id in self.scheduler.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text, token_ids = self.prompts.process(prompt)
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=self.vllm_config.model_config.max_model_len
+                                  - len(token_ids))
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if params.n == 1:
+            self._enqueue(request_id, text, token_ids, params, arrival)
+            return
+        parent = _Parent([f"{i}_{request_id}" for i in range(params.n)])
+        self._parents[request_id] = parent
+        for i, child_id in enumerate(parent.child_ids):
+            seed = None if params.seed is None else params.seed + i
+            self._child_to_parent[child_id] = request_id
+            self._enqueue(child_id, text, token_ids, params.clone(n=1, seed=seed), arrival)
+
+    def _enqueue(self, request_id, text, token_ids, params, arrival) -> None:
+        req = Request(request_id, text, list(token_ids), params, arrival_time=arrival,
+                      eos_token_id=self.prompts.eos_token_id)
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        expanded = []
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            children = parent.child_ids if parent else [rid]
+            for c in children:
+                self._child_to_parent.pop(c, None)
+            expanded.extend(children)
+        for req in self.scheduler.abort_requests(expanded):
+            self.output_processor.abort(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return an output (cumulative text) for every request that made
+        progress or finished in it."""
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched_out)
+        touched = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = []
+        for req in touched:
+            result = self.output_processor.process(req)
+            if result.finish_status is not None:
+                self.scheduler.finish_request(req.request_id, result.finish_status,
+                                              result.stop_reason)
+            out = make_request_output(req, result)
+            out = self._fan_in(out)
+            if out is not None:
+                outputs.append(out)
+        self.moe_stats.maybe_log()
+        return outputs
+
+    def _fan_in(self, out: RequestOutput) -> RequestOutput | None:
+        parent_id = self._child_to_parent.get(out.request_id)
+        if parent_id is None:
+            return out
+        parent = self._parents[parent_id]
+        index = parent.child_ids.index(out.request_id)
+        if out.error is not None:
+            # One child failing means the whole request failed (they share the prompt).
+            self.abort_request(parent_id)
+            return RequestOutput(parent_id, out.prompt, out.prompt_token_ids, [], True,
+                                 error=out.error)
+        completion = out.outputs[0]
+        completion.index = index
+        parent.latest[out.request_id] = completion
+        if out.finished:
+            parent.finished.add(out.request_id)
+            self._child_to_parent.pop(out.request_id, None)
+        done = len(parent.finished) == len(parent.child_ids)
+        if done:
+            del self._parents[parent_id]
+        completions = [parent.latest[c] for c in parent.child_ids if c in parent.latest]
+        return RequestOutput(parent_id, out.prompt, out.prompt_token_ids, completions, done)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def get_moe_cache_stats(self) -> dict | None:
+        return self.moe_stats.stats()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.moe_stats.close()

@@ -1,0 +1,80 @@
+"""Prompt processing: tokenizer loading, prompt validation/tokenization, chat templates."""
+from __future__ import annotations
+
+import os
+
+from vllm.config import ModelConfig
+
+
+class PromptProcessor:
+    def __init__(self, model_config: ModelConfig):
+        from transformers import AutoTokenizer
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.hf_config.vocab_size
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer={model_config.tokenizer!r}: could not load a tokenizer "
+                             f"(tokenizer.json / tokenizer_config.json expected): {e}") from e
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = _generation_config_eos(model_config.model)
+
+    def process(self, prompt, index: int | None = None) -> tuple[str | None, list[int]]:
+        """-> (prompt text or None, token ids). Raises ValueError naming the bad prompt."""
+        where = "prompt" if index is None else f"prompt[{index}]"
+        text: str | None = None
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif isinstance(prompt.get("prompt"), str):
+                text = prompt["prompt"]
+                ids = self.tokenizer.encode(text)
+            else:
+                raise ValueError(f"{where}: a prompt dict needs 'prompt' (str) or "
+                                 f"'prompt_token_ids' (list of int), got keys {sorted(prompt)}")
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"{where}: type {type(prompt).__name__} is invalid: must be str, list of "
+                             "token ids, or a TokensPrompt/TextPrompt dict")
+        self._validate(where, ids)
+        return text, ids
+
+    def _validate(self, where: str, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError(f"{where} is empty: at least one token is required")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]!r} is invalid: must be an integer in "
+                             f"[0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={self.max_model_len} "
+                             f"allows at most {self.max_model_len - 1} prompt tokens")
+
+    def render_chat(self, messages, chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict:
+        """Render messages with the tokenizer's chat template -> a TokensPrompt dict."""
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  chat_template=chat_template)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+            text, add_special_tokens=False)}
+
+
+def _generation_config_eos(model_dir: str) -> int | None:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    import json
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos

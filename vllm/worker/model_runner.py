@@ -1,0 +1,131 @@
+"""ModelRunner: SchedulerOutput -> flattened tensors -> model -> sampler -> RunnerOutput.
+
+The runner owns the model, the paged KV cache tensors and per-request sampling generators.
+It never changes request state: it reads ``ScheduledSequence`` and returns sampled tokens.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.core.sched_output import RunnerOutput, ScheduledSequence, SchedulerOutput
+from vllm.logger import init_logger
+from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.worker.sampler import Sampler, SamplingMetadata
+
+logger = init_logger(__name__)
+
+_CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing is configured
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig):
+        from vllm.model_executor.model_loader import get_model
+        self.config = vllm_config
+        self.device = vllm_config.device_config.torch_device
+        self.dtype = vllm_config.model_config.dtype
+        self.block_size = vllm_config.cache_config.block_size
+        torch.manual_seed(vllm_config.model_config.seed)
+        self.model: nn.Module = get_model(vllm_config)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.eos_token_id: int | None = None
+        """Masked while a request is below min_tokens; set by the engine from the tokenizer."""
+        self.num_blocks = self._allocate_kv_cache()
+
+    # ---- KV cache --------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+
+    def _allocate_kv_cache(self) -> int:
+        cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
+        per_block = self.kv_bytes_per_block()
+        if cc.num_gpu_blocks is not None:
+            num_blocks = cc.num_gpu_blocks
+        else:
+            budget = cc.kv_cache_memory_bytes or self._default_kv_budget()
+            # No point in more blocks than max_num_seqs full-length sequences can use.
+            useful = sc.max_num_seqs * -(-mc.max_model_len // self.block_size)
+            num_blocks = max(1, min(budget // per_block, useful))
+        for a in self.attn_layers:
+            a.kv_cache = torch.zeros(2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                                     dtype=self.dtype, device=self.device)
+        cc.num_gpu_blocks = num_blocks
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    def _default_kv_budget(self) -> int:
+        if self.device.type != "cuda":
+            return _CPU_KV_BUDGET
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        return max(0, int(total * self.config.cache_config.gpu_memory_utilization) - used)
+
+    # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.generators.pop(req_id, None)
+        seqs = sched.sequences
+        if not seqs:
+            return RunnerOutput(sampled={})
+        input_ids, positions, attn_metadata, logits_indices = self._prepare_inputs(seqs)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(input_ids, positions)
+        sampled_seqs = [s for s in seqs if s.do_sample]
+        if not sampled_seqs:
+            return RunnerOutput(sampled={})
+        logits = self.model.compute_logits(hidden[logits_indices])
+        # build() creates the generator of a seeded request on its first sampled step.
+        metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
+                                          eos_token_id=self.eos_token_id)
+        tokens = self.sampler(logits, metadata)
+        return RunnerOutput(sampled={s.req_id: t for s, t in zip(sampled_seqs, tokens)})
+
+    def _prepare_inputs(self, seqs: list[ScheduledSequence]):
+        """Flatten the step's sequences. Returns (input_ids [T], positions [T], metadata,
+        logits_indices [n_sample]: the last token of each sampling sequence)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        for s in seqs:
+            pos = range(s.start_pos, s.start_pos + s.num_tokens)
+            input_ids.extend(s.token_ids)
+            positions.extend(pos)
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
+            if s.do_sample:
+                logits_indices.append(len(input_ids) - 1)
+        query_lens = [s.num_tokens for s in seqs]
+        seq_lens = [s.start_pos + s.num_tokens for s in seqs]
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        num_decodes = 0
+        while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        dev = self.device
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.long, device=dev)
+        metadata = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables),
+                                     seq_lens=t(seq_lens), query_start_loc=t(starts),
+                                     seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
+                                     num_decodes=num_decodes, block_size=bs)
+        return t(input_ids), t(positions), metadata, t(logits_indices)
+
+    # ---- expert cache ----------------------------------------------------------------------
+    def moe_cache_stats(self) -> list[dict] | None:
+        """Per-MoE-layer cache stats (reads device counters), or None when no layer is cached."""
+        caches = [m.expert_cache for m in self.moe_layers if m.expert_cache is not None]
+        return [c.stats() for c in caches] if caches else None
