@@ -6,6 +6,9 @@ import torch
 from torch import nn
 
 import vllm.logger
+from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
+                         set_current_vllm_config)
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, install_slots
 from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG, HostStore
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
@@ -52,18 +55,21 @@ class Int8ScaledMethod(FusedMoEMethodBase):
         expert_pairs_ref(xs, w13.to(x.dtype), w2.to(x.dtype), topk_weights, topk_ids, out)
 
 
-def make_layer(method, seed=0):
-    from vllm.model_executor.layers.quantization.base import MoEShape
-    g = torch.Generator().manual_seed(seed)
-    layer = nn.Module()
-    layer.quant_method = method
-    method.create_weights(layer, MoEShape(E, H, I, torch.float32), torch.device("cpu"))
+def fill(layer, g):
     layer.w13_qweight.data.copy_(torch.randint(-127, 128, (E, 2 * I, H), generator=g))
     layer.w2_qweight.data.copy_(torch.randint(-127, 128, (E, I, H), generator=g))
     layer.w13_scale.data.copy_(torch.rand(E, 2 * I, generator=g) * 0.01)
     layer.w2_scale.data.copy_(torch.rand(E, H, generator=g) * 0.01)
     layer.perm.copy_(torch.stack([torch.randperm(H, generator=g) for _ in range(E)]))
     return layer
+
+
+def make_layer(method, seed=0):
+    from vllm.model_executor.layers.quantization.base import MoEShape
+    layer = nn.Module()
+    layer.quant_method = method
+    method.create_weights(layer, MoEShape(E, H, I, torch.float32), torch.device("cpu"))
+    return fill(layer, torch.Generator().manual_seed(seed))
 
 
 def test_store_holds_every_declared_tensor_processed_per_expert_on_host():
@@ -167,3 +173,25 @@ def test_pin_success_pins_every_tensor(monkeypatch):
     assert store.pinned
     assert sorted(t.data_ptr() for t in pinned) == sorted(
         t.data_ptr() for t in store.tensors.values())
+
+
+def _moe(cache_size):
+    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
+                     DeviceConfig("cpu"))
+    with set_current_vllm_config(cfg):
+        layer = FusedMoE(E, 2, H, I, quant_method=Int8ScaledMethod())
+        fill(layer, torch.Generator().manual_seed(3))
+        layer.finish_loading(torch.device("cpu"))
+    return layer
+
+
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_quantized_cached_layer_equals_uncached_bitwise(n):
+    """Scales, the int g_idx-like buffer and the processed weights all follow their expert into
+    its slot (bug #2 of the upstream proposal: scales indexed by global id, weights by slot)."""
+    ref, cached = _moe(0), _moe(n)
+    assert ref.w2_qweight.shape == (E, H, I) and cached.w2_qweight.shape == (n, H, I)
+    g = torch.Generator().manual_seed(0)
+    for T in (1, 6, 30, 2, 1):
+        x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+        assert torch.equal(cached(x, logits), ref(x, logits))
