@@ -61,8 +61,10 @@ def split_waves(needed: torch.Tensor, slot_of_expert: torch.Tensor, num_slots: i
     each with at most ``num_slots`` experts (trailing ones may be empty; plan() of an empty wave is
     a no-op). ``max_needed`` is a static bound on distinct experts, normally T * top_k.
     ``slot_of_expert`` must be the residency *before* the first wave is planned."""
-    waves = wave_index(needed, slot_of_expert, num_slots)
     count = num_waves(needed.shape[-1], max_needed, num_slots)
+    if count == 1:          # static: at most num_slots distinct experts can be needed
+        return [needed]
+    waves = wave_index(needed, slot_of_expert, num_slots)
     return [waves == w for w in range(count)]
 
 
