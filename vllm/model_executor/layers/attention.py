@@ -13,6 +13,21 @@ from torch import nn
 from vllm.model_executor.forward_context import AttentionMetadata, get_attn_metadata
 
 
+_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` elements, reused across calls (grows, never shrinks).
+    CPU only: on CUDA the caching allocator already makes transient buffers cheap."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    key = (dtype, device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  prefix: str = ""):
@@ -67,11 +82,21 @@ class Attention(nn.Module):
         self.kv_cache[1].view(shape).index_copy_(0, slot_mapping, v.to(self.kv_cache.dtype))
 
     def _gather(self, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """block_ids [..., nblk] -> (k, v) [..., length, Hkv, D] read from the paged cache."""
-        lead = block_ids.shape[:-1]
-        k = self.kv_cache[0][block_ids].reshape(*lead, -1, self.num_kv_heads, self.head_dim)
-        v = self.kv_cache[1][block_ids].reshape(*lead, -1, self.num_kv_heads, self.head_dim)
-        return k[..., :length, :, :], v[..., :length, :, :]
+        """block_ids [..., nblk] -> (k, v) [..., length, Hkv, D] read from the paged cache.
+
+        The copies land in a scratch buffer shared by all layers (layers run one at a time):
+        on CPU a fresh multi-MB allocation per layer costs more in page faults than the copy.
+        """
+        lead, ids = block_ids.shape[:-1], block_ids.reshape(-1)
+        num_blocks = self.kv_cache.shape[1]
+        row = self.kv_cache[0].numel() // num_blocks                  # one block, flattened
+        buf = _scratch(2 * ids.numel() * row, self.kv_cache.dtype, self.kv_cache.device)
+        out = []
+        for i in (0, 1):
+            dst = buf[i * ids.numel() * row:(i + 1) * ids.numel() * row].view(ids.numel(), row)
+            torch.index_select(self.kv_cache[i].view(num_blocks, row), 0, ids, out=dst)
+            out.append(dst.view(*lead, -1, self.num_kv_heads, self.head_dim)[..., :length, :, :])
+        return out[0], out[1]
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One sequence from position 0: q [L, Hq, D], k/v [L, Hkv, D] -> [L, Hq, D]."""

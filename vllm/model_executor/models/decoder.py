@@ -5,12 +5,14 @@ most checkpoint tensors load by name; expert tensors go through ``FusedMoE.load_
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
@@ -19,6 +21,8 @@ from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.weight_loading import load_decoder_weights
+
+logger = init_logger(__name__)
 
 
 def config_attr(hf_config: Any, *names: str, default: Any = None) -> Any:
@@ -69,6 +73,10 @@ class DecoderAttention(nn.Module):
             eps = hf_config.rms_norm_eps
             self.q_norm, self.k_norm = RMSNorm(D, eps), RMSNorm(D, eps)
         self.rotary_emb = get_rope(hf_config, D)
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            log_once(logger, logging.WARNING, f"sliding_window={window} is ignored: every layer "
+                     "attends to the full context (outputs differ past the window)")
         self.attn = Attention(self.num_heads, D, self.num_kv_heads, D ** -0.5, prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
