@@ -99,8 +99,10 @@ def _maybe_pin(tensors: dict[str, torch.Tensor], pin: bool) -> tuple[dict[str, t
     if not pin:
         return tensors, False
     try:
-        pinned = {n: t.pin_memory() for n, t in tensors.items()}
+        for n in tensors:  # in place, one at a time: each pageable copy is freed once pinned
+            tensors[n] = tensors[n].pin_memory()
     except RuntimeError:
+        # Possibly a mix of pinned and pageable tensors: treated as pageable (synchronous copies).
         log_once(logger, logging.WARNING, PIN_FAILED_MSG)
         return tensors, False
-    return pinned, True
+    return tensors, True

@@ -1,0 +1,107 @@
+"""Per-layer cost of the expert cache's bookkeeping: cached FusedMoE vs uncached, same run.
+
+    python benchmarks/benchmark_moe_layer.py [--num-experts 8 --top-k 2 --hidden 32 --inter 16]
+        [--slots N (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32] [--json]
+
+Two routings per token count:
+  * "all-hits": the router never picks the last expert, so with N = E-1 slots every access after
+    warm-up is a hit: cached - uncached = pure bookkeeping (needed mask, split_waves, plan, remap,
+    masked copy of zero misses).
+  * "random": softmax over random logits, so misses (and copies) happen too.
+Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up. CPU times
+here are for the torch reference kernel; device numbers need a GPU run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
+                         set_current_vllm_config)
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build(args, cache_size: int, w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
+    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
+                     DeviceConfig("cpu"))
+    with set_current_vllm_config(cfg):
+        layer = FusedMoE(args.num_experts, args.top_k, args.hidden, args.inter,
+                         params_dtype=w13.dtype)
+        layer.load_expert_weight("w13_weight", w13, None, None)
+        layer.load_expert_weight("w2_weight", w2, None, None)
+        layer.finish_loading(torch.device("cpu"))
+    return layer
+
+
+def median_ms(layer: FusedMoE, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    times = []
+    for x, logits in inputs:
+        t0 = time.perf_counter()
+        layer(x, logits)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def make_inputs(args, T: int, routing: str, dtype: torch.dtype, g: torch.Generator):
+    out = []
+    for _ in range(args.iters):
+        logits = torch.randn(T, args.num_experts, generator=g)
+        if routing == "all-hits":
+            logits[:, -1] = float("-inf")
+        out.append((torch.randn(T, args.hidden, generator=g).to(dtype), logits))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--inter", type=int, default=16)
+    p.add_argument("--slots", type=int, default=None, help="cache slots (default E-1)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    n = args.slots if args.slots is not None else args.num_experts - 1
+    dtype = _DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(0)
+    E, H, I = args.num_experts, args.hidden, args.inter
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.1).to(dtype)
+    torch.set_num_threads(1)  # steadier numbers on a shared machine
+    ref, cached = build(args, 0, w13, w2), build(args, n, w13, w2)
+    rows = []
+    with torch.inference_mode():
+        for T in args.tokens:
+            for routing in ("all-hits", "random"):
+                inputs = make_inputs(args, T, routing, dtype, g)
+                median_ms(ref, inputs), median_ms(cached, inputs)  # warm-up: fills the slots
+                cached.expert_cache.reset_stats()
+                t_ref, t_cached = median_ms(ref, inputs), median_ms(cached, inputs)
+                st = cached.expert_cache.stats()
+                rows.append({"tokens": T, "routing": routing, "slots": n,
+                             "uncached_ms": round(t_ref, 4), "cached_ms": round(t_cached, 4),
+                             "overhead_ms": round(t_cached - t_ref, 4),
+                             "hit_rate": round(st["hit_rate"], 4),
+                             "waves_per_forward": st["waves"] / args.iters})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"E={E} top_k={args.top_k} H={H} I={I} N={n} dtype={args.dtype} iters={args.iters}")
+    print(f"{'T':>5} {'routing':>9} {'uncached ms':>12} {'cached ms':>10} {'overhead ms':>12} "
+          f"{'hit rate':>9} {'waves':>6}")
+    for r in rows:
+        print(f"{r['tokens']:>5} {r['routing']:>9} {r['uncached_ms']:>12.4f} {r['cached_ms']:>10.4f} "
+              f"{r['overhead_ms']:>12.4f} {r['hit_rate']:>9.3f} {r['waves_per_forward']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
