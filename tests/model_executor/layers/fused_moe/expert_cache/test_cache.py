@@ -277,9 +277,12 @@ def test_loading_allocates_only_slots_on_the_device():
     per_expert = (w[0][0].numel() + w[1][0].numel()) * 4
     layer = build(n, w, finish=False)
     assert layer.w13_weight.device.type == "cpu"                         # created in host memory
-    with DeviceAllocations("meta") as seen, set_current_vllm_config(vllm_config(n)):
+    # Under a default-device context too (as while a model is built): the store stays on host.
+    with DeviceAllocations("meta") as seen, set_current_vllm_config(vllm_config(n)), \
+            torch.device("meta"):
         layer.finish_loading(torch.device("meta"))
     assert layer.w13_weight.device.type == "meta" and layer.w13_weight.shape[0] == n
+    assert all(t.device.type == "cpu" for t in layer.expert_cache.store.tensors.values())
     assert sum(seen.sizes) >= n * per_expert
     assert sum(seen.sizes) - n * per_expert <= 64 * (E + n)              # bookkeeping only
     assert max(seen.sizes) <= n * w[0][0].numel() * 4                   # never [E, ...]

@@ -56,8 +56,9 @@ class HostStore:
             one = process_expert({n: t[e] for n, t in loaded.items()})
             _check_processed(one, names, tensors, e)
             if not tensors:
-                tensors = {n: torch.empty((num_experts, *one[n].shape), dtype=one[n].dtype)
-                           for n in names}
+                # Explicitly host memory, even under a ``with torch.device(...)`` context.
+                tensors = {n: torch.empty((num_experts, *one[n].shape), dtype=one[n].dtype,
+                                          device="cpu") for n in names}
             for n in names:
                 tensors[n][e].copy_(one[n])
         return cls(*_maybe_pin(tensors, pin))
