@@ -59,8 +59,12 @@ def main(argv=None) -> dict:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--hf-baseline", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for both engines (default: torch's choice)")
     EngineArgs.add_cli_args(p)
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from vllm import DEFAULT_MODEL
     args.model = args.model or DEFAULT_MODEL
     from transformers import AutoConfig

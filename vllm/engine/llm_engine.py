@@ -156,3 +156,4 @@ class LLMEngine:
             return
         self._closed = True
         self.moe_stats.close()
+        self.runner.save_routing_trace()

@@ -37,6 +37,8 @@ class ModelRunner:
         self.eos_token_id: int | None = None
         """Masked while a request is below min_tokens; set by the engine from the tokenizer."""
         self.num_blocks = self._allocate_kv_cache()
+        self.routing_recorder = self._attach_routing_recorder()
+        self._log_moe_cache_config()
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -79,6 +81,8 @@ class ModelRunner:
         input_ids, positions, attn_metadata, logits_indices = self._prepare_inputs(seqs)
         with set_forward_context(attn_metadata):
             hidden = self.model(input_ids, positions)
+        if self.routing_recorder is not None:
+            self.routing_recorder.end_step([s.req_id for s in seqs for _ in range(s.num_tokens)])
         sampled_seqs = [s for s in seqs if s.do_sample]
         if not sampled_seqs:
             return RunnerOutput(sampled={})
@@ -125,6 +129,49 @@ class ModelRunner:
         return t(input_ids), t(positions), metadata, t(logits_indices)
 
     # ---- expert cache ----------------------------------------------------------------------
+    def _attach_routing_recorder(self):
+        path = self.config.moe_cache_config.routing_trace_path
+        if not path or not self.moe_layers:
+            return None
+        from vllm.model_executor.layers.fused_moe.expert_cache.trace import RoutingTraceRecorder
+        first = self.moe_layers[0]
+        recorder = RoutingTraceRecorder(first.num_experts, first.top_k,
+                                        model=self.config.model_config.model)
+        for layer in self.moe_layers:
+            layer.routing_observer = recorder.observe
+        return recorder
+
+    def _log_moe_cache_config(self) -> None:
+        mc = self.config.moe_cache_config
+        if not mc.enabled:
+            return
+        if not self.moe_layers:
+            logger.warning("moe_expert_cache_size=%d ignored: the model has no MoE layers",
+                           mc.cache_size)
+            return
+        cached = [m for m in self.moe_layers if m.expert_cache is not None]
+        if not cached:
+            logger.info("moe_expert_cache_size=%d >= num_experts=%d: every expert fits on the "
+                        "device; running without the expert cache", mc.cache_size,
+                        self.moe_layers[0].num_experts)
+            return
+        first = cached[0].expert_cache
+        slot_bytes = sum(m.expert_cache.num_slots * m.expert_cache.store.bytes_per_expert
+                         for m in cached)
+        logger.info("expert cache: %d of %d experts per layer in %d layers, policy %s, "
+                    "slots %.1f MiB on %s", first.num_slots, first.num_experts, len(cached),
+                    first.policy_name, slot_bytes / 2**20, self.device)
+
+    def save_routing_trace(self) -> str | None:
+        """Write the recorded routing (shared trace format) if a path was configured."""
+        if self.routing_recorder is None or self.routing_recorder.num_tokens == 0:
+            return None
+        path = self.config.moe_cache_config.routing_trace_path
+        self.routing_recorder.save(path)
+        logger.info("routing trace of %d tokens written to %s", self.routing_recorder.num_tokens,
+                    path)
+        return path
+
     def moe_cache_stats(self) -> list[dict] | None:
         """Per-MoE-layer cache stats (reads device counters), or None when no layer is cached."""
         caches = [m.expert_cache for m in self.moe_layers if m.expert_cache is not None]
