@@ -86,7 +86,7 @@ def test_load_plan_contents():
     assert remapped.tolist() == [[int(res.slot_of_expert[5]), int(res.slot_of_expert[7])]]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu"])
 def test_never_evicts_needed_expert(policy):
     res = Residency(12, 4, get_policy(policy))
     for need in _random_steps(200, 12, 4, seed=3):
@@ -132,7 +132,7 @@ def test_waves_through_plan_match_sequential_lru():
             _check_invariants(res)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu"])
 def test_batched_layers_equal_independent(policy):
     layers, steps = 3, [_random_steps(150, 16, 4, seed=10 + i) for i in range(3)]
     batched = Residency(16, 6, get_policy(policy), layers=layers)
@@ -147,9 +147,10 @@ def test_batched_layers_equal_independent(policy):
         assert int(batched.hits[i]) == int(singles[i].hits)
 
 
-def test_plan_compiles_fullgraph():
-    res = Residency(16, 6, get_policy("lfru"))
-    ref = Residency(16, 6, get_policy("lfru"))
+@pytest.mark.parametrize("policy", ["lfru", "lrfu"])
+def test_plan_compiles_fullgraph(policy):
+    res = Residency(16, 6, get_policy(policy))
+    ref = Residency(16, 6, get_policy(policy))
 
     def step(topk_ids):
         needed = torch.zeros(16, dtype=torch.bool).index_fill(0, topk_ids.flatten(), True)

@@ -106,7 +106,7 @@ class Residency:
         miss = needed & ~resident
         num_miss = miss.sum(-1)                                              # [...]
         clock = self.clock
-        score = self.policy.keep_score(self.policy_state, clock).float()     # [..., E]
+        score = self.policy.keep_score(self.policy_state, clock)             # [..., E]
         # Rank experts by (score, expert id): a stable sort over ids already in order.
         by_score = torch.sort(score, dim=-1, stable=True).indices
         rank = torch.empty_like(by_score).scatter_(
