@@ -1,0 +1,252 @@
+"""`vllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM.
+
+Routes: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
+/v1/chat/completions. Every error is OpenAI's JSON ({"error": {"message", "type", "param",
+"code"}}); no traceback ever reaches a client. With --api-key, /v1/* needs
+``Authorization: Bearer <key>``.
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                              ModelList, OpenAIError, error_body, random_id)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import failure_to_error
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_ROUTES = ("/health", "/version", "/metrics", "/v1/models", "/v1/completions",
+           "/v1/chat/completions")
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model directory (default: the shipped default model)")
+    g = parser.add_argument_group("server arguments")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $VLLM_API_KEY, "
+                        "or no key)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) the API accepts and reports (default: MODEL as given)")
+    g.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                   help="uvicorn's log level (default: info)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle HTTP keep-alive connection stays open (default: 5)")
+    EngineArgs.add_cli_args(parser, skip=("model",))
+
+    def one_line_error(message: str):
+        # argparse's default prints the whole usage block first; one line is easier to read.
+        parser.exit(2, f"{parser.prog}: error: {message} (see '{parser.prog} --help')\n")
+    parser.error = one_line_error
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port={text!r} is invalid: must be an integer in "
+                                         "[0, 65535]")
+    return port
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine, log what it uses, and serve until interrupted."""
+    import uvicorn
+
+    from vllm import DEFAULT_MODEL
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model = args.model_tag
+    names = args.served_model_name or [args.model_tag or "default"]
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    async_llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        for line in startup_summary(async_llm.engine, names):
+            logger.info(line)
+        app = build_app(async_llm, names, api_key=api_key,
+                        model_root=args.model_tag or DEFAULT_MODEL)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
+                                timeout_keep_alive=args.timeout_keep_alive)
+        server = uvicorn.Server(config)
+        logger.info("serving the OpenAI API on http://%s:%d/v1 (auth: %s)", args.host, args.port,
+                    "api key" if api_key else "none")
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        async_llm.shutdown()
+
+
+def startup_summary(engine, names: list[str]) -> list[str]:
+    """Log lines: model, device, expert cache (slots, policy, memory), KV cache."""
+    cfg = engine.vllm_config
+    mc, moe, cc = cfg.model_config, cfg.moe_cache_config, cfg.cache_config
+    runner = engine.runner
+    lines = [f"model: {mc.model} ({mc.architecture}, dtype {mc.dtype}, max_model_len "
+             f"{mc.max_model_len}), served as {names}",
+             f"device: {cfg.device_config.device}" + _device_name(cfg.device_config.device)]
+    caches = [m.expert_cache for m in runner.moe_layers if m.expert_cache is not None]
+    if not caches:
+        lines.append(f"expert cache: off ({len(runner.moe_layers)} MoE layers, all experts "
+                     "resident on the device)")
+    else:
+        slot_bytes = sum(getattr(layer, n).numel() * getattr(layer, n).element_size()
+                         for layer in runner.moe_layers if layer.expert_cache is not None
+                         for n in layer.expert_cache.names)
+        host_bytes = sum(t.numel() * t.element_size() for c in caches
+                         for t in c.store.tensors.values())
+        pinned = all(c.store.pinned for c in caches)
+        lines.append(f"expert cache: {moe.cache_size} of {caches[0].num_experts} experts per layer "
+                     f"x {len(caches)} layers, policy {caches[0].policy_name} "
+                     f"(--moe-expert-cache-policy {moe.policy}); device slots "
+                     f"{slot_bytes / 2**20:.1f} MiB, host store {host_bytes / 2**20:.1f} MiB "
+                     f"({'pinned' if pinned else 'pageable'})")
+    lines.append(f"KV cache: {cc.num_gpu_blocks} blocks x {cc.block_size} tokens "
+                 f"({cc.num_gpu_blocks * runner.kv_bytes_per_block() / 2**20:.1f} MiB); "
+                 f"max_num_seqs {cfg.scheduler_config.max_num_seqs}, max_num_batched_tokens "
+                 f"{cfg.scheduler_config.max_num_batched_tokens}")
+    return lines
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+        return f" ({torch.cuda.get_device_name(torch.device(device))})"
+    return ""
+
+
+# ---- app --------------------------------------------------------------------------------------
+def build_app(async_llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              model_root: str | None = None) -> FastAPI:
+    """The FastAPI app over a running AsyncLLM (the caller shuts the engine down)."""
+    from vllm import __version__
+    app = FastAPI(title="vllm-moe-cache OpenAI-compatible API", version=__version__)
+    metrics = ServerMetrics(served_model_names[0])
+    completion = OpenAIServingCompletion(async_llm, served_model_names, metrics)
+    chat = OpenAIServingChat(async_llm, served_model_names, metrics)
+    max_model_len = async_llm.engine.vllm_config.model_config.max_model_len
+    app.state.metrics = metrics
+    app.state.async_llm = async_llm
+    _add_error_handlers(app)
+    app.add_middleware(_AuthAndCountMiddleware, api_key=api_key, metrics=metrics)
+
+    @app.get("/health")
+    async def health():
+        if async_llm.is_running:
+            return Response(status_code=200)
+        return _error(OpenAIError("the engine is not running", 503, "ServiceUnavailableError"))
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [ModelCard(id=n, root=model_root, max_model_len=max_model_len)
+                 for n in served_model_names]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(await metrics.render(async_llm), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        return await _guard(completion.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest):
+        return await _guard(chat.create_chat_completion(request))
+
+    return app
+
+
+async def _guard(coro):
+    """Run a handler; any failure becomes an OpenAI error response (internals are logged)."""
+    try:
+        return await coro
+    except Exception as e:  # noqa: BLE001
+        return _error(failure_to_error(e, random_id("req")))
+
+
+def _error(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.to_dict(), status_code=err.status_code)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_, exc: OpenAIError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return _error(OpenAIError(f"the request body is not valid JSON: "
+                                      f"{first.get('ctx', {}).get('error', first.get('msg'))}"))
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        where = f"{param}: " if param else ""
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+        return _error(OpenAIError(f"{where}{msg}{more}", 400, "BadRequestError", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        kinds = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
+               else str(exc.detail))
+        return _error(OpenAIError(msg, exc.status_code, kinds.get(exc.status_code, "HTTPError")))
+
+
+class _AuthAndCountMiddleware:
+    """Pure ASGI (streaming and disconnect detection pass through untouched): checks the API
+    key on /v1/* and counts responses by route and status code."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+        if self.expected is not None and path.startswith("/v1/"):
+            auth = dict(scope.get("headers") or []).get(b"authorization")
+            if auth is None or not hmac.compare_digest(auth, self.expected):
+                self.metrics.count_http(route, 401)
+                why = "missing" if auth is None else "wrong"
+                err = OpenAIError(f"Unauthorized: {why} API key (send 'Authorization: Bearer "
+                                  "<key>')", 401, "AuthenticationError")
+                return await _error(err)(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count_http(route, message["status"])
+            await send(message)
+        await self.app(scope, receive, counting_send)
+
+
+__all__ = ["add_serve_args", "run_serve", "build_app", "startup_summary", "error_body"]

@@ -1,0 +1,292 @@
+"""OpenAI API request/response models (pydantic) and the OpenAI error shape.
+
+Request models type-check fields (a wrong type becomes a 400 naming the field); value ranges
+are checked by ``SamplingParams``, whose ValueError names the field. Unknown request fields
+are ignored, as OpenAI does.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm.sampling_params import SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError",
+                 param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+        self.param = param
+
+    def to_dict(self) -> dict:
+        return error_body(self.message, self.err_type, self.param, self.status_code)
+
+
+def error_body(message: str, err_type: str, param: str | None, code: int) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def _sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true",
+                              param="stream_options")
+        kw: dict[str, Any] = dict(
+            n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+def make_sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
+    """SamplingParams(**kwargs); its ValueError ("name=value is invalid: ...") becomes a 400
+    naming the field."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=param_of(str(e))) from None
+
+
+def param_of(message: str) -> str | None:
+    """The field a ValueError message names: "top_k=-5 is invalid" -> "top_k",
+    "prompt[1]: ..." -> "prompt"."""
+    head = message.split("=", 1)[0].split(":", 1)[0].split("[", 1)[0].split(" ", 1)[0]
+    return head if head.isidentifier() else None
+
+
+# ---- /v1/completions ------------------------------------------------------------------------
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(f"best_of={self.best_of} is not supported: it must equal n",
+                              param="best_of")
+        if self.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError("echo with logprobs is not supported (no prompt logprobs)",
+                              param="echo")
+        kw = self._sampling_kwargs(default_max_tokens=16)
+        kw["logprobs"] = self.logprobs
+        return make_sampling_params(kw)
+
+    def prompt_list(self) -> list:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError("prompt is empty: give a string, a list of strings, token ids or "
+                              "a list of token-id lists", param="prompt")
+        if all(isinstance(t, int) for t in p):
+            return [p]
+        return list(p)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """{"role", "content": str}; text parts of a content list are joined."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise OpenAIError(f"messages content part {i} has type "
+                                      f"{part.get('type')!r}: only 'text' parts are supported",
+                                      param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if not self.messages:
+            raise OpenAIError("messages is empty: at least one message is required",
+                              param="messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        kw = self._sampling_kwargs(default_max_tokens=None)
+        if self.max_completion_tokens is not None:
+            kw["max_tokens"] = self.max_completion_tokens
+        kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return make_sampling_params(kw)
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobContent(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprobContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/models -----------------------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatCompletionRequest.model_rebuild()

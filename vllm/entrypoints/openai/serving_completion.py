@@ -1,0 +1,115 @@
+"""POST /v1/completions: one engine request per prompt (n > 1 fans out inside the engine);
+choice index = prompt index * n + completion index, as OpenAI numbers them."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi.responses import Response, StreamingResponse
+
+from vllm.engine.async_llm import RequestStream
+from vllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
+                                              CompletionRequest, CompletionResponse, UsageInfo,
+                                              random_id)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
+                                                    merge_streams, sse, sse_error)
+from vllm.outputs import CompletionOutput, SampleLogprobs
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest):
+        model = self.check_model(request.model)
+        params = request.to_sampling_params()
+        prompts = request.prompt_list()
+        request_id = random_id("cmpl")
+        streams = await self.add_prompts(request_id, prompts, params)
+        echoes = [await self._echo_text(s) if request.echo else "" for s in streams]
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, model, streams, echoes),
+                                     media_type="text/event-stream")
+        finals = await collect_final(streams, self.metrics)
+        choices, usage = [], UsageInfo()
+        for i, out in enumerate(finals):
+            self.record(out)
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                choices.append(CompletionChoice(
+                    index=i * params.n + c.index, text=echoes[i] + c.text,
+                    logprobs=_logprobs(c.logprobs, c.token_ids, 0, 0)
+                    if params.logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        choices.sort(key=lambda ch: ch.index)
+        body = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _echo_text(self, stream: RequestStream) -> str:
+        if stream.prompt is not None:
+            return stream.prompt
+        ids = stream.prompt_token_ids
+        return await self.engine.call(lambda engine: engine.tokenizer.decode(ids))
+
+    async def _stream(self, request: CompletionRequest, request_id: str, model: str,
+                      streams: list[RequestStream], echoes: list[str]) -> AsyncIterator[str]:
+        n = streams[0].n
+        sent_text: dict[int, int] = {}     # choice index -> chars of text already sent
+        sent_tokens: dict[int, int] = {}   # choice index -> tokens already sent (-1: finished)
+        usage = UsageInfo()
+        try:
+            async for i, out in merge_streams(streams, self.metrics):
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    chunk = self._delta_chunk(request, idx, c, sent_text, sent_tokens,
+                                              echoes[i])
+                    if chunk is not None:
+                        yield sse(CompletionResponse(id=request_id, model=model, choices=[chunk]))
+                if out.finished:
+                    self.record(out)
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+            if request.include_usage_in_stream:
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                             usage=usage))
+        except Exception as e:  # noqa: BLE001 - the headers are sent: report it in the stream
+            yield sse_error(e, request_id)
+        yield SSE_DONE
+
+    @staticmethod
+    def _delta_chunk(request: CompletionRequest, idx: int, c: CompletionOutput,
+                     sent_text: dict[int, int], sent_tokens: dict[int, int],
+                     echo: str) -> CompletionChoice | None:
+        if sent_tokens.get(idx) == -1:
+            return None  # finished and reported (n > 1 outputs repeat finished siblings)
+        first = idx not in sent_text
+        n_chars, n_tok = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
+        delta = c.text[n_chars:]
+        if first:
+            delta = echo + delta
+        if not delta and c.finish_reason is None and not first:
+            return None  # nothing new yet (text held back, e.g. a possible stop string)
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = _logprobs(c.logprobs, c.token_ids, n_tok, n_chars)
+        sent_text[idx] = len(c.text)
+        sent_tokens[idx] = -1 if c.finish_reason is not None else len(c.token_ids)
+        return CompletionChoice(index=idx, text=delta, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _logprobs(logprobs: SampleLogprobs | None, token_ids: list[int], start: int,
+              offset: int) -> CompletionLogprobs:
+    """OpenAI's completion logprobs for output positions [start, end); ``offset`` is the text
+    offset of position ``start``."""
+    result = CompletionLogprobs()
+    logprobs = logprobs or []
+    for tid, entries in zip(token_ids[start:], logprobs[start:]):
+        sampled = entries.get(tid)
+        token = (sampled.decoded_token or "") if sampled else ""
+        result.tokens.append(token)
+        result.token_logprobs.append(sampled.logprob if sampled else None)
+        result.top_logprobs.append({(lp.decoded_token or ""): lp.logprob
+                                    for lp in entries.values()})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
