@@ -119,7 +119,7 @@ def register_policy(policy: EvictionPolicy) -> EvictionPolicy:
 for _p in (LRUPolicy(), LFUPolicy(), LFRUPolicy(), LRFUPolicy()):
     register_policy(_p)
 
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "lrfu"
 """What ``policy="auto"`` resolves to (measured: docs/expert-cache-policies.md)."""
 
 
