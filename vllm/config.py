@@ -167,6 +167,21 @@ class DeviceConfig:
         return torch.device(self.device)
 
 
+MOE_BACKENDS = ("auto", "torch", "grouped_mm")
+
+
+@dataclass
+class KernelConfig:
+    moe_backend: str = "auto"
+    """Expert computation: "torch" (the per-expert loop reference), "grouped_mm"
+    (torch._grouped_mm, sync-free), or "auto" (grouped_mm where supported, else torch)."""
+
+    def __post_init__(self) -> None:
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend={self.moe_backend!r} is invalid: must be one of "
+                             f"{list(MOE_BACKENDS)}")
+
+
 @dataclass
 class VllmConfig:
     model_config: ModelConfig
@@ -176,6 +191,16 @@ class VllmConfig:
     device_config: DeviceConfig
     enforce_eager: bool = False
     """Accepted for vLLM compatibility; CUDA graphs are CUDA-only, CPU always runs eagerly."""
+    quant_config: Any = None
+    """A ``QuantConfig`` (quantized experts) parsed from the checkpoint's ``quantization_config``
+    (or ``hf_quant_config.json``) when left None; stays None for unquantized checkpoints."""
+
+    def __post_init__(self) -> None:
+        if self.quant_config is None and self.model_config is not None:
+            from vllm.model_executor.layers.quantization.config import quant_config_from_model_dir
+            self.quant_config = quant_config_from_model_dir(self.model_config.model,
+                                                            self.model_config.hf_config)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
 
     def summary(self) -> str:
         m = self.model_config
@@ -184,6 +209,7 @@ class VllmConfig:
             "device": self.device_config.device, "max_model_len": m.max_model_len,
             "moe_expert_cache_size": self.moe_cache_config.cache_size,
             "moe_expert_cache_policy": self.moe_cache_config.policy,
+            "quantization": self.quant_config.describe() if self.quant_config else None,
         })
 
 

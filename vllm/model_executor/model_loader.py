@@ -79,6 +79,7 @@ def get_model(vllm_config: VllmConfig) -> nn.Module:
             for module in model.modules():
                 if isinstance(module, FusedMoE):
                     module.finish_loading(device)
-    logger.info("Loaded %s from %d safetensors file(s) (dtype %s, device %s)",
-                mc.architecture, len(files), mc.dtype, device)
+    qc = getattr(vllm_config, "quant_config", None)
+    logger.info("Loaded %s from %d safetensors file(s) (dtype %s, device %s, quantization %s)",
+                mc.architecture, len(files), mc.dtype, device, qc.describe() if qc else "none")
     return model.eval()

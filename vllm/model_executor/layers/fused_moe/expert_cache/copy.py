@@ -70,7 +70,12 @@ def _copy_same_device(store: HostStore, slots: dict[str, torch.Tensor], plan: Lo
     experts = plan.experts.index_select(0, idx)          # [M] expert ids (all >= 0)
     dst = plan.slots.index_select(0, idx)                # [M] distinct slot ids
     for name, src in store.tensors.items():
-        slots[name].index_copy_(0, dst, src.index_select(0, experts))
+        _bytes(slots[name]).index_copy_(0, dst, _bytes(src).index_select(0, experts))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    # index_select / index_copy_ have no CPU kernels for float8 dtypes: move their raw bytes.
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
 def _copy_torch_fallback(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan,

@@ -1,0 +1,135 @@
+"""Shared base of the quantized MoE methods: parameter creation from a per-expert layout, checkpoint
+tensor declarations, and the torch reference ``apply_pairs``.
+
+Layer layout: every expert-indexed tensor is ``w13_<name>`` ([E, ...], gate rows then up rows
+along dim 0 of one expert's tensor, so ``FusedMoE.load_expert_weight`` fuses shards as halves of
+dim 0) or ``w2_<name>``. Checkpoint tensors are per expert and per projection
+(``...experts.{e}.gate_proj.<suffix>``); ``load_transform`` turns one into the layer's layout.
+
+Reference compute (CPU, and the GPU fallback): for each expert row present in ``topk_ids``, read
+that row of every expert tensor (slot tensors when cached), dequantize w13/w2 to the activation
+dtype, run ``expert_mlp``. The same row bits give the same result with or without the cache.
+KERNEL SEAM: a GPU kernel replaces ``apply_pairs`` and receives the same slot tensors (weights and
+every scale, zero point and g_idx), indexed by the same slot ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.fused_moe.torch_ref import _present_experts, expert_mlp
+from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase, MoEShape
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    suffix: str
+    """Name after the projection module in the checkpoint, e.g. "weight_scale"."""
+    required: bool = True
+    """Loading fails, naming the tensor, when a required one is absent."""
+    shared: bool = False
+    """One value for all experts (input scales): kept as the max over experts and shards in a
+    0-d ``w13_<suffix>`` / ``w2_<suffix>`` param on the compute device; never expert-indexed."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    """Per-expert shape in the layer's layout (without the leading E)."""
+    dtype: torch.dtype
+    fill: int | float = 0
+
+
+class QuantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Subclasses define ``checkpoint_tensors``, ``layout``, ``load_transform`` and ``dequantize``."""
+
+    checkpoint_tensors: tuple[CheckpointTensor, ...] = ()
+
+    def __init__(self, activation: str = "silu"):
+        self.activation = activation
+        self._names: tuple[str, ...] = ()
+
+    # ---- layout ------------------------------------------------------------------------------
+    def layout(self, shape: MoEShape) -> dict[str, TensorSpec]:
+        """Expert-indexed param name -> per-expert spec. Validates the shape for the format."""
+        raise NotImplementedError
+
+    def create_weights(self, layer: nn.Module, shape: MoEShape, device: torch.device | None) -> None:
+        specs = self.layout(shape)
+        self._names = tuple(specs)
+        for name, spec in specs.items():
+            t = torch.full((shape.num_experts, *spec.shape), spec.fill, dtype=spec.dtype,
+                           device=device)
+            layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        for ct in self.checkpoint_tensors:
+            if ct.shared:
+                for proj in ("w13", "w2"):
+                    # device=None: the ambient (compute) device, even when experts are born on the
+                    # host for the cache; shared tensors never go through the store.
+                    layer.register_parameter(f"{proj}_{ct.suffix}", nn.Parameter(
+                        torch.zeros((), dtype=torch.float32), requires_grad=False))
+        layer.moe_shape = shape
+
+    def expert_tensor_names(self) -> tuple[str, ...]:
+        if not self._names:
+            raise RuntimeError(f"{type(self).__name__}: expert_tensor_names() before create_weights")
+        return self._names
+
+    def shared_param_names(self) -> tuple[str, ...]:
+        return tuple(f"{p}_{ct.suffix}" for ct in self.checkpoint_tensors if ct.shared
+                     for p in ("w13", "w2"))
+
+    # ---- loading -----------------------------------------------------------------------------
+    def load_transform(self, suffix: str, proj: str, tensor: torch.Tensor) -> torch.Tensor:
+        """One checkpoint tensor (one expert, one projection) -> the layer layout of that shard.
+        proj: "w13" (gate or up) or "w2". Raise ValueError on a wrong dtype."""
+        return tensor
+
+    def load_shared(self, layer: nn.Module, param: str, tensor: torch.Tensor) -> None:
+        """Fold one expert's shared scale into the layer's (max over experts and shards)."""
+        if tensor.numel() != 1:
+            raise ValueError(f"{param}: expected one value per expert, got shape "
+                             f"{tuple(tensor.shape)}")
+        p = getattr(layer, param)
+        p.data.copy_(torch.maximum(p.data, tensor.reshape(()).to(p.device, torch.float32)))
+
+    # ---- compute -----------------------------------------------------------------------------
+    def dequantize(self, t: dict[str, torch.Tensor], dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's tensors (row e of every expert tensor) -> (w13 [2N, K], w2 [K, N])."""
+        raise NotImplementedError
+
+    def expert_row(self, layer: nn.Module, e: int) -> dict[str, torch.Tensor]:
+        """Row ``e`` of every expert tensor of the layer (slot row when cached): views, no copy."""
+        return {n: getattr(layer, n)[e] for n in self._names}
+
+    def apply_pairs(self, layer, x, topk_weights, topk_ids, out) -> None:
+        T, top_k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)                                  # [T * top_k]
+        flat_w = topk_weights.reshape(-1).to(x.dtype)
+        out_flat = out.view(T * top_k, -1)
+        rows = getattr(layer, self._names[0]).shape[0]                   # E or N slots
+        for e in _present_experts(flat_ids, rows):
+            pair = (flat_ids == e).nonzero().squeeze(1)                  # [P] ascending
+            w13, w2 = self.dequantize(self.expert_row(layer, e), x.dtype)
+            y = expert_mlp(x[pair // top_k], w13, w2, self.activation)
+            out_flat.index_copy_(0, pair, y * flat_w[pair, None])
+
+
+def require_multiple(what: str, value: int, of: int, fmt: str) -> None:
+    if value % of:
+        raise ValueError(f"{fmt}: {what}={value} is not a multiple of {of}, which the format "
+                         "requires")
+
+
+def check_dtype(name: str, tensor: torch.Tensor, *allowed: torch.dtype) -> None:
+    if tensor.dtype not in allowed:
+        raise ValueError(f"{name} has dtype {tensor.dtype}; the format stores it as "
+                         f"{' or '.join(str(a) for a in allowed)}")
+
+
+def scalar_to(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A one-value scale ([] or [1]) as ``shape``; other shapes are left for the shape check."""
+    return tensor.reshape(shape) if tensor.numel() == 1 else tensor
