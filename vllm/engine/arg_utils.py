@@ -11,8 +11,8 @@ import dataclasses
 import inspect
 from dataclasses import dataclass, fields
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, ModelConfig, MoECacheConfig,
+                         SchedulerConfig, VllmConfig)
 
 
 @dataclass
@@ -49,6 +49,8 @@ class EngineArgs:
     """Expert slots per MoE layer on the device (0 = off: all experts resident)."""
     moe_expert_cache_policy: str = "auto"
     """Expert-cache eviction policy (auto = the measured best; see docs/expert-cache.md)."""
+    moe_backend: str = "auto"
+    """MoE expert kernel: auto, torch (per-expert loop reference) or grouped_mm."""
     moe_routing_trace_path: str | None = None
     """Record every MoE layer's routing to this .npz (the shared trace format) at shutdown."""
 
@@ -102,7 +104,8 @@ class EngineArgs:
                              policy=self.moe_expert_cache_policy,
                              routing_trace_path=self.moe_routing_trace_path)
         return VllmConfig(model_config, cache_config, scheduler_config, moe,
-                          DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager))
+                          DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
+                          kernel_config=KernelConfig(self.moe_backend))
 
 
 def _field_docs(cls) -> dict[str, str]:

@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import vllm.logger
-from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
-                         set_current_vllm_config)
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
+                         VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.expert_cache import policy as policy_mod
 from vllm.model_executor.layers.fused_moe.expert_cache.cache import CPU_NO_SAVING_MSG, ExpertCache
 from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG
@@ -19,11 +19,11 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 E, H, I = 8, 32, 16
 
 
-def vllm_config(cache_size, policy="auto"):
+def vllm_config(cache_size, policy="auto", moe_backend="auto"):
     return VllmConfig(model_config=None, cache_config=CacheConfig(),
                       scheduler_config=SchedulerConfig(),
                       moe_cache_config=MoECacheConfig(cache_size=cache_size, policy=policy),
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), kernel_config=KernelConfig(moe_backend))
 
 
 def weights(dtype, seed=0):
@@ -32,8 +32,8 @@ def weights(dtype, seed=0):
             (torch.randn(E, H, I, generator=g) * 0.2).to(dtype))
 
 
-def build(cache_size, w, top_k=2, policy="auto", device="cpu", finish=True):
-    with set_current_vllm_config(vllm_config(cache_size, policy)):
+def build(cache_size, w, top_k=2, policy="auto", device="cpu", finish=True, moe_backend="auto"):
+    with set_current_vllm_config(vllm_config(cache_size, policy, moe_backend)):
         layer = FusedMoE(E, top_k, H, I, params_dtype=w[0].dtype)
         layer.load_expert_weight("w13_weight", w[0], None, None)
         layer.load_expert_weight("w2_weight", w[1], None, None)
@@ -224,32 +224,36 @@ def test_auto_policy_resolves_to_default():
     assert layer.expert_cache.policy_name == getattr(policy_mod, "DEFAULT_POLICY", "lru")
 
 
-def _compiled_matches_eager(backend, n, sizes):
-    w = weights(torch.float32, 11)
-    ref, eager, cached = build(0, w), build(n, w), build(n, w)
+def _compiled_matches_eager(backend, n, sizes, moe_backend="torch", dtype=torch.float32):
+    w = weights(dtype, 11)
+    ref, eager, cached = (build(c, w, moe_backend=moe_backend) for c in (0, n, n))
     compiled = torch.compile(cached, fullgraph=True, backend=backend, dynamic=False)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         for step, T in enumerate(sizes):
-            x, logits = routing(T, step, torch.float32)
+            x, logits = routing(T, step, dtype)
             want = ref(x, logits)
-            torch.testing.assert_close(compiled(x, logits), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled(x, logits), want, rtol=tol, atol=tol)
             assert torch.equal(eager(x, logits), want)
             assert cached.expert_cache.stats() == eager.expert_cache.stats()
             check_slots_hold_their_experts(cached, w)
     torch._dynamo.reset()
 
 
-def test_cached_forward_compiles_fullgraph():
+@pytest.mark.parametrize("moe_backend,dtype", [("torch", torch.float32),
+                                               ("grouped_mm", torch.bfloat16)])
+def test_cached_forward_compiles_fullgraph(moe_backend, dtype):
     # fullgraph=True fails on any graph break, so .item()/.tolist()/data-dependent branching in
     # the cached forward would fail here. "aot_eager" also functionalizes the in-place updates
     # of slots and residency state. capture_dynamic_output_shape_ops: the CPU copy (and the
-    # torch reference kernel) use nonzero, whose length is data dependent.
-    _compiled_matches_eager("aot_eager", 3, [2, 2, 2])                    # W = 2: waves traced
+    # torch reference kernel) use nonzero, whose length is data dependent. grouped_mm is traced
+    # in bf16 only: torch's fake-tensor rule for _grouped_mm rejects other dtypes.
+    _compiled_matches_eager("aot_eager", 3, [2, 2, 2], moe_backend, dtype)  # W = 2: waves traced
 
 
 @pytest.mark.slow
 def test_cached_forward_compiles_with_inductor():
-    _compiled_matches_eager("inductor", 4, [1, 1, 1])
+    _compiled_matches_eager("inductor", 4, [1, 1, 1], "torch", torch.float32)
 
 
 class DeviceAllocations(TorchDispatchMode):

@@ -1,0 +1,51 @@
+"""Sync-free expert computation with ``torch._grouped_mm``: one grouped GEMM per projection.
+
+Pairs (token, k) are sorted by expert id (stable, so each expert sees its tokens in ascending
+token order, exactly like the loop in ``torch_ref``), gathered, multiplied group by group, and
+scattered back. Group sizes stay on the device (``offs``), so there is no host synchronisation and
+no data-dependent control flow: the whole layer traces with ``torch.compile(fullgraph=True)``.
+On CPU, ``_grouped_mm`` computes each group with the same GEMM as ``F.linear``, so results are
+bitwise equal to ``torch_ref.expert_pairs_ref`` (tested).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_mm_supported(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                         device: torch.device) -> bool:
+    """_grouped_mm needs 16-byte aligned row strides; on CUDA it needs sm90+ and bf16."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    elem = torch.finfo(dtype).bits // 8
+    if (hidden_size * elem) % 16 or (intermediate_size * elem) % 16:
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu"
+
+
+def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                         activation: str = "silu") -> None:
+    """Same contract as ``torch_ref.expert_pairs_ref``: out[t, k] = w[t, k] * expert(x[t]) for pairs
+    with topk_ids >= 0 (ids index w13/w2's leading dim); other pairs are left untouched."""
+    T, top_k = topk_ids.shape
+    groups = w13.shape[0]
+    flat = topk_ids.reshape(-1)                                        # [P], P = T * top_k
+    valid = flat >= 0
+    key = torch.where(valid, flat, groups)                             # skipped pairs sort last
+    order = torch.argsort(key, stable=True)                            # [P] grouped pair indices
+    counts = torch.zeros(groups + 1, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = counts[:groups].cumsum(0, dtype=torch.int32)                # [G] group end offsets
+    rows = x[order // top_k]                                           # [P, H]
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [P, 2N]
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate)
+    y = torch._grouped_mm(act * up, w2.transpose(1, 2), offs=offs)     # [P, H]
+    y = y * topk_weights.reshape(-1).to(x.dtype)[order, None]
+    out_flat = out.view(T * top_k, -1)
+    # Rows past the last offset (skipped pairs) are garbage from _grouped_mm: keep old values.
+    out_flat[order] = torch.where(valid[order, None], y, out_flat[order])
