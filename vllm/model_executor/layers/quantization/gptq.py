@@ -85,9 +85,13 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
                                  f"but the layer has {G} group(s) per row: must be in [0, {G - 1}]")
         return tensors
 
+    def unpacked_weight(self, qweight: torch.Tensor) -> torch.Tensor:
+        """[R, C/8] int32 words -> [R, C] values (a repacking subclass changes this)."""
+        return unpack_int4(qweight, dim=1)
+
     def _dequant(self, qweight, qzeros, scales, g_idx) -> torch.Tensor:
         """Rows of one fused tensor -> float32 [R, C]; g_idx [H, C] with R/H rows per half."""
-        q = unpack_int4(qweight, dim=1)                                  # [R, C]
+        q = self.unpacked_weight(qweight)                                # [R, C]
         zeros = unpack_int4(qzeros, dim=0) + self.zero_offset            # [R, G]
         R, H = q.shape[0], g_idx.shape[0]
         halves = []
