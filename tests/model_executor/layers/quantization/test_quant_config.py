@@ -1,0 +1,83 @@
+"""quantization_config parsing (as the public tools write it) and the method chosen per layer."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vllm.model_executor.layers.quantization.config import (parse_quant_config,
+                                                            quant_config_from_model_dir)
+from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
+from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod
+
+LAYER = SimpleNamespace(prefix="model.layers.1.mlp.experts")
+
+
+def ct(strategy, **extra):
+    w = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, **extra}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": w,
+                                          "input_activations": None}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel"])
+def test_compressed_tensors_fp8(strategy):
+    qc = parse_quant_config(ct(strategy))
+    assert qc.scheme == f"fp8-{strategy}"
+    m = qc.get_moe_method(LAYER)
+    assert isinstance(m, Fp8MoEMethod) and m.strategy == strategy and m.scale_name == "weight_scale"
+    assert qc.is_ignored("model.layers.0.mlp.gate") and not qc.is_ignored(LAYER.prefix)
+
+
+def test_compressed_tensors_block_uses_weight_scale():
+    m = parse_quant_config(ct("block", block_structure=[128, 128])).get_moe_method(LAYER)
+    assert m.block == (128, 128) and m.scale_name == "weight_scale"
+
+
+def test_hf_fp8_block_and_per_tensor():
+    qc = parse_quant_config({"quant_method": "fp8", "activation_scheme": "dynamic",
+                             "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})
+    m = qc.get_moe_method(LAYER)
+    assert qc.scheme == "fp8-block" and m.block == (128, 128) and m.scale_name == "weight_scale_inv"
+    assert parse_quant_config({"quant_method": "fp8"}).scheme == "fp8-tensor"
+
+
+def test_gptq():
+    qc = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False,
+                             "desc_act": True, "checkpoint_format": "gptq_v2"})
+    m = qc.get_moe_method(LAYER)
+    assert isinstance(m, GptqMoEMethod)
+    assert (m.group_size, m.sym, m.desc_act, m.zero_offset) == (64, False, True, 0)
+    assert [c.suffix for c in m.checkpoint_tensors if c.required] == ["qweight", "qzeros",
+                                                                       "scales", "g_idx"]
+
+
+def test_modelopt_nvfp4_in_config_and_hf_quant_config(tmp_path):
+    qc = parse_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                             "exclude_modules": ["lm_head"]})
+    assert isinstance(qc.get_moe_method(LAYER), Nvfp4MoEMethod)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
+        "producer": {"name": "modelopt"},
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                         "exclude_modules": ["model.layers.1.mlp.experts*"]}}))
+    qc = quant_config_from_model_dir(str(tmp_path))
+    assert qc.scheme == "nvfp4" and qc.get_moe_method(LAYER) is None     # excluded experts
+
+
+def test_unquantized_checkpoint_gives_none(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    assert quant_config_from_model_dir(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "awq", "bits": 4}, "quant_method='awq'.*gptq"),
+    ({"quant_method": "gptq", "bits": 8}, "bits=8.*bits 4"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo='FP8'.*NVFP4"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {
+        "type": "int", "num_bits": 4, "strategy": "group"}}}}, "type='int' num_bits=4"),
+])
+def test_unsupported_configs_named(qc, match):
+    with pytest.raises(ValueError, match=match):
+        parse_quant_config(qc)
