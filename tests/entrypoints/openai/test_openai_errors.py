@@ -85,6 +85,9 @@ def test_chat_errors(server):
                  400, "messages", "image_url")
     _check_error(_post(server, "/v1/chat/completions",
                        {"messages": [{"content": "no role"}]}), 400, "messages.0.role")
+    _check_error(_post(server, "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                        "top_logprobs": 21}), 400, "top_logprobs", "top_logprobs=21")
 
 
 def test_auth(server):

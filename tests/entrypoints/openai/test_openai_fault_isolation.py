@@ -86,3 +86,14 @@ def test_engine_fault_mid_stream_is_an_error_event(app_and_engine):
         after = client.post("/v1/chat/completions", json={**body, "stream": False})
         assert after.status_code == 200
         assert after.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_dead_engine_is_503(model_path):
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, max_model_len=128))
+    app = build_app(engine, ["tiny"])
+    engine.shutdown()
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"

@@ -258,6 +258,21 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client):
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
+def test_client_disconnect_while_waiting_for_a_full_response(server):
+    aborted_before = server.metric("vllm:request_aborted_total")
+    body = {"model": SERVED_NAME, "prompt": "class Stack:", "max_tokens": 115,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.15)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and server.metric("vllm:request_aborted_total") == \
+            aborted_before:
+        time.sleep(0.2)
+    assert server.metric("vllm:request_aborted_total") == aborted_before + 1
+    assert server.metric("vllm:num_requests_running") == 0
+    assert server.metric("vllm:kv_cache_usage_perc") == 0
+
+
 def test_metrics_counts_tokens_and_expert_cache(server, client):
     before = server.metric("vllm:generation_tokens_total")
     ok_before = server.metric("vllm:http_requests_total", route="/v1/completions", status="200")

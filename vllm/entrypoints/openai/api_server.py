@@ -8,10 +8,11 @@ Routes: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import os
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -170,22 +171,40 @@ def build_app(async_llm: AsyncLLM, served_model_names: list[str], api_key: str |
         return Response(await metrics.render(async_llm), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest):
-        return await _guard(completion.create_completion(request))
+    async def completions(request: CompletionRequest, raw: Request):
+        return await _guard(completion.create_completion(request), raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await _guard(chat.create_chat_completion(request))
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        return await _guard(chat.create_chat_completion(request), raw)
 
     return app
 
 
-async def _guard(coro):
-    """Run a handler; any failure becomes an OpenAI error response (internals are logged)."""
+async def _guard(coro, raw: Request):
+    """Run a handler until it returns a response or the client hangs up (then it is cancelled,
+    which aborts its engine requests); a failure becomes an OpenAI error response."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_disconnected(raw))
     try:
-        return await coro
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)  # nobody is left to read it
+    try:
+        return task.result()
     except Exception as e:  # noqa: BLE001
         return _error(failure_to_error(e, random_id("req")))
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client disconnects (the request body has already been read, so the
+    next ASGI message is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error(err: OpenAIError) -> JSONResponse:

@@ -207,6 +207,9 @@ class ChatCompletionRequest(_Request):
                               param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise OpenAIError(f"top_logprobs={self.top_logprobs} is invalid: must be an integer "
+                              "in [0, 20]", param="top_logprobs")
         kw = self._sampling_kwargs(default_max_tokens=None)
         if self.max_completion_tokens is not None:
             kw["max_tokens"] = self.max_completion_tokens

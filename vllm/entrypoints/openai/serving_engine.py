@@ -6,7 +6,8 @@ import asyncio
 import json
 from typing import AsyncIterator
 
-from vllm.engine.async_llm import AsyncLLM, InternalRequestError, RequestFailed, RequestStream
+from vllm.engine.async_llm import (AsyncLLM, EngineDead, InternalRequestError, RequestFailed,
+                                   RequestStream)
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import OpenAIError, error_body, param_of
 from vllm.logger import init_logger
@@ -106,6 +107,8 @@ def failure_to_error(exc: BaseException, request_id: str) -> OpenAIError:
     """An exception raised while a request ran -> the error the client sees (no internals)."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, EngineDead):
+        return OpenAIError(str(exc), status_code=503, err_type="ServiceUnavailableError")
     if isinstance(exc, RequestFailed) and not isinstance(exc, InternalRequestError):
         return OpenAIError(str(exc), param=param_of(str(exc)))
     if not isinstance(exc, InternalRequestError):
