@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import API_KEY
+from openai_server_utils import API_KEY
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks",
                      "benchmark_serving.py")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY, SERVED_NAME
+from openai_server_utils import API_KEY, SERVED_NAME
 from vllm.engine.arg_utils import EngineArgs
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import API_KEY, SERVED_NAME
+from openai_server_utils import API_KEY, SERVED_NAME
 from vllm import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "The quick brown fox",
