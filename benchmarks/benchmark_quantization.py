@@ -1,0 +1,147 @@
+"""Quantized experts on a model: bytes per expert, top-1 agreement with the float model under
+teacher forcing on held-out text, and expert-cache hit rate / bytes copied per token at N = E/4.
+
+    python benchmarks/benchmark_quantization.py                    # vllm.DEFAULT_MODEL if present
+    python benchmarks/benchmark_quantization.py --model DIR --tokens 512 --json
+    python benchmarks/benchmark_quantization.py --tiny             # random Qwen3-MoE, byte tokens
+
+Teacher forcing: the held-out text (a stdlib module the default model never trained on) is fed
+one token per step (batch 1, decode steps over a paged KV cache, like the engine's decode), and
+each step's argmax is compared with the float model's at the same position. The quantized model
+runs with the expert cache at N = E/4 slots per layer, so the same pass gives the cache counters
+(the cache is exact: its outputs equal the uncached model's bitwise, tested in
+tests/engine/test_quantized_e2e.py).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import vllm  # noqa: E402
+from tools.quantize_checkpoint import main as quantize_main  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.model_executor.forward_context import (AttentionMetadata,  # noqa: E402
+                                                 set_forward_context)
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
+from vllm.model_executor.layers.quantization.config import SCHEMES  # noqa: E402
+from vllm.model_executor.model_loader import get_model  # noqa: E402
+
+HELDOUT = "textwrap.py"   # first of tools/train_default_model.py's HELDOUT_MODULES
+BLOCK = 16
+
+
+def build_tiny(path: str) -> None:
+    """A random Qwen3-MoE (E=16, top-4) without tokenizer: the text is fed as UTF-8 bytes."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=64,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
+        initializer_range=0.05)
+    transformers.Qwen3MoeForCausalLM(cfg).eval().save_pretrained(path)
+
+
+def heldout_ids(model_dir: str, n: int) -> list[int]:
+    text = open(os.path.join(sysconfig.get_paths()["stdlib"], HELDOUT)).read()
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"][:n]
+    return list(text.encode())[:n]
+
+
+@torch.no_grad()
+def teacher_forced_argmax(model_dir: str, ids: list[int], cache_size: int) -> tuple[list, list]:
+    """-> (argmax per position, per-layer cache stats or [] when uncached)."""
+    cfg = VllmConfig(ModelConfig(model_dir, dtype="float32", max_model_len=len(ids) + 1),
+                     CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
+                     DeviceConfig("cpu"))
+    model = get_model(cfg)
+    blocks = -(-len(ids) // BLOCK)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.kv_cache = torch.zeros(2, blocks + 1, BLOCK, m.num_kv_heads, m.head_dim)
+    table = torch.arange(1, blocks + 1).unsqueeze(0)                     # block 0 unused
+    out = []
+    for pos, tok in enumerate(ids):
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor([BLOCK + pos]), block_tables=table,
+            seq_lens=torch.tensor([pos + 1]), query_start_loc=torch.tensor([0, 1]),
+            seq_lens_cpu=[pos + 1], query_lens_cpu=[1], num_decodes=1, block_size=BLOCK)
+        with set_forward_context(md):
+            hidden = model(torch.tensor([tok]), torch.tensor([pos]))
+        out.append(int(model.compute_logits(hidden)[0].argmax()))
+    caches = [m.expert_cache for m in model.modules()
+              if isinstance(m, FusedMoE) and m.expert_cache is not None]
+    return out, [c.stats() | {"bytes_per_expert": c.store.bytes_per_expert} for c in caches]
+
+
+def expert_bytes(model_dir: str) -> tuple[int, int, int]:
+    """(bytes per expert, experts per layer, top_k) of the first MoE layer, as loaded."""
+    cfg = VllmConfig(ModelConfig(model_dir, dtype="float32"), CacheConfig(), SchedulerConfig(),
+                     MoECacheConfig(), DeviceConfig("cpu"))
+    layer = next(m for m in get_model(cfg).modules() if isinstance(m, FusedMoE))
+    names = layer.quant_method.expert_tensor_names()
+    per = sum(getattr(layer, n)[0].numel() * getattr(layer, n).element_size() for n in names)
+    return per, layer.num_experts, layer.top_k
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="float model dir (default: vllm.DEFAULT_MODEL)")
+    p.add_argument("--tiny", action="store_true", help="use a random tiny Qwen3-MoE instead")
+    p.add_argument("--tokens", type=int, default=256, help="held-out tokens (teacher forced)")
+    p.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    work = tempfile.mkdtemp(prefix="bench-quant-")
+    model = args.model or vllm.DEFAULT_MODEL
+    if args.tiny or not os.path.isdir(model):
+        model = os.path.join(work, "tiny")
+        build_tiny(model)
+    ids = heldout_ids(model, args.tokens)
+    float_bytes, E, top_k = expert_bytes(model)
+    N = max(1, E // 4)
+    ref, _ = teacher_forced_argmax(model, ids, 0)
+    rows = [{"scheme": "float32", "bytes_per_expert": float_bytes, "top1_agreement": 1.0}]
+    for scheme in args.schemes:
+        qdir = os.path.join(work, scheme)
+        with contextlib.redirect_stdout(sys.stderr):        # the tool's summary line
+            quantize_main(["--model", model, "--out", qdir, "--scheme", scheme])
+        got, stats = teacher_forced_argmax(qdir, ids, N)
+        hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+        rows.append({"scheme": scheme, "bytes_per_expert": stats[0]["bytes_per_expert"],
+                     "top1_agreement": sum(a == b for a, b in zip(got, ref)) / len(ref),
+                     "cache_hit_rate": hits / max(1, hits + misses),
+                     "bytes_copied_per_token": sum(s["bytes_copied"] for s in stats) / len(ids)})
+    built = model == os.path.join(work, "tiny")
+    result = {"model": "tiny random Qwen3-MoE (E=16, top-4, 4 layers)" if built else model,
+              "tokens": len(ids), "heldout": HELDOUT, "experts": E, "top_k": top_k,
+              "cache_slots": N, "rows": rows}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"model: {result['model']}  held-out: {HELDOUT} ({len(ids)} tokens, teacher forced)  "
+          f"E={E} top_k={top_k} cache N={N}")
+    print(f"{'scheme':<12} {'bytes/expert':>12} {'top1 agree':>10} {'hit rate':>9} "
+          f"{'copied B/token':>15}")
+    for r in rows:
+        print(f"{r['scheme']:<12} {r['bytes_per_expert']:>12} {r['top1_agreement']:>10.4f} "
+              f"{r.get('cache_hit_rate', float('nan')):>9.4f} "
+              f"{r.get('bytes_copied_per_token', float('nan')):>15.1f}")
+
+
+if __name__ == "__main__":
+    main()
