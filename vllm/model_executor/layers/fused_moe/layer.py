@@ -37,6 +37,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.prefix = prefix
+        self.activation = activation
+        """Expert activation; quant methods read it in get_moe_method."""
         m = re.search(r"layers\.(\d+)\.", prefix + ".")
         self.layer_index = int(m.group(1)) if m else 0
         self.router_config = RouterConfig(top_k, renormalize, scoring_func, num_expert_group,
