@@ -3,9 +3,12 @@
     python benchmarks/benchmark_throughput.py --model PATH --num-prompts 32 --input-len 64 \
         --output-len 64 --hf-baseline [--moe-expert-cache-size N ...engine flags]
 
-Prompts are random token ids (fixed seed), every request generates exactly --output-len tokens
-(ignore_eos), greedy. With --hf-baseline the same prompts run through
-``AutoModelForCausalLM.generate`` in one padded batch, in the same process, and the ratio is printed.
+Prompts are random token ids (fixed seed), greedy, ignore_eos. With --random-range-ratio R each
+request's input and output lengths are drawn uniformly from [L*(1-R), L*(1+R)] (as vLLM's own
+benchmark does); 0 gives every request exactly --input-len / --output-len tokens.
+With --hf-baseline the same prompts run through ``AutoModelForCausalLM.generate`` in one
+left-padded batch in the same process; it must run every row to the longest output length, and
+only each request's own output tokens are counted for it (the same useful tokens as the engine).
 """
 from __future__ import annotations
 
@@ -18,18 +21,27 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 
 
-def make_prompts(vocab_size: int, num_prompts: int, input_len: int, seed: int) -> list[list[int]]:
+def _lengths(g: torch.Generator, n: int, length: int, ratio: float) -> list[int]:
+    low, high = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return torch.randint(low, high + 1, (n,), generator=g).tolist()
+
+
+def make_requests(vocab_size: int, num_prompts: int, input_len: int, output_len: int,
+                  ratio: float, seed: int) -> tuple[list[list[int]], list[int]]:
+    """-> (prompts as token ids, output length of each request)."""
     g = torch.Generator().manual_seed(seed)
-    # Skip the lowest ids (often special tokens) so prompts are ordinary text tokens.
-    low = min(8, vocab_size - 1)
-    return torch.randint(low, vocab_size, (num_prompts, input_len), generator=g).tolist()
+    in_lens = _lengths(g, num_prompts, input_len, ratio)
+    out_lens = _lengths(g, num_prompts, output_len, ratio)
+    low = min(8, vocab_size - 1)  # skip the lowest ids (often special tokens)
+    prompts = [torch.randint(low, vocab_size, (n,), generator=g).tolist() for n in in_lens]
+    return prompts, out_lens
 
 
-def run_engine(args, prompts) -> tuple[float, int]:
+def run_engine(args, prompts, out_lens) -> tuple[float, int]:
     from vllm import LLM, SamplingParams
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -37,19 +49,23 @@ def run_engine(args, prompts) -> tuple[float, int]:
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def run_hf(model_path: str, prompts, output_len: int, dtype: str) -> tuple[float, int]:
+def run_hf(model_path: str, prompts, out_lens, dtype: str) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
     torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                  pad_token_id=0)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])          # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    steps = max(out_lens)
     with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)  # warm-up
         start = time.perf_counter()
-        out = model.generate(ids, **kwargs)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                             do_sample=False, pad_token_id=0)
         elapsed = time.perf_counter() - start
-    return elapsed, (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    assert out.shape[1] - width == steps
+    return elapsed, sum(out_lens)
 
 
 def main(argv=None) -> dict:
@@ -57,6 +73,8 @@ def main(argv=None) -> dict:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="spread of input/output lengths around --input-len/--output-len, in [0, 1)")
     p.add_argument("--hf-baseline", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--threads", type=int, default=None,
@@ -69,15 +87,17 @@ def main(argv=None) -> dict:
     args.model = args.model or DEFAULT_MODEL
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    prompts = make_prompts(vocab, args.num_prompts, args.input_len, args.seed)
-    elapsed, n_out = run_engine(args, prompts)
+    prompts, out_lens = make_requests(vocab, args.num_prompts, args.input_len, args.output_len,
+                                      args.random_range_ratio, args.seed)
+    elapsed, n_out = run_engine(args, prompts, out_lens)
     result = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
-              "output_len": args.output_len, "threads": torch.get_num_threads(),
+              "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
+              "threads": torch.get_num_threads(),
               "moe_expert_cache_size": args.moe_expert_cache_size,
               "engine": {"seconds": elapsed, "requests_per_s": args.num_prompts / elapsed,
                          "output_tokens_per_s": n_out / elapsed}}
     if args.hf_baseline:
-        hf_elapsed, hf_out = run_hf(args.model, prompts, args.output_len, args.dtype)
+        hf_elapsed, hf_out = run_hf(args.model, prompts, out_lens, args.dtype)
         result["hf"] = {"seconds": hf_elapsed, "requests_per_s": args.num_prompts / hf_elapsed,
                         "output_tokens_per_s": hf_out / hf_elapsed}
         result["speedup_vs_hf"] = hf_elapsed / elapsed * (n_out / max(hf_out, 1))
