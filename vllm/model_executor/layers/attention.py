@@ -24,7 +24,9 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     key = (dtype, device)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+        # A normal (non-inference) tensor: writable both inside and outside inference_mode.
+        with torch.inference_mode(False):
+            buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
