@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
-                         set_current_vllm_config)
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
+                         VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -29,7 +29,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build(args, cache_size: int, w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
     cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                     DeviceConfig("cpu"))
+                     DeviceConfig("cpu"), kernel_config=KernelConfig(args.moe_backend))
     with set_current_vllm_config(cfg):
         layer = FusedMoE(args.num_experts, args.top_k, args.hidden, args.inter,
                          params_dtype=w13.dtype)
@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--moe-backend", choices=["auto", "torch", "grouped_mm"], default="auto")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     n = args.slots if args.slots is not None else args.num_experts - 1
@@ -95,7 +96,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"E={E} top_k={args.top_k} H={H} I={I} N={n} dtype={args.dtype} iters={args.iters}")
+    print(f"E={E} top_k={args.top_k} H={H} I={I} N={n} dtype={args.dtype} iters={args.iters} "
+          f"backend={ref.quant_method.backend_name}")
     print(f"{'T':>5} {'routing':>9} {'uncached ms':>12} {'cached ms':>10} {'overhead ms':>12} "
           f"{'hit rate':>9} {'waves':>6}")
     for r in rows:

@@ -122,9 +122,6 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
 
 
-MOE_CACHE_POLICIES = ("lru", "lfu", "lfru", "auto")
-
-
 @dataclass
 class MoECacheConfig:
     cache_size: int = 0

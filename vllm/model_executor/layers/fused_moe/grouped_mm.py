@@ -32,6 +32,11 @@ def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Same contract as ``torch_ref.expert_pairs_ref``: out[t, k] = w[t, k] * expert(x[t]) for pairs
     with topk_ids >= 0 (ids index w13/w2's leading dim); other pairs are left untouched."""
     T, top_k = topk_ids.shape
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and not (topk_ids >= 0).any():
+        # An empty wave of the expert cache. torch's CPU _grouped_mm runs one GEMM per group even
+        # for empty groups; a device grouped GEMM skips them. Reading a CPU tensor is no device
+        # sync, and compiled graphs (and CUDA) never take this branch.
+        return
     groups = w13.shape[0]
     flat = topk_ids.reshape(-1)                                        # [P], P = T * top_k
     valid = flat >= 0
