@@ -1,6 +1,7 @@
 """Shared test setup: makes the helper modules in tests/ importable and builds tiny models once."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -28,3 +29,14 @@ def tiny_model_factory(tmp_path_factory):
             cache[key] = str(path)
         return cache[key]
     return build
+
+
+@pytest.fixture
+def vllm_log(caplog, monkeypatch):
+    """Capture the package logger (it does not propagate) with a fresh log_once memory."""
+    import vllm.logger
+    monkeypatch.setattr(vllm.logger, "_once", set())
+    logger = logging.getLogger("vllm")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)

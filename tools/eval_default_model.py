@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch

@@ -2,7 +2,6 @@
 capacity, counters consistent with a replay of the routing trace recorded in the same run."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

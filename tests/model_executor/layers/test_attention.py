@@ -38,7 +38,7 @@ def test_mixed_batch_reads_earlier_context_from_paged_cache():
     attn.kv_cache = torch.zeros(2, NB, BS, HKV, D)
     seqs = [(9, 1), (3, 1), (14, 1), (10, 5), (6, 6)]     # (context len incl. new, new tokens)
     blocks = torch.randperm(NB - 1)[:sum(-(-c // BS) for c, _ in seqs)] + 1
-    tables, full, q_all, k_new, v_new, slots, refs = [], [], [], [], [], [], []
+    tables, q_all, k_new, v_new, slots, refs = [], [], [], [], [], []
     used = 0
     for ctx, n in seqs:
         nblk = -(-ctx // BS)

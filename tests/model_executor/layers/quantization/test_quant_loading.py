@@ -1,6 +1,5 @@
 """Quantized checkpoints through the real loader: scales land in the right experts; missing or
 mis-shaped scales fail naming the tensor; dense layers stay unquantized."""
-import json
 import os
 
 import pytest

@@ -1,6 +1,5 @@
 """ExpertCache on one FusedMoE: cached == uncached bitwise, waves, eviction safety, stats,
 pinning fallback, compile (no host sync), and device allocations while loading."""
-import logging
 import math
 
 import pytest
@@ -8,7 +7,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import vllm.logger
 from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
                          VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.expert_cache import policy as policy_mod
@@ -188,15 +186,6 @@ def test_stats_are_consistent():
     assert all(isinstance(v, (int, float)) for v in st.values())
     cached.expert_cache.reset_stats()
     assert cached.expert_cache.stats()["misses"] == 0
-
-
-@pytest.fixture
-def vllm_log(caplog, monkeypatch):
-    monkeypatch.setattr(vllm.logger, "_once", set())
-    logger = logging.getLogger("vllm")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_pin_failure_falls_back_warns_once_and_stays_exact(vllm_log, monkeypatch):

@@ -5,7 +5,6 @@ import pytest
 import torch
 from torch import nn
 
-import vllm.logger
 from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
                          set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
@@ -135,16 +134,6 @@ def test_bad_process_expert_is_rejected():
         HostStore.from_layer(layer, (), method.process_expert, pin=False)
     with pytest.raises(ValueError, match="is not a tensor"):
         HostStore.from_layer(layer, ("nope",), method.process_expert, pin=False)
-
-
-@pytest.fixture
-def vllm_log(caplog, monkeypatch):
-    """Capture the package logger (it does not propagate) with a fresh log_once memory."""
-    monkeypatch.setattr(vllm.logger, "_once", set())
-    logger = logging.getLogger("vllm")
-    logger.addHandler(caplog.handler)
-    yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log, monkeypatch):
