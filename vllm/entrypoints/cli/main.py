@@ -11,6 +11,13 @@ import sys
 from vllm.engine.arg_utils import EngineArgs
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints the whole usage block before an error; one line is easier to read."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline for one or more prompts",
                        description="Generate text offline (greedy unless --temperature > 0).")
@@ -57,10 +64,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible MoE inference engine "
+    parser = OneLineErrorParser(prog="vllm", description="vLLM-compatible MoE inference engine "
                                      "with an expert cache (--moe-expert-cache-size N).")
     parser.add_argument("--version", action="version", version="%(prog)s " + _version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     _generate_parser(sub)
     _serve_parser(sub)
     return parser

@@ -53,11 +53,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds an idle HTTP keep-alive connection stays open (default: 5)")
     EngineArgs.add_cli_args(parser, skip=("model",))
 
-    def one_line_error(message: str):
-        # argparse's default prints the whole usage block first; one line is easier to read.
-        parser.exit(2, f"{parser.prog}: error: {message} (see '{parser.prog} --help')\n")
-    parser.error = one_line_error
-
 
 def _port(text: str) -> int:
     try:
