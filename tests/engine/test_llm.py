@@ -148,3 +148,23 @@ def test_bad_inputs_get_clear_errors(tiny_model_factory, tmp_path):
     # The engine still works after rejecting bad requests, and output stops at max_model_len.
     out = llm.generate([[5] * 28], _greedy(10))[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_generation_config_eos_ids_stop_generation(tiny_model_factory, tmp_path):
+    """A token listed as EOS in generation_config.json (besides the tokenizer's) ends a request."""
+    import json
+    import shutil
+    src = tiny_model_factory("Qwen3MoeForCausalLM")
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    prompt = _prompts(1, seed=6)[0]
+    free = LLM(str(path)).generate([prompt], _greedy(12))[0].outputs[0].token_ids
+    stop_tok = free[4]
+    first = free.index(stop_tok)
+    with open(path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [0, stop_tok]}, f)
+    llm = LLM(str(path))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
+    # ignore_eos keeps going past it, as with the tokenizer's EOS.
+    assert llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids == free

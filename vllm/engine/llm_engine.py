@@ -67,6 +67,9 @@ class LLMEngine:
         if request_id in self._parents or request_id in self.scheduler.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self.prompts.process(prompt)
+        extra = [t for t in self.prompts.extra_stop_token_ids if t not in params.stop_token_ids]
+        if extra and not params.ignore_eos:
+            params = params.clone(stop_token_ids=params.stop_token_ids + extra)
         if params.max_tokens is None:
             params = params.clone(max_tokens=self.vllm_config.model_config.max_model_len
                                   - len(token_ids))

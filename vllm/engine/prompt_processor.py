@@ -1,6 +1,7 @@
 """Prompt processing: tokenizer loading, prompt validation/tokenization, chat templates."""
 from __future__ import annotations
 
+import json
 import os
 
 from vllm.config import ModelConfig
@@ -16,9 +17,13 @@ class PromptProcessor:
         except (OSError, ValueError) as e:
             raise ValueError(f"tokenizer={model_config.tokenizer!r}: could not load a tokenizer "
                              f"(tokenizer.json / tokenizer_config.json expected): {e}") from e
+        gen_eos = _generation_config_eos(model_config.model)
         self.eos_token_id = self.tokenizer.eos_token_id
-        if self.eos_token_id is None:
-            self.eos_token_id = _generation_config_eos(model_config.model)
+        if self.eos_token_id is None and gen_eos:
+            self.eos_token_id = gen_eos[0]
+        self.extra_stop_token_ids = [t for t in gen_eos if t != self.eos_token_id]
+        """generation_config.json's other EOS ids (e.g. a chat model's end-of-turn token): they
+        end generation like EOS, as in transformers and vLLM."""
 
     def process(self, prompt, index: int | None = None) -> tuple[str | None, list[int]]:
         """-> (prompt text or None, token ids). Raises ValueError naming the bad prompt."""
@@ -70,11 +75,12 @@ class PromptProcessor:
             text, add_special_tokens=False)}
 
 
-def _generation_config_eos(model_dir: str) -> int | None:
+def _generation_config_eos(model_dir: str) -> list[int]:
+    """EOS ids from generation_config.json (an int or a list there), or []."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
-        return None
-    import json
+        return []
     with open(path) as f:
         eos = json.load(f).get("eos_token_id")
-    return eos[0] if isinstance(eos, list) and eos else eos
+    eos = eos if isinstance(eos, list) else [eos]
+    return [t for t in eos if isinstance(t, int)]
