@@ -39,7 +39,7 @@ def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return
     groups = w13.shape[0]
     flat = topk_ids.reshape(-1)                                        # [P], P = T * top_k
-    valid = flat >= 0
+    valid = (flat >= 0) & (flat < groups)                              # out of range = skipped
     key = torch.where(valid, flat, groups)                             # skipped pairs sort last
     order = torch.argsort(key, stable=True)                            # [P] grouped pair indices
     counts = torch.zeros(groups + 1, dtype=torch.int32, device=x.device)
@@ -51,6 +51,6 @@ def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     act = F.silu(gate) if activation == "silu" else F.gelu(gate)
     y = torch._grouped_mm(act * up, w2.transpose(1, 2), offs=offs)     # [P, H]
     y = y * topk_weights.reshape(-1).to(x.dtype)[order, None]
-    out_flat = out.view(T * top_k, -1)
+    out_flat = out.view(T * top_k, out.shape[-1])  # explicit: T may be 0
     # Rows past the last offset (skipped pairs) are garbage from _grouped_mm: keep old values.
     out_flat[order] = torch.where(valid[order, None], y, out_flat[order])

@@ -41,8 +41,11 @@ class FusedMoE(nn.Module):
         """Expert activation; quant methods read it in get_moe_method."""
         m = re.search(r"layers\.(\d+)\.", prefix + ".")
         self.layer_index = int(m.group(1)) if m else 0
+        if activation not in ("silu", "gelu"):
+            raise ValueError(f"{prefix}: activation={activation!r} is invalid: must be 'silu' or "
+                             "'gelu'")
         self.router_config = RouterConfig(top_k, renormalize, scoring_func, num_expert_group,
-                                          topk_group, routed_scaling_factor)
+                                          topk_group, routed_scaling_factor, num_experts)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False)
                                         if use_correction_bias else None)
         if quant_method is None and cfg is not None and getattr(cfg, "quant_config", None):
@@ -73,6 +76,9 @@ class FusedMoE(nn.Module):
         param = getattr(self, name, None)
         if param is None:
             raise KeyError(f"{self.prefix}: no expert parameter {name!r}")
+        if shard is not None and shard not in _SHARDS:
+            raise ValueError(f"{self.prefix}.{name}: shard={shard!r} is invalid: must be one of "
+                             f"{sorted(_SHARDS)} or None")
         dst = param.data if expert_id is None else param.data[expert_id]
         if shard is not None and _SHARDS[shard][1] is not None:
             half = dst.shape[0] // 2

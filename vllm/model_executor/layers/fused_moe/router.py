@@ -18,13 +18,29 @@ class RouterConfig:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     """Multiplies the final weights (DeepSeek-V2/V3)."""
+    num_experts: int | None = None
+    """When given, the other fields are checked against it."""
 
     def __post_init__(self) -> None:
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func={self.scoring_func!r} is invalid: must be 'softmax' or "
                              "'sigmoid'")
-        if self.top_k < 1:
-            raise ValueError(f"top_k={self.top_k} is invalid: must be >= 1")
+        E = self.num_experts
+        if self.top_k < 1 or (E is not None and self.top_k > E):
+            raise ValueError(f"top_k={self.top_k} is invalid: must be in [1, num_experts={E}]")
+        if self.num_expert_group and E is not None:
+            self._check_groups(E)
+
+    def _check_groups(self, E: int) -> None:
+        groups, keep = self.num_expert_group, self.topk_group or self.num_expert_group
+        if E % groups:
+            raise ValueError(f"num_expert_group={groups} is invalid: must divide num_experts={E}")
+        if not 1 <= keep <= groups:
+            raise ValueError(f"topk_group={keep} is invalid: must be in [1, num_expert_group="
+                             f"{groups}]")
+        if keep * (E // groups) < self.top_k:
+            raise ValueError(f"top_k={self.top_k} is invalid: the {keep} kept groups of "
+                             f"{E // groups} experts hold only {keep * (E // groups)}")
 
 
 def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
@@ -37,7 +53,8 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.num_expert_group:
-        choice = _mask_groups(choice, cfg.num_expert_group, cfg.topk_group or cfg.num_expert_group)
+        choice = _mask_groups(choice, cfg.num_expert_group, cfg.topk_group or cfg.num_expert_group,
+                              top2_sum=correction_bias is not None)
     topk_ids = torch.topk(choice, cfg.top_k, dim=-1).indices
     topk_weights = scores.gather(1, topk_ids)
     if cfg.renormalize:
@@ -47,10 +64,16 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     return topk_weights, topk_ids
 
 
-def _mask_groups(scores: torch.Tensor, num_groups: int, keep: int) -> torch.Tensor:
+def _mask_groups(scores: torch.Tensor, num_groups: int, keep: int,
+                 top2_sum: bool = False) -> torch.Tensor:
+    """Keep the ``keep`` best groups. A group's score is its best expert (DeepSeek-V2), or the sum
+    of its best two when a correction bias is used (DeepSeek-V3)."""
     T, E = scores.shape
     grouped = scores.view(T, num_groups, E // num_groups)
-    group_score = grouped.max(dim=-1).values                       # [T, G]
+    if top2_sum and E // num_groups >= 2:
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    else:
+        group_score = grouped.max(dim=-1).values                   # [T, G]
     kept = torch.topk(group_score, keep, dim=-1).indices            # [T, keep]
     mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
     return grouped.masked_fill(~mask[..., None], float("-inf")).view(T, E)

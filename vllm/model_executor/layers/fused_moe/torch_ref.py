@@ -32,7 +32,7 @@ def expert_pairs_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     T, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)                      # [T * top_k]
     flat_w = topk_weights.reshape(-1).to(x.dtype)
-    out_flat = out.view(T * top_k, -1)
+    out_flat = out.view(T * top_k, out.shape[-1])  # explicit: T may be 0
     for e in _present_experts(flat_ids, w13.shape[0]):
         pair = (flat_ids == e).nonzero().squeeze(1)      # [P] ascending pair indices
         y = expert_mlp(x[pair // top_k], w13[e], w2[e], activation)

@@ -37,6 +37,8 @@ class FusedMoEMethodBase:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Uncached layers: apply ``process_expert`` to every expert in place."""
+        if type(self).process_expert is FusedMoEMethodBase.process_expert:
+            return  # identity: no per-expert copies, no transient [E, ...] tensors
         names = self.expert_tensor_names()
         num_experts = getattr(layer, names[0]).shape[0]
         per_expert = [self.process_expert({n: getattr(layer, n)[e] for n in names})

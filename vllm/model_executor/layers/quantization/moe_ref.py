@@ -109,7 +109,7 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
         T, top_k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)                                  # [T * top_k]
         flat_w = topk_weights.reshape(-1).to(x.dtype)
-        out_flat = out.view(T * top_k, -1)
+        out_flat = out.view(T * top_k, out.shape[-1])  # explicit: T may be 0
         rows = getattr(layer, self._names[0]).shape[0]                   # E or N slots
         for e in _present_experts(flat_ids, rows):
             pair = (flat_ids == e).nonzero().squeeze(1)                  # [P] ascending

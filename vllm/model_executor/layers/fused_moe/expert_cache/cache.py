@@ -99,8 +99,12 @@ class ExpertCache:
                              f"{tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}; "
                              "need x [T, H] and topk_* [T, K]")
         res = self.residency
-        needed = torch.zeros(self.num_experts, dtype=torch.bool, device=topk_ids.device)
-        needed.index_fill_(0, topk_ids.reshape(-1), True)                    # [E]
+        E = self.num_experts
+        # Negative ids (skipped pairs, as in apply_pairs' contract) go to a dump entry E.
+        valid = topk_ids >= 0                                                # [T, K]
+        ids = torch.where(valid, topk_ids, E)                                # [T, K] in [0, E]
+        needed = torch.zeros(E + 1, dtype=torch.bool, device=topk_ids.device)
+        needed = needed.index_fill_(0, ids.reshape(-1), True)[:E]            # [E]
         # Wave masks are fixed against the residency before any wave is planned.
         waves = split_waves(needed, res.slot_of_expert, self.num_slots, T * K)
         slots = {n: getattr(layer, n) for n in self.names}   # the layer's params are the slots
@@ -109,8 +113,8 @@ class ExpertCache:
             plan = res.plan(wave)
             copy_misses(self.store, slots, plan, self.non_blocking)
             self._experts_copied.add_(plan.valid.sum())
-            in_wave = wave[topk_ids]                                         # [T, K] bool
-            slot_ids = torch.where(in_wave, res.remap(topk_ids), -1)         # [T, K] slot ids
+            in_wave = wave[ids.clamp(max=E - 1)] & valid                     # [T, K] bool
+            slot_ids = torch.where(in_wave, res.remap(ids.clamp(max=E - 1)), -1)  # [T, K] slots
             layer.quant_method.apply_pairs(layer, x, topk_weights, slot_ids, out)
         self._waves.add_(len(waves))
         return out.sum(dim=1)
