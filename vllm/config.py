@@ -64,7 +64,7 @@ class ModelConfig:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
             self.max_model_len = limit
-        _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("max_model_len", self.max_model_len, 1, limit)
 
     def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
         if isinstance(dtype, torch.dtype):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 _EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -48,13 +49,15 @@ class SamplingParams:
         self._int("n", 1)
         self._num("temperature", 0.0, None)
         self._num("top_p", 0.0, 1.0, low_open=True)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k!r} is invalid: must be -1, 0 (disabled) or >= 1")
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1
+                or self.top_k > _INT64_MAX):
+            raise ValueError(f"top_k={self.top_k!r} is invalid: must be -1, 0 (disabled) or an "
+                             f"integer in [1, {_INT64_MAX}]")
         if self.top_k == -1:
             self.top_k = 0
         self._num("min_p", 0.0, 1.0)
         if self.seed is not None:
-            self._int("seed", 0)
+            self._int("seed", _INT64_MIN, _INT64_MAX)
         if self.max_tokens is not None:
             self._int("max_tokens", 1)
         self._int("min_tokens", 0)
@@ -72,9 +75,9 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} is invalid: must be non-empty strings")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is invalid: must be "
-                             "non-negative integers")
+                             "non-negative integers (token ids)")
         if self.temperature < _EPS:
             # Greedy: sampling knobs have no effect; normalise them so batching is simpler.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -101,6 +104,12 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+    def child_seed(self, index: int) -> int | None:
+        """Seed of the ``index``-th completion of an n > 1 request (wraps within int64)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index - _INT64_MIN) % 2**64 + _INT64_MIN
 
     @classmethod
     def field_names(cls) -> list[str]:

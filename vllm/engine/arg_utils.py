@@ -49,6 +49,13 @@ class EngineArgs:
     """Expert slots per MoE layer on the device (0 = off: all experts resident)."""
     moe_expert_cache_policy: str = "auto"
     """Expert-cache eviction policy (auto = the measured best; see docs/expert-cache.md)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the step's token budget across steps."""
+    tensor_parallel_size: int = 1
+    """Accepted for vLLM compatibility; only 1 (a single device) is supported."""
+    quantization: str | None = None
+    """Expected quantization method (e.g. fp8, gptq, compressed-tensors, modelopt); the
+    checkpoint's quantization_config decides, and a mismatch is an error."""
     moe_backend: str = "auto"
     """MoE expert kernel: auto, torch (per-expert loop reference) or grouped_mm."""
     moe_routing_trace_path: str | None = None
@@ -98,14 +105,24 @@ class EngineArgs:
                                    num_gpu_blocks=self.num_gpu_blocks_override,
                                    kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                                    gpu_memory_utilization=self.gpu_memory_utilization)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: only "
+                             "1 is supported (experts beyond device memory go to the expert cache: "
+                             "--moe-expert-cache-size)")
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                           max_num_batched_tokens=self.max_num_batched_tokens)
+                                           max_num_batched_tokens=self.max_num_batched_tokens,
+                                           enable_chunked_prefill=bool(self.enable_chunked_prefill))
         moe = MoECacheConfig(cache_size=self.moe_expert_cache_size,
                              policy=self.moe_expert_cache_policy,
                              routing_trace_path=self.moe_routing_trace_path)
-        return VllmConfig(model_config, cache_config, scheduler_config, moe,
-                          DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
-                          kernel_config=KernelConfig(self.moe_backend))
+        config = VllmConfig(model_config, cache_config, scheduler_config, moe,
+                            DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
+                            kernel_config=KernelConfig(self.moe_backend))
+        found = config.quant_config.quant_method if config.quant_config else None
+        if self.quantization is not None and self.quantization != found:
+            raise ValueError(f"quantization={self.quantization!r} is invalid for this checkpoint: "
+                             f"its quantization_config says {found!r}")
+        return config
 
 
 def _field_docs(cls) -> dict[str, str]:

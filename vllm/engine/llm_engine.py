@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.config import VllmConfig
 from vllm.core.request import Request
+from vllm.core.sched_output import RunnerOutput, SchedulerOutput
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.moe_stats import MoEStatsReporter
@@ -43,6 +44,8 @@ class LLMEngine:
         self.moe_stats = MoEStatsReporter(self.runner, vllm_config.moe_cache_config)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
+        self._dropped_children: set[str] = set()
+        """Children of aborted parents whose final outputs may still arrive this step."""
         self._closed = False
 
     @classmethod
@@ -64,9 +67,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._parents or request_id in self.scheduler.requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
         text, token_ids = self.prompts.process(prompt)
+        self.prompts.check_stop_token_ids(params.stop_token_ids)
         extra = [t for t in self.prompts.extra_stop_token_ids if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:
             params = params.clone(stop_token_ids=params.stop_token_ids + extra)
@@ -74,15 +76,19 @@ class LLMEngine:
             params = params.clone(max_tokens=self.vllm_config.model_config.max_model_len
                                   - len(token_ids))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        taken = [i for i in ids + [request_id] if i in self.scheduler.requests
+                 or i in self._parents or i in self._child_to_parent]
+        if taken:
+            raise ValueError(f"request_id={request_id!r} is invalid: id {taken[0]!r} is in use")
         if params.n == 1:
             self._enqueue(request_id, text, token_ids, params, arrival)
             return
-        parent = _Parent([f"{i}_{request_id}" for i in range(params.n)])
-        self._parents[request_id] = parent
-        for i, child_id in enumerate(parent.child_ids):
-            seed = None if params.seed is None else params.seed + i
+        self._parents[request_id] = _Parent(ids)
+        for i, child_id in enumerate(ids):
             self._child_to_parent[child_id] = request_id
-            self._enqueue(child_id, text, token_ids, params.clone(n=1, seed=seed), arrival)
+            self._enqueue(child_id, text, token_ids,
+                          params.clone(n=1, seed=params.child_seed(i)), arrival)
 
     def _enqueue(self, request_id, text, token_ids, params, arrival) -> None:
         req = Request(request_id, text, list(token_ids), params, arrival_time=arrival,
@@ -96,7 +102,8 @@ class LLMEngine:
             parent = self._parents.pop(rid, None)
             children = parent.child_ids if parent else [rid]
             for c in children:
-                self._child_to_parent.pop(c, None)
+                if self._child_to_parent.pop(c, None) is not None:
+                    self._dropped_children.add(c)
             expanded.extend(children)
         for req in self.scheduler.abort_requests(expanded):
             self.output_processor.abort(req.request_id)
@@ -112,7 +119,13 @@ class LLMEngine:
         """Run one engine step; return an output (cumulative text) for every request that made
         progress or finished in it."""
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute_model(sched_out)
+        try:
+            runner_out = self.runner.execute_model(sched_out)
+        except BaseException:
+            # Leave the scheduler consistent (nothing computed) so the engine stays usable; the
+            # caller decides which requests to fail or abort.
+            self.scheduler.update_from_output(SchedulerOutput([]), RunnerOutput({}))
+            raise
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         outputs = []
         for req in touched:
@@ -124,13 +137,15 @@ class LLMEngine:
             out = self._fan_in(out)
             if out is not None:
                 outputs.append(out)
+        self._dropped_children.clear()
         self.moe_stats.maybe_log()
         return outputs
 
     def _fan_in(self, out: RequestOutput) -> RequestOutput | None:
         parent_id = self._child_to_parent.get(out.request_id)
         if parent_id is None:
-            return out
+            # A child of an already failed/aborted parent reports nothing of its own.
+            return None if out.request_id in self._dropped_children else out
         parent = self._parents[parent_id]
         index = parent.child_ids.index(out.request_id)
         if out.error is not None:

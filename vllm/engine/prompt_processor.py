@@ -60,6 +60,12 @@ class PromptProcessor:
             raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={self.max_model_len} "
                              f"allows at most {self.max_model_len - 1} prompt tokens")
 
+    def check_stop_token_ids(self, stop_token_ids: list[int]) -> None:
+        bad = [t for t in stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is invalid: must be in "
+                             f"[0, {self.vocab_size})")
+
     def render_chat(self, messages, chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> dict:
         """Render messages with the tokenizer's chat template -> a TokensPrompt dict."""

@@ -66,10 +66,14 @@ class LLM:
     def _run_engine(self, request_ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         engine = self.llm_engine
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            engine.abort_request([i for i in request_ids if i not in done])
+            raise
         return [done[i] for i in request_ids]
 
     def __del__(self):
