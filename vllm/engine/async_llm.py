@@ -19,7 +19,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from vllm.core.sched_output import RunnerOutput, SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.logger import init_logger
@@ -264,12 +263,7 @@ class AsyncLLM:
             ids = [rid] if pending.stream.n == 1 else [f"{i}_{rid}" for i in range(pending.stream.n)]
             if any(i in running for i in ids) or not any(i in sched.requests for i in ids):
                 self._fail(rid, err)
-        try:
-            # A step that raised between schedule() and update_from_output() leaves the
-            # scheduler expecting an update; an empty one closes it (no sequence advances).
-            sched.update_from_output(SchedulerOutput(sequences=[]), RunnerOutput(sampled={}))
-        except Exception:  # noqa: BLE001
-            logger.exception("could not reset the scheduler after a failed step")
+        # LLMEngine.step() already closed the failed step in the scheduler.
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         pending = self._pending.pop(rid, None)
