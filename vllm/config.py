@@ -71,8 +71,10 @@ class ModelConfig:
             if dtype in _DTYPES.values():
                 return dtype
         elif dtype == "auto":
-            cfg_dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(
-                self.hf_config, "dtype", None)
+            # transformers 5 calls it "dtype" (its "torch_dtype" property warns); 4.x stores
+            # "torch_dtype" as a plain attribute.
+            cfg_dtype = (getattr(self.hf_config, "dtype", None)
+                         or vars(self.hf_config).get("torch_dtype"))
             if isinstance(cfg_dtype, str):
                 cfg_dtype = _DTYPES.get(cfg_dtype)
             return cfg_dtype if cfg_dtype in (torch.float32, torch.bfloat16) else torch.float32
