@@ -6,7 +6,9 @@ forward in ``set_forward_context`` and attention layers read the metadata from h
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -33,6 +35,11 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def query_start_loc_cpu(self) -> list[int]:
+        """Host copy of ``query_start_loc``, computed once per step (every layer reads it)."""
+        return [0, *itertools.accumulate(self.query_lens_cpu)]
 
 
 _context: AttentionMetadata | None = None

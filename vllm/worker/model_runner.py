@@ -5,6 +5,8 @@ It never changes request state: it reads ``ScheduledSequence`` and returns sampl
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -112,9 +114,6 @@ class ModelRunner:
         seq_lens = [s.start_pos + s.num_tokens for s in seqs]
         max_blocks = max(len(s.block_ids) for s in seqs)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
         num_decodes = 0
         while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -123,7 +122,8 @@ class ModelRunner:
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=dev)
         metadata = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables),
-                                     seq_lens=t(seq_lens), query_start_loc=t(starts),
+                                     seq_lens=t(seq_lens),
+                                     query_start_loc=t([0, *itertools.accumulate(query_lens)]),
                                      seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
                                      num_decodes=num_decodes, block_size=bs)
         return t(input_ids), t(positions), metadata, t(logits_indices)
@@ -143,24 +143,30 @@ class ModelRunner:
 
     def _log_moe_cache_config(self) -> None:
         mc = self.config.moe_cache_config
-        if not mc.enabled:
-            return
-        if not self.moe_layers:
+        if mc.enabled and not self.moe_layers:
             logger.warning("moe_expert_cache_size=%d ignored: the model has no MoE layers",
                            mc.cache_size)
-            return
-        cached = [m for m in self.moe_layers if m.expert_cache is not None]
-        if not cached:
-            logger.info("moe_expert_cache_size=%d >= num_experts=%d: every expert fits on the "
-                        "device; running without the expert cache", mc.cache_size,
-                        self.moe_layers[0].num_experts)
-            return
-        first = cached[0].expert_cache
-        slot_bytes = sum(m.expert_cache.num_slots * m.expert_cache.store.bytes_per_expert
-                         for m in cached)
-        logger.info("expert cache: %d of %d experts per layer in %d layers, policy %s, "
-                    "slots %.1f MiB on %s", first.num_slots, first.num_experts, len(cached),
-                    first.policy_name, slot_bytes / 2**20, self.device)
+        elif mc.enabled:
+            logger.info(self.describe_moe_cache())
+
+    def describe_moe_cache(self) -> str:
+        """One line: slots, policy and memory of the expert cache (or why it is off)."""
+        mc = self.config.moe_cache_config
+        caches = [m.expert_cache for m in self.moe_layers if m.expert_cache is not None]
+        if not caches:
+            if mc.enabled and self.moe_layers:
+                return (f"expert cache: off: moe_expert_cache_size={mc.cache_size} >= num_experts="
+                        f"{self.moe_layers[0].num_experts}, every expert fits on the device")
+            return (f"expert cache: off ({len(self.moe_layers)} MoE layers, all experts resident "
+                    "on the device)")
+        per_expert = sum(c.store.bytes_per_expert for c in caches)   # summed over layers
+        slot_bytes = caches[0].num_slots * per_expert
+        host_bytes = caches[0].num_experts * per_expert
+        pinned = "pinned" if all(c.store.pinned for c in caches) else "pageable"
+        return (f"expert cache: {caches[0].num_slots} of {caches[0].num_experts} experts per layer "
+                f"x {len(caches)} layers, policy {caches[0].policy_name} (requested {mc.policy}); "
+                f"device slots {slot_bytes / 2**20:.1f} MiB on {self.device}, host store "
+                f"{host_bytes / 2**20:.1f} MiB ({pinned})")
 
     def save_routing_trace(self) -> str | None:
         """Write the recorded routing (shared trace format) if a path was configured."""

@@ -95,27 +95,12 @@ def run_serve(args: argparse.Namespace) -> int:
 def startup_summary(engine, names: list[str]) -> list[str]:
     """Log lines: model, device, expert cache (slots, policy, memory), KV cache."""
     cfg = engine.vllm_config
-    mc, moe, cc = cfg.model_config, cfg.moe_cache_config, cfg.cache_config
+    mc, cc = cfg.model_config, cfg.cache_config
     runner = engine.runner
     lines = [f"model: {mc.model} ({mc.architecture}, dtype {mc.dtype}, max_model_len "
              f"{mc.max_model_len}), served as {names}",
              f"device: {cfg.device_config.device}" + _device_name(cfg.device_config.device)]
-    caches = [m.expert_cache for m in runner.moe_layers if m.expert_cache is not None]
-    if not caches:
-        lines.append(f"expert cache: off ({len(runner.moe_layers)} MoE layers, all experts "
-                     "resident on the device)")
-    else:
-        slot_bytes = sum(getattr(layer, n).numel() * getattr(layer, n).element_size()
-                         for layer in runner.moe_layers if layer.expert_cache is not None
-                         for n in layer.expert_cache.names)
-        host_bytes = sum(t.numel() * t.element_size() for c in caches
-                         for t in c.store.tensors.values())
-        pinned = all(c.store.pinned for c in caches)
-        lines.append(f"expert cache: {moe.cache_size} of {caches[0].num_experts} experts per layer "
-                     f"x {len(caches)} layers, policy {caches[0].policy_name} "
-                     f"(--moe-expert-cache-policy {moe.policy}); device slots "
-                     f"{slot_bytes / 2**20:.1f} MiB, host store {host_bytes / 2**20:.1f} MiB "
-                     f"({'pinned' if pinned else 'pageable'})")
+    lines.append(runner.describe_moe_cache())
     lines.append(f"KV cache: {cc.num_gpu_blocks} blocks x {cc.block_size} tokens "
                  f"({cc.num_gpu_blocks * runner.kv_bytes_per_block() / 2**20:.1f} MiB); "
                  f"max_num_seqs {cfg.scheduler_config.max_num_seqs}, max_num_batched_tokens "

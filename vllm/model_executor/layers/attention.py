@@ -53,9 +53,7 @@ class Attention(nn.Module):
         if md is None:
             # No batch layout: the whole input is one sequence starting at position 0.
             return self._causal(q, k, v).reshape(T, -1)
-        starts = [0]
-        for n in md.query_lens_cpu:
-            starts.append(starts[-1] + n)
+        starts = md.query_start_loc_cpu
         if starts[-1] != T:
             raise ValueError(f"{self.prefix}: metadata covers {starts[-1]} tokens, input has {T}")
         out = torch.empty_like(q)
