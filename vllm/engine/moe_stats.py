@@ -36,8 +36,10 @@ class MoEStatsReporter:
         s = self.stats()
         if s is None:
             return None
+        policy = next(m.expert_cache.policy_name for m in self.runner.moe_layers
+                      if m.expert_cache is not None)
         return (f"expert cache ({self.config.cache_size} slots x {s['num_layers']} layers, "
-                f"policy {self.config.policy}): hit_rate={s['hit_rate']:.3f} hits={s['hits']} "
+                f"policy {policy}): hit_rate={s['hit_rate']:.3f} hits={s['hits']} "
                 f"misses={s['misses']} evictions={s['evictions']} "
                 f"copied={s['bytes_copied'] / 2**20:.1f} MiB")
 
