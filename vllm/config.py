@@ -166,14 +166,15 @@ class DeviceConfig:
         return torch.device(self.device)
 
 
-MOE_BACKENDS = ("auto", "torch", "grouped_mm")
+MOE_BACKENDS = ("auto", "cpu_kernel", "grouped_mm", "torch")
 
 
 @dataclass
 class KernelConfig:
     moe_backend: str = "auto"
-    """Expert computation: "torch" (the per-expert loop reference), "grouped_mm"
-    (torch._grouped_mm, sync-free), or "auto" (grouped_mm where supported, else torch)."""
+    """Expert computation: "cpu_kernel" (the C kernel, CPU f32/bf16), "grouped_mm"
+    (torch._grouped_mm, sync-free), "torch" (the per-expert loop reference), or "auto" (the first
+    of those that supports the device, dtype and shape)."""
 
     def __post_init__(self) -> None:
         if self.moe_backend not in MOE_BACKENDS:

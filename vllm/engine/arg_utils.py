@@ -57,7 +57,8 @@ class EngineArgs:
     """Expected quantization method (e.g. fp8, gptq, compressed-tensors, modelopt); the
     checkpoint's quantization_config decides, and a mismatch is an error."""
     moe_backend: str = "auto"
-    """MoE expert kernel: auto, torch (per-expert loop reference) or grouped_mm."""
+    """MoE expert kernel: auto, cpu_kernel (C, CPU f32/bf16), grouped_mm, or torch (per-expert
+    loop reference)."""
     moe_routing_trace_path: str | None = None
     """Record every MoE layer's routing to this .npz (the shared trace format) at shutdown."""
 

@@ -1,4 +1,8 @@
-"""Paged causal attention for mixed prefill + decode batches (plain torch SDPA).
+"""Paged causal attention for mixed prefill + decode batches.
+
+Prefill runs torch SDPA. Decodes run the C kernel ``vllm/kernels/cpu/paged_attention.c`` when the
+cache is on the CPU in f32/bf16 and the kernels are built (it reads the paged cache in place),
+else a padded gather + SDPA in torch (``_decode_torch``, also the kernel's test reference).
 
 KV cache layout (allocated by the model runner): ``kv_cache`` [2, num_blocks, block_size,
 num_kv_heads, head_dim], index 0 = keys, 1 = values, flat slot = block_id * block_size + offset.
@@ -10,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.kernels.cpu.build import load_cpu_kernels
 from vllm.model_executor.forward_context import AttentionMetadata, get_attn_metadata
 
 
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -118,6 +124,26 @@ class Attention(nn.Module):
         return out.transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """All decodes at once: q [B, Hq, D] (one token each) -> [B, Hq, D]."""
+        cache = self.kv_cache
+        if cache.device.type != "cpu" or cache.dtype not in _KERNEL_DTYPES or \
+                load_cpu_kernels() is None:
+            return self._decode_torch(q, md)
+        B = q.shape[0]
+        q = q.to(cache.dtype).contiguous()
+        out = torch.empty_like(q)
+        tables = md.block_tables[:B]
+        rc = load_cpu_kernels().paged_decode_attention(
+            q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            md.seq_lens.data_ptr(), out.data_ptr(), B, self.num_heads, self.num_kv_heads,
+            self.head_dim, cache.shape[2], cache.shape[1], self.scale, _KERNEL_DTYPES[cache.dtype])
+        if rc:
+            raise RuntimeError(f"{self.prefix}: paged_decode_attention failed ({rc}): "
+                               + ("out of memory" if rc == -1 else
+                                  "a sequence length or block id is outside the KV cache"))
+        return out
+
+    def _decode_torch(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """All decodes in one padded call: q [B, Hq, D] (one token each) -> [B, Hq, D]."""
         B = q.shape[0]
         max_len = max(md.seq_lens_cpu[:B])

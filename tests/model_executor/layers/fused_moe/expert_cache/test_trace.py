@@ -30,6 +30,8 @@ def test_bad_offsets_rejected():
 def test_recorder_with_fused_moe_layers(tmp_path):
     torch.manual_seed(0)
     layers = [FusedMoE(8, 2, 16, 8, prefix=f"model.layers.{i}.mlp.experts") for i in (3, 1)]
+    for layer in layers:
+        layer.finish_loading(torch.device("cpu"))
     rec = RoutingTraceRecorder(num_experts=8, top_k=2, model="tiny")
     for layer in layers:
         layer.routing_observer = rec.observe

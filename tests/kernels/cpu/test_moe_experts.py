@@ -1,0 +1,108 @@
+"""The C expert kernel against the per-expert torch loop reference (``torch_ref``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu, prepack
+from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
+
+
+def _case(T, E=8, K=2, H=32, N=16, dtype=torch.float32, seed=0, skip_frac=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * N, H, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(E, H, N, generator=g) * 0.2).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+    if skip_frac:
+        ids = torch.where(torch.rand(T, K, generator=g) < skip_frac, -1, ids)
+    w = torch.rand(T, K, generator=g).to(dtype)
+    return x, w13, w2, w, ids
+
+
+def _ref_f32(x, w13, w2, w, ids, activation="silu"):
+    """The reference in f32 on the same (possibly bf16-rounded) inputs."""
+    out = torch.zeros(*ids.shape, x.shape[1])
+    expert_pairs_ref(x.float(), w13.float(), w2.float(), w.float(), ids, out, activation)
+    return out
+
+
+# H, N: multiples of the 64-column block, a ragged last block, and columns outside any vector.
+SHAPES = [(32, 16), (128, 64), (48, 20), (24, 7), (200, 96)]
+
+
+@pytest.mark.parametrize("H,N", SHAPES)
+@pytest.mark.parametrize("T", [1, 5, 67])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_matches_reference_f32(H, N, T, activation):
+    x, w13, w2, w, ids = _case(T, H=H, N=N, seed=T + H)
+    got = torch.zeros(T, 2, H)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, got, activation)
+    torch.testing.assert_close(got, _ref_f32(x, w13, w2, w, ids, activation), atol=2e-5,
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("H,N", SHAPES)
+def test_matches_reference_bf16(H, N):
+    x, w13, w2, w, ids = _case(33, H=H, N=N, dtype=torch.bfloat16, seed=H)
+    got = torch.zeros(33, 2, H, dtype=torch.bfloat16)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, got)
+    # f32 accumulation, one rounding at the end: within bf16 resolution of the f32 reference.
+    torch.testing.assert_close(got.float(), _ref_f32(x, w13, w2, w, ids), atol=1e-2, rtol=1e-2)
+
+
+def test_skipped_and_out_of_range_pairs_untouched():
+    x, w13, w2, w, ids = _case(40, skip_frac=0.4, seed=3)
+    ids[0, 0] = 8                                  # == E: out of range, skipped like -1
+    got = torch.full((40, 2, 32), -3.0)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, got)
+    valid = (ids >= 0) & (ids < 8)
+    assert torch.equal(got[~valid], torch.full_like(got[~valid], -3.0))
+    ref = _ref_f32(x, w13, w2, w, torch.where(valid, ids, -1))
+    torch.testing.assert_close(got[valid], ref[valid], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_value_independent_of_batch_and_waves(dtype):
+    """The invariant the expert cache's bitwise equality rests on."""
+    x, w13, w2, w, ids = _case(37, E=6, K=3, H=80, N=40, dtype=dtype, seed=9)
+    p13, p2 = prepack(w13), prepack(w2)
+    whole = torch.zeros(37, 3, 80, dtype=dtype)
+    expert_pairs_cpu(x, p13, p2, w, ids, whole)
+    alone = torch.zeros_like(whole)
+    for t in range(37):
+        expert_pairs_cpu(x[t:t + 1], p13, p2, w[t:t + 1], ids[t:t + 1], alone[t:t + 1])
+    assert torch.equal(alone, whole)
+    waves = torch.zeros_like(whole)
+    for lo in (0, 2, 4):                       # experts {0,1}, {2,3}, {4,5} in separate calls
+        expert_pairs_cpu(x, p13, p2, w, torch.where((ids >= lo) & (ids < lo + 2), ids, -1), waves)
+    assert torch.equal(waves, whole)
+
+
+def test_empty_batch():
+    x, w13, w2, w, ids = _case(0)
+    out = torch.zeros(0, 2, 32)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, out)
+
+
+def test_prepack_layout():
+    """Written out by index: block b of 64 output columns is its [n, width] transpose."""
+    w = torch.arange(130 * 3, dtype=torch.float32).reshape(130, 3)   # cols 130 = 64 + 64 + 2
+    flat = prepack(w)
+    expect = []
+    for start in (0, 64, 128):
+        width = min(64, 130 - start)
+        expect += [w[start + c, i].item() for i in range(3) for c in range(width)]
+    assert flat.tolist() == expect
+
+
+def test_bad_inputs_named():
+    x, w13, w2, w, ids = _case(4)
+    out = torch.zeros(4, 2, 32)
+    with pytest.raises(TypeError, match="share one dtype"):
+        expert_pairs_cpu(x, prepack(w13).bfloat16(), prepack(w2), w, ids, out)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_pairs_cpu(x, w13, w2, w, ids, out)          # not packed
+    with pytest.raises(ValueError, match="contiguous"):
+        expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, out.transpose(0, 1))

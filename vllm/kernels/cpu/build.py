@@ -1,0 +1,97 @@
+"""Compile the C kernels in this folder into one shared library on first use, and load it.
+
+Why C through ctypes and not a torch C++ extension: the sources include no torch headers, so a
+build takes about a second (a torch extension takes about a minute on a 2-core machine) and needs
+only a C compiler. The library is built for this machine (``-march=native``) into
+``$VLLM_CACHE_ROOT/cpu_kernels/<key>/`` (default ``~/.cache/vllm``), keyed by the sources, the
+flags, the compiler and the CPU, so a changed source or a different machine rebuilds.
+Linked with ``-fopenmp``, it uses the OpenMP runtime torch has already loaded (same soname), so
+``torch.set_num_threads`` governs its threads too.
+
+``VLLM_CPU_KERNELS=0`` disables the kernels; without a compiler, or when the build fails, callers
+get ``None`` and fall back to torch (with one warning naming the reason).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SRC_DIR = Path(__file__).parent
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
+          "-std=gnu11"]
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# Exported functions -> ctypes argument types (restype is int: 0 = ok).
+_SIGNATURES = {
+    "moe_expert_pairs": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT,
+                         _INT],
+    "moe_pack_block": [],
+    "paged_decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+                               _I64, ctypes.c_float, _INT],
+}
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(Path.home(), ".cache", "vllm")
+    return Path(root) / "cpu_kernels"
+
+
+def _build(cc: str, sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernels() -> ctypes.CDLL | None:
+    """The kernel library, or None when disabled or unavailable (reason logged once)."""
+    if os.environ.get("VLLM_CPU_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        logger.warning("CPU kernels unavailable: no C compiler (set CC); using torch ops")
+        return None
+    sources = sorted(_SRC_DIR.glob("*.c"))
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout
+        key = hashlib.sha256("\0".join(
+            [*(p.read_text() for p in sources), *_FLAGS, version, _cpu_id()]).encode())
+        target = _cache_root() / key.hexdigest()[:20] / "libvllm_cpu.so"
+        if not target.exists():
+            _build(cc, sources, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("CPU kernels unavailable (%s); using torch ops", e)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib

@@ -1,0 +1,67 @@
+"""Expert computation with the C kernel in ``vllm/kernels/cpu/moe_experts.c`` (CPU only).
+
+The kernel reads each expert's weights packed for its register tiles: input dim first, in
+column blocks that are each one contiguous stream (see ``matmul`` in the C file). ``prepack``
+makes that layout once per expert at load (the quant method's ``process_expert``), so the host
+store and the slots hold it too: w13 [E, 2N, K] -> [E, 2N*K], w2 [E, K, N] -> [E, K*N].
+One call per layer (or per expert-cache wave): pairs are grouped by expert inside the kernel,
+each expert's weights are read once per call, and each pair's value is independent of the other
+pairs in the call (see the invariant in the C file), so cached and uncached runs agree bitwise.
+Results differ from ``torch_ref`` only by f32 summation order (tested within tolerance).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.cpu.build import load_cpu_kernels
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ACTIVATIONS = {"silu": 0, "gelu": 1}
+
+
+def cpu_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """CPU tensors in f32 or bf16, and the kernel library built (or loaded from its cache)."""
+    return device.type == "cpu" and dtype in _DTYPES and load_cpu_kernels() is not None
+
+
+def prepack(w: torch.Tensor) -> torch.Tensor:
+    """Linear weight(s) [..., cols, n] (out, in) -> packed [..., cols * n]: for each block of
+    ``moe_pack_block()`` output columns, that block's [n, width] transpose, row-major."""
+    block = load_cpu_kernels().moe_pack_block()
+    cols = w.shape[-2]
+    parts = [w[..., c:c + block, :].transpose(-1, -2).reshape(*w.shape[:-2], -1)
+             for c in range(0, cols, block)]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def expert_pairs_cpu(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                     activation: str = "silu") -> None:
+    """The contract of ``torch_ref.expert_pairs_ref`` on packed weights: out[t, k] =
+    w[t, k] * expert(x[t]) for pairs with 0 <= topk_ids < w13p.shape[0]; others untouched.
+    x [T, K]; w13p [G, 2N*K] = prepack(w13); w2p [G, K*N] = prepack(w2); out [T, top_k, K]."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("the cpu_kernel MoE backend cannot be traced by torch.compile: "
+                           "use moe_backend='grouped_mm' for compiled graphs")
+    dtype = x.dtype
+    if w13p.dtype != dtype or w2p.dtype != dtype or out.dtype != dtype or dtype not in _DTYPES:
+        raise TypeError(f"expert_pairs_cpu: x, w13, w2 and out must share one dtype in "
+                        f"{sorted(map(str, _DTYPES))}; got {x.dtype}, {w13p.dtype}, {w2p.dtype}, "
+                        f"{out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("expert_pairs_cpu: out must be contiguous")
+    H = x.shape[-1]
+    G, two_n = w13p.shape[0], w13p.shape[-1] // max(H, 1)
+    if w13p.dim() != 2 or two_n * H != w13p.shape[1] or two_n % 2 or \
+            tuple(w2p.shape) != (G, H * (two_n // 2)):
+        raise ValueError(f"expert_pairs_cpu: shapes x {tuple(x.shape)}, w13p {tuple(w13p.shape)}, "
+                         f"w2p {tuple(w2p.shape)} do not match [T, K], [G, 2N*K], [G, K*N]")
+    T, top_k = topk_ids.shape
+    x, w13p, w2p = x.contiguous(), w13p.contiguous(), w2p.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    wts = topk_weights.to(torch.float32).contiguous()
+    rc = load_cpu_kernels().moe_expert_pairs(
+        x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), wts.data_ptr(), ids.data_ptr(),
+        out.data_ptr(), T, top_k, G, H, two_n // 2, _DTYPES[dtype], _ACTIVATIONS[activation])
+    if rc:
+        raise MemoryError("expert_pairs_cpu: the kernel could not allocate its scratch")
