@@ -18,6 +18,7 @@ from torch import nn
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.models.registry import get_model_class
 
 logger = init_logger(__name__)
@@ -77,7 +78,7 @@ def get_model(vllm_config: VllmConfig) -> nn.Module:
         with torch.no_grad():
             model.load_weights(iterate_safetensors(files))
             for module in model.modules():
-                if isinstance(module, FusedMoE):
+                if isinstance(module, (FusedMoE, Linear)):
                     module.finish_loading(device)
     qc = getattr(vllm_config, "quant_config", None)
     logger.info("Loaded %s from %d safetensors file(s) (dtype %s, device %s, quantization %s)",

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu, prepack
+from vllm.kernels.cpu.ops import prepack
+from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
 
 

@@ -35,7 +35,8 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "moe_expert_pairs": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT,
                          _INT],
-    "moe_pack_block": [],
+    "pack_block_width": [],
+    "dense_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "paged_decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                _I64, ctypes.c_float, _INT],
 }
@@ -79,11 +80,12 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         logger.warning("CPU kernels unavailable: no C compiler (set CC); using torch ops")
         return None
     sources = sorted(_SRC_DIR.glob("*.c"))
+    headers = sorted(_SRC_DIR.glob("*.h"))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
         key = hashlib.sha256("\0".join(
-            [*(p.read_text() for p in sources), *_FLAGS, version, _cpu_id()]).encode())
+            [*(p.read_text() for p in sources + headers), *_FLAGS, version, _cpu_id()]).encode())
         target = _cache_root() / key.hexdigest()[:20] / "libvllm_cpu.so"
         if not target.exists():
             _build(cc, sources, target)

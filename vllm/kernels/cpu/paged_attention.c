@@ -9,106 +9,74 @@
  * Reads the cache in place: no gather into a padded copy, no mask.
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#define LANES 16
-
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float to_f32(const void *p, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));      /* unaligned ok */
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-typedef uint16_t vh __attribute__((vector_size(LANES * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-
-INLINE vf load(const void *p, int bf16, int64_t i) {
-    if (!bf16) return *(const vf *)((const float *)p + i);
-    vu u = __builtin_convertvector(*(const vh *)((const uint16_t *)p + i), vu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-
-/* Sum of the 16 lanes in a fixed tree (halves, then quarters, ...), in registers. */
-INLINE float lane_sum(vf v) {
-    vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    vf4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    return (q[0] + q[2]) + (q[1] + q[3]);
-}
+#include "vec.h"
 
 /* dot(a, b) with a f32 and b in the cache dtype: lane-wise partial sums, fixed reduction. */
 INLINE float dot(const float *a, const void *b, int bf16, int64_t n) {
     vf acc = (vf){0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) acc += *(const vf *)(a + i) * load(b, bf16, i);
+    for (; i + LANES <= n; i += LANES) acc += *(const vf *)(a + i) * loadv(b, bf16, i);
     float s = lane_sum(acc);
-    for (; i < n; i++) s += a[i] * to_f32(b, bf16, i);
+    for (; i < n; i++) s += a[i] * load1(b, bf16, i);
     return s;
 }
 
-/* Rows of consecutive positions sit in different blocks scattered over the cache, which the
- * hardware prefetcher cannot follow: ask for position l's row a few positions ahead. */
-#define PREFETCH 8
-INLINE void prefetch_row(const void *base, const int64_t *table, int64_t l, int64_t L, int64_t bs,
-                         int64_t Hkv, int64_t g, int64_t D, int64_t esz) {
-    if (l >= L) return;
-    const char *p = (const char *)base + ((table[l / bs] * bs + l % bs) * Hkv + g) * D * esz;
-    for (int64_t off = 0; off < D * esz; off += 64) __builtin_prefetch(p + off);
+/* Blocks are scattered over the cache, which the hardware prefetcher cannot follow: while one
+ * block is computed, ask for the next block's rows of this kv head (keys and values). */
+INLINE void prefetch_block(const void *keys, const void *values, const int64_t *table, int64_t blk,
+                           int64_t L, int64_t bs, int64_t Hkv, int64_t g, int64_t D, int64_t esz) {
+    if (blk * bs >= L) return;
+    const int64_t n = L - blk * bs < bs ? L - blk * bs : bs;
+    for (int64_t o = 0; o < n; o++) {
+        const int64_t off = ((table[blk] * bs + o) * Hkv + g) * D * esz;
+        for (int64_t b = 0; b < D * esz; b += 64) {
+            __builtin_prefetch((const char *)keys + off + b);
+            __builtin_prefetch((const char *)values + off + b);
+        }
+    }
 }
 
 /* One (sequence, kv head): its G query heads against its context. scratch: G*(L + 2D) floats.
- * Inlined with a constant bf16 so each dtype gets its own vectorised loops. */
+ * Inlined with a constant bf16 so each dtype gets its own vectorised loops. Positions are walked
+ * block by block (no division per position). */
 INLINE void attend(const void *q, const void *keys, const void *values, const int64_t *table,
                    int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t g,
                    float scale, int bf16, float *scratch, void *out) {
-    const int64_t G = Hq / Hkv, esz = bf16 ? 2 : 4;
+    const int64_t G = Hq / Hkv, esz = bf16 ? 2 : 4, nblk = (L + bs - 1) / bs;
     float *qf = scratch, *acc = qf + G * D, *p = acc + G * D;
     for (int64_t j = 0; j < G; j++)
-        for (int64_t d = 0; d < D; d++) qf[j * D + d] = to_f32(q, bf16, (g * G + j) * D + d);
-    for (int64_t l = 0; l < L; l++) {
-        const int64_t row = ((table[l / bs] * bs + l % bs) * Hkv + g) * D;
-        const void *k = (const char *)keys + row * esz;
-        prefetch_row(keys, table, l + PREFETCH, L, bs, Hkv, g, D, esz);
-        prefetch_row(values, table, l + PREFETCH, L, bs, Hkv, g, D, esz);  /* read just after */
-        for (int64_t j = 0; j < G; j++) p[j * L + l] = scale * dot(qf + j * D, k, bf16, D);
+        for (int64_t d = 0; d < D; d++) qf[j * D + d] = load1(q, bf16, (g * G + j) * D + d);
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        prefetch_block(keys, values, table, blk + 1, L, bs, Hkv, g, D, esz);
+        const int64_t l0 = blk * bs, n = L - l0 < bs ? L - l0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const void *k = (const char *)keys + ((table[blk] * bs + o) * Hkv + g) * D * esz;
+            for (int64_t j = 0; j < G; j++) p[j * L + l0 + o] = scale * dot(qf + j * D, k, bf16, D);
+        }
     }
     memset(acc, 0, sizeof(float) * G * D);
     for (int64_t j = 0; j < G; j++) {
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t l = 0; l < L; l++) mx = p[j * L + l] > mx ? p[j * L + l] : mx;
-        for (int64_t l = 0; l < L; l++) sum += (p[j * L + l] = expf(p[j * L + l] - mx));
+        exp_shifted(p + j * L, L, -mx);
+        for (int64_t l = 0; l < L; l++) sum += p[j * L + l];
         const float inv = 1.0f / sum;
         for (int64_t l = 0; l < L; l++) p[j * L + l] *= inv;
     }
-    for (int64_t l = 0; l < L; l++) {
-        const int64_t row = ((table[l / bs] * bs + l % bs) * Hkv + g) * D;
-        const void *v = (const char *)values + row * esz;
-        for (int64_t j = 0; j < G; j++) {
-            const float pj = p[j * L + l];
-            for (int64_t d = 0; d < D; d++) acc[j * D + d] += pj * to_f32(v, bf16, d);
+    for (int64_t blk = 0; blk < nblk; blk++) {
+        const int64_t l0 = blk * bs, n = L - l0 < bs ? L - l0 : bs;
+        for (int64_t o = 0; o < n; o++) {
+            const void *v = (const char *)values + ((table[blk] * bs + o) * Hkv + g) * D * esz;
+            for (int64_t j = 0; j < G; j++) {
+                const float pj = p[j * L + l0 + o];
+                for (int64_t d = 0; d < D; d++) acc[j * D + d] += pj * load1(v, bf16, d);
+            }
         }
     }
     for (int64_t i = 0; i < G * D; i++) {
-        if (bf16) ((uint16_t *)out)[g * G * D + i] = to_bf16(acc[i]);
+        if (bf16) ((uint16_t *)out)[g * G * D + i] = f32_to_bf16(acc[i]);
         else ((float *)out)[g * G * D + i] = acc[i];
     }
 }

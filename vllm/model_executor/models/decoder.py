@@ -172,9 +172,9 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, vocab] float32."""
-        weight = (self.model.embed_tokens.weight if self.tie_word_embeddings
-                  else self.lm_head.weight)
-        return F.linear(hidden_states, weight).float()
+        if self.tie_word_embeddings:
+            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden_states).float()
 
     def rename_checkpoint_tensor(self, name: str) -> str:
         """Map a checkpoint name to this model's module path (identity unless overridden)."""

@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tools.quantize_checkpoint import main as quantize_main
+from vllm.kernels.cpu.ops import prepack
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.model_loader import get_model
 from model_executor.tiny_checkpoints import build_checkpoint, make_vllm_config
@@ -50,9 +51,10 @@ def test_loaded_expert_tensors_equal_checkpoint(float_dir, tmp_path, scheme):
                            want.to(got.dtype).view(torch.uint8) if got.element_size() == 1
                            else want.to(got.dtype)), n
     # dense layers stay unquantized
-    attn = model.model.layers[0].self_attn.q_proj.weight
-    assert attn.dtype == torch.float32
-    assert torch.equal(attn, ck["model.layers.0.self_attn.q_proj.weight"])
+    q_proj, want = model.model.layers[0].self_attn.q_proj, ck["model.layers.0.self_attn.q_proj.weight"]
+    packed = q_proj._buffers.get("packed_weight")          # the CPU kernel's layout, when used
+    got, want = (packed, prepack(want)) if packed is not None else (q_proj.weight, want)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_missing_scale_named(float_dir, tmp_path):

@@ -8,8 +8,8 @@ import torch
 
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger, log_once
-from vllm.model_executor.layers.fused_moe.cpu_kernel import (cpu_kernel_supported,
-                                                             expert_pairs_cpu, prepack)
+from vllm.kernels.cpu.ops import kernels_support, prepack
+from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
 from vllm.model_executor.layers.fused_moe.grouped_mm import (expert_pairs_grouped,
                                                              grouped_mm_supported)
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
@@ -43,7 +43,7 @@ def select_expert_backend(hidden_size: int, intermediate_size: int,
     cfg = get_current_vllm_config()
     requested = cfg.kernel_config.moe_backend if cfg is not None else "auto"
     device = cfg.device_config.torch_device if cfg is not None else torch.device("cpu")
-    supported = {"cpu_kernel": cpu_kernel_supported(dtype, device),
+    supported = {"cpu_kernel": kernels_support(dtype, device),
                  "grouped_mm": grouped_mm_supported(hidden_size, intermediate_size, dtype, device),
                  "torch": True}
     if requested != "auto" and not supported[requested]:

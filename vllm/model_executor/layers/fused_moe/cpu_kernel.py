@@ -1,8 +1,8 @@
 """Expert computation with the C kernel in ``vllm/kernels/cpu/moe_experts.c`` (CPU only).
 
 The kernel reads each expert's weights packed for its register tiles: input dim first, in
-column blocks that are each one contiguous stream (see ``matmul`` in the C file). ``prepack``
-makes that layout once per expert at load (the quant method's ``process_expert``), so the host
+column blocks that are each one contiguous stream (``vllm/kernels/cpu/gemm.h``). ``prepack``
+(``vllm/kernels/cpu/ops.py``) makes that layout once per expert at load (the quant method's ``process_expert``), so the host
 store and the slots hold it too: w13 [E, 2N, K] -> [E, 2N*K], w2 [E, K, N] -> [E, K*N].
 One call per layer (or per expert-cache wave): pairs are grouped by expert inside the kernel,
 each expert's weights are read once per call, and each pair's value is independent of the other
@@ -14,24 +14,9 @@ from __future__ import annotations
 import torch
 
 from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.kernels.cpu.ops import KERNEL_DTYPES as _DTYPES
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ACTIVATIONS = {"silu": 0, "gelu": 1}
-
-
-def cpu_kernel_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """CPU tensors in f32 or bf16, and the kernel library built (or loaded from its cache)."""
-    return device.type == "cpu" and dtype in _DTYPES and load_cpu_kernels() is not None
-
-
-def prepack(w: torch.Tensor) -> torch.Tensor:
-    """Linear weight(s) [..., cols, n] (out, in) -> packed [..., cols * n]: for each block of
-    ``moe_pack_block()`` output columns, that block's [n, width] transpose, row-major."""
-    block = load_cpu_kernels().moe_pack_block()
-    cols = w.shape[-2]
-    parts = [w[..., c:c + block, :].transpose(-1, -2).reshape(*w.shape[:-2], -1)
-             for c in range(0, cols, block)]
-    return torch.cat(parts, dim=-1).contiguous()
 
 
 def expert_pairs_cpu(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,

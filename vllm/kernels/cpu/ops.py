@@ -1,0 +1,44 @@
+"""Python side of the shared CPU kernel pieces: the packed weight layout and the dense linear."""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.cpu.build import load_cpu_kernels
+
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""Dtypes the C kernels take, and the code they pass for each."""
+
+
+def kernels_support(dtype: torch.dtype, device: torch.device) -> bool:
+    """CPU tensors in a kernel dtype, and the library built (or loaded from its cache)."""
+    return device.type == "cpu" and dtype in KERNEL_DTYPES and load_cpu_kernels() is not None
+
+
+def prepack(w: torch.Tensor) -> torch.Tensor:
+    """Linear weight(s) [..., cols, n] (out, in) -> packed [..., cols * n]: for each block of
+    ``pack_block_width()`` output columns, that block's [n, width] transpose, row-major
+    (the layout ``gemm.h`` reads as one stream per block)."""
+    block = load_cpu_kernels().pack_block_width()
+    cols = w.shape[-2]
+    parts = [w[..., c:c + block, :].transpose(-1, -2).reshape(*w.shape[:-2], -1)
+             for c in range(0, cols, block)]
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) with ``packed = prepack(w)``: x [..., n] -> [..., out_features]."""
+    n = x.shape[-1]
+    if packed.numel() != out_features * n or packed.dtype != x.dtype:
+        raise ValueError(f"dense_linear: packed weight ({packed.numel()} x {packed.dtype}) does not "
+                         f"match x [..., {n}] ({x.dtype}) and out_features={out_features}")
+    x2 = x.reshape(-1, n).contiguous()
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    rc = load_cpu_kernels().dense_linear(
+        x2.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+        out.data_ptr(), x2.shape[0], n, out_features, KERNEL_DTYPES[x.dtype])
+    if rc:
+        raise MemoryError("dense_linear: the kernel could not allocate its scratch")
+    return out.view(*x.shape[:-1], out_features)

@@ -1,0 +1,103 @@
+/* Shared by the CPU kernels: 16-lane f32 vectors (GCC vector extensions, lowered to whatever the
+ * build's -march offers), bf16 <-> f32, and a vector exp. */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));      /* unaligned ok */
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef uint16_t bf16_t;
+
+INLINE float bf16_to_f32(bf16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE bf16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                       /* nearest even */
+    return (bf16_t)(u >> 16);
+}
+
+/* Element i of an f32 (bf16 == 0) or bf16 array, widened to f32. */
+INLINE float load1(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Elements i .. i + 15 of an f32 or bf16 array, widened to f32. */
+INLINE vf loadv(const void *p, int bf16, int64_t i) {
+    if (!bf16) return *(const vf *)((const float *)p + i);
+    vu u = __builtin_convertvector(*(const vh *)((const bf16_t *)p + i), vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+/* Sum of the 16 lanes in a fixed tree (halves, then quarters, ...), in registers. */
+INLINE float lane_sum(vf v) {
+    vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* mask ? a : b lane-wise (mask lanes are all ones or all zeros, as vector compares give). */
+INLINE vf vselect(vi mask, vf a, vf b) {
+    vi ai, bi;
+    memcpy(&ai, &a, sizeof(ai));
+    memcpy(&bi, &b, sizeof(bi));
+    vi r = (mask & ai) | (~mask & bi);
+    vf f;
+    memcpy(&f, &r, sizeof(f));
+    return f;
+}
+
+/* exp(x) lane-wise (Cephes expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp).
+ * Inputs are clamped to [-87.3, 88.7]: below, the result is ~1e-38 instead of 0 or a denormal. */
+INLINE vf vexp(vf x) {
+    const vf hi = (vf){0} + 88.7f, lo = (vf){0} - 87.3f;
+    x = vselect(x > hi, hi, x);
+    x = vselect(x < lo, lo, x);
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);   /* trunc */
+    fl = vselect(fl > fx, fl - 1.0f, fl);                                  /* floor */
+    x = x - fl * 0.693359375f - fl * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * x + 1.3981999507e-3f;
+    p = p * x + 8.3334519073e-3f;
+    p = p * x + 4.1665795894e-2f;
+    p = p * x + 1.6666665459e-1f;
+    p = p * x + 5.0000001201e-1f;
+    p = p * x * x + x + 1.0f;
+    vi e = (__builtin_convertvector(fl, vi) + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof(scale));
+    return p * scale;
+}
+
+/* x[i] = exp(x[i] + shift) for i < n; the tail runs through a padded vector, so every element
+ * gets the same arithmetic wherever it sits. */
+INLINE void exp_shifted(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vf v = vexp(*(vf *)(x + i) + shift);
+        memcpy(x + i, &v, sizeof(v));
+    }
+    if (i < n) {
+        float tmp[LANES] = {0};
+        memcpy(tmp, x + i, (size_t)(n - i) * 4);
+        vf v = vexp(*(vf *)tmp + shift);
+        memcpy(x + i, &v, (size_t)(n - i) * 4);
+    }
+}
