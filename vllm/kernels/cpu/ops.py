@@ -42,3 +42,32 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if rc:
         raise MemoryError("dense_linear: the kernel could not allocate its scratch")
     return out.view(*x.shape[:-1], out_features)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm over the last dim (f32 statistics, cast back, then scale): same shape/dtype."""
+    n = x.shape[-1]
+    x = x.contiguous()
+    weight = weight.to(x.dtype).contiguous()
+    out = torch.empty_like(x)
+    load_cpu_kernels().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                x.numel() // max(n, 1), n, eps, KERNEL_DTYPES[x.dtype])
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     inv_freq: torch.Tensor, scaling: float, head_dim: int,
+                     rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE: positions [T] int64, q [T, Hq*D], k [T, Hkv*D] -> new (q, k)."""
+    T = positions.shape[0]
+    q, k = q.contiguous(), k.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    inv_freq = inv_freq.to(torch.float32).contiguous()
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    rc = load_cpu_kernels().rotary_embedding(
+        positions.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
+        inv_freq.data_ptr(), scaling, T, q.shape[-1] // head_dim, k.shape[-1] // head_dim,
+        head_dim, rotary_dim, KERNEL_DTYPES[q.dtype])
+    if rc:
+        raise MemoryError("rotary_embedding: the kernel could not allocate its scratch")
+    return q_out, k_out

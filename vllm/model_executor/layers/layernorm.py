@@ -1,8 +1,13 @@
-"""RMSNorm with Hugging Face semantics: normalise in float32, cast back, then scale."""
+"""RMSNorm with Hugging Face semantics: normalise in float32, cast back, then scale.
+
+On CPU with the C kernels (f32/bf16) one kernel call does it (``vllm/kernels/cpu/layernorm.c``);
+``forward_torch`` is the torch version (other devices, and the kernel's test reference)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from vllm.kernels.cpu.ops import kernels_support, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +18,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden_size] -> same shape and dtype."""
+        if x.dtype == self.weight.dtype and kernels_support(x.dtype, x.device):
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.kernels.cpu.ops import kernels_support, rotary_embedding
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -114,7 +116,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes."""
+        """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes.
+        One C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch."""
+        if q.dtype == k.dtype and kernels_support(q.dtype, q.device):
+            return rotary_embedding(positions, q, k, self.inv_freq, self.attention_scaling,
+                                    self.head_dim, self.rotary_dim)
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # cos/sin on the fly in float32 (as HF does): a table for 100k+ positions would cost more.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]   # [T, rd/2]
         emb = torch.cat((freqs, freqs), dim=-1)                        # [T, rd]

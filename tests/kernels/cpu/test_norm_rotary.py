@@ -1,0 +1,40 @@
+"""The C RMSNorm and rotary kernels against the layers' own torch paths (``forward_torch``),
+which are checked against transformers in tests/model_executor/layers/test_rotary_and_norm.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", [(7, 48), (3, 4, 64), (2, 21)])
+def test_rmsnorm_kernel_matches_torch(dtype, tol, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    norm = RMSNorm(shape[-1], eps=1e-6).to(dtype)
+    norm.weight.data.copy_(torch.randn(shape[-1], generator=g))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    got = norm(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, norm.forward_torch(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rotary_dim,scaling", [(32, 1.0), (16, 1.0), (32, 1.2)])
+def test_rotary_kernel_matches_torch(dtype, tol, rotary_dim, scaling):
+    T, hq, hkv, D = 9, 6, 2, 32
+    g = torch.Generator().manual_seed(rotary_dim)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(D, rotary_dim, inv_freq, attention_scaling=scaling)
+    pos = torch.tensor([0, 1, 5, 17, 300, 2047, 4095, 9, 9])
+    q = torch.randn(T, hq * D, generator=g).to(dtype)
+    k = torch.randn(T, hkv * D, generator=g).to(dtype)
+    got_q, got_k = rope(pos, q, k)
+    want_q, want_k = rope.forward_torch(pos, q, k)
+    assert got_q.dtype == dtype and got_k.shape == k.shape
+    torch.testing.assert_close(got_q.float(), want_q.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k.float(), want_k.float(), atol=tol, rtol=tol)
+    if rotary_dim < D:      # dims past the rotary part are copied untouched
+        assert torch.equal(got_q.view(T, hq, D)[..., rotary_dim:], q.view(T, hq, D)[..., rotary_dim:])
