@@ -68,3 +68,16 @@ def test_decode_kernel_rejects_block_ids_outside_the_cache():
     attn.kv_cache = cache
     with pytest.raises(RuntimeError, match="layers.0.attn.*outside the KV cache"):
         attn._decode(q, md)
+
+
+def test_cache_write_lands_in_its_slots_and_rejects_foreign_slots():
+    attn = Attention(4, 16, 2, 0.25, prefix="layers.1.attn")
+    attn.kv_cache = torch.zeros(2, NB, BS, 2, 16)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.tensor([5, NB * BS - 1, 0])
+    attn._write_cache(k, v, slots)
+    assert torch.equal(attn.kv_cache[0].view(-1, 2, 16)[slots], k)
+    assert torch.equal(attn.kv_cache[1].view(-1, 2, 16)[slots], v)
+    assert attn.kv_cache[0].view(-1, 2, 16)[1].abs().sum() == 0          # nothing else written
+    with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
+        attn._write_cache(k, v, torch.tensor([1, NB * BS, 2]))

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "dense_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "paged_decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                _I64, ctypes.c_float, _INT],
+    "write_kv_cache": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
 }
 
 

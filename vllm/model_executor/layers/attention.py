@@ -70,6 +70,8 @@ class Attention(nn.Module):
             return out.view(T, -1)
         self._write_cache(k, v, md.slot_mapping)
         nd = md.num_decodes
+        if nd == T and T:
+            return self._decode(q, md).view(T, -1)   # decode-only step: no copy into ``out``
         if nd:
             out[:nd] = self._decode(q[:nd], md)
         for i in range(nd, md.num_seqs):
@@ -82,6 +84,18 @@ class Attention(nn.Module):
         return out.view(T, -1)
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        cache = self.kv_cache
+        if cache.device.type == "cpu" and cache.is_contiguous() and load_cpu_kernels() is not None:
+            k, v = k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous()
+            slot_mapping = slot_mapping.to(torch.int64).contiguous()
+            num_slots = cache.shape[1] * cache.shape[2]
+            rc = load_cpu_kernels().write_kv_cache(
+                k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), cache.data_ptr(), k.shape[0],
+                num_slots, k[0].numel() * k.element_size())
+            if rc:
+                raise RuntimeError(f"{self.prefix}: a KV slot is outside the cache ({num_slots} "
+                                   "slots)")
+            return
         # .view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
         shape = (-1, self.num_kv_heads, self.head_dim)
         self.kv_cache[0].view(shape).index_copy_(0, slot_mapping, k.to(self.kv_cache.dtype))
