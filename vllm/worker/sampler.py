@@ -18,6 +18,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from vllm.core.sched_output import SampledToken, ScheduledSequence
+from vllm.kernels.cpu.ops import argmax_rows, kernels_support
 
 _PAD = -1  # padding id in the token tensors; mapped to an extra dropped column
 
@@ -206,13 +207,15 @@ class Sampler:
         if n != len(md.req_ids):
             raise ValueError(f"logits have {n} rows but metadata has {len(md.req_ids)} "
                              "sequences to sample")
-        logits = logits.to(torch.float32, copy=True)  # [n, V]; never mutate the caller's
+        # [n, V] f32. The masks and penalties below write in place: never into the caller's.
+        in_place = md.min_tokens_rows is not None or md.output_token_ids is not None
+        logits = logits.to(torch.float32, copy=in_place)
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if md.min_tokens_rows is not None:
             ok = md.min_tokens_tokens < vocab
             logits[md.min_tokens_rows[ok], md.min_tokens_tokens[ok]] = float("-inf")
         logits = apply_penalties(logits, md)
-        token_ids = logits.argmax(dim=-1)  # [n] greedy choice
+        token_ids = _argmax(logits)  # [n] greedy choice
         if not md.all_greedy:
             x = logits / md.temperature.unsqueeze(1)
             x = apply_top_k_top_p(x, md.top_k, md.top_p)
@@ -222,6 +225,13 @@ class Sampler:
             sampled = (probs / q).argmax(dim=-1)
             token_ids = torch.where(md.greedy, token_ids, sampled)
         return _to_sampled_tokens(token_ids, raw_logprobs, md)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[n, V] f32 -> [n] int64; the C kernel on CPU (torch's argmax is slow on wide rows)."""
+    if kernels_support(logits.dtype, logits.device) and logits.shape[1]:
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def _to_sampled_tokens(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,

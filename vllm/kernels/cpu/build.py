@@ -43,6 +43,7 @@ _SIGNATURES = {
     "paged_decode_attention": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                                _I64, ctypes.c_float, _INT],
     "write_kv_cache": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "argmax_rows": [_PTR, _I64, _I64, _PTR],
 }
 
 

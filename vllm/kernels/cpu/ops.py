@@ -71,3 +71,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if rc:
         raise MemoryError("rotary_embedding: the kernel could not allocate its scratch")
     return q_out, k_out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for f32 [rows, n] on CPU (first maximum; NaN counts as the maximum)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load_cpu_kernels().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out

@@ -1,5 +1,6 @@
-"""The C RMSNorm and rotary kernels against the layers' own torch paths (``forward_torch``),
-which are checked against transformers in tests/model_executor/layers/test_rotary_and_norm.py."""
+"""The C RMSNorm, rotary and argmax kernels against torch: the layers' own ``forward_torch``
+(checked against transformers in tests/model_executor/layers/test_rotary_and_norm.py) and
+``Tensor.argmax``."""
 from __future__ import annotations
 
 import pytest
@@ -38,3 +39,16 @@ def test_rotary_kernel_matches_torch(dtype, tol, rotary_dim, scaling):
     torch.testing.assert_close(got_k.float(), want_k.float(), atol=tol, rtol=tol)
     if rotary_dim < D:      # dims past the rotary part are copied untouched
         assert torch.equal(got_q.view(T, hq, D)[..., rotary_dim:], q.view(T, hq, D)[..., rotary_dim:])
+
+
+def test_argmax_matches_torch_including_ties_and_nan():
+    from vllm.kernels.cpu.ops import argmax_rows
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4099, generator=g)
+    x[1, 17] = x[1, 4000] = 50.0            # tie: the first index wins
+    x[2, 4098] = float("nan")                # in the scalar tail
+    x[3, 5] = float("nan"); x[3, 9] = float("nan")
+    x[4] = float("-inf")
+    x[5, 0] = 99.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, :7]), x[:, :7].argmax(dim=-1))
