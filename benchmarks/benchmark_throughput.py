@@ -9,6 +9,8 @@ benchmark does); 0 gives every request exactly --input-len / --output-len tokens
 With --hf-baseline the same prompts run through ``AutoModelForCausalLM.generate`` in one
 left-padded batch in the same process; it must run every row to the longest output length, and
 only each request's own output tokens are counted for it (the same useful tokens as the engine).
+Each side runs --repeat timed passes over the same prompts after a warm-up; the figures are the
+median pass (all pass times are in the --json output), which keeps a shared machine's noise out.
 """
 from __future__ import annotations
 
@@ -37,19 +39,21 @@ def make_requests(vocab_size: int, num_prompts: int, input_len: int, output_len:
     return prompts, out_lens
 
 
-def run_engine(args, prompts, out_lens) -> tuple[float, int]:
+def run_engine(args, prompts, out_lens, repeat: int) -> tuple[list[float], int]:
     from vllm import LLM, SamplingParams
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - start)
+    return times, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def run_hf(model_path: str, prompts, out_lens, dtype: str) -> tuple[float, int]:
+def run_hf(model_path: str, prompts, out_lens, dtype: str, repeat: int) -> tuple[list[float], int]:
     from transformers import AutoModelForCausalLM
     torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
@@ -60,12 +64,18 @@ def run_hf(model_path: str, prompts, out_lens, dtype: str) -> tuple[float, int]:
     with torch.inference_mode():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=2, do_sample=False,
                        pad_token_id=0)  # warm-up
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, pad_token_id=0)
-        elapsed = time.perf_counter() - start
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=steps,
+                                 min_new_tokens=steps, do_sample=False, pad_token_id=0)
+            times.append(time.perf_counter() - start)
     assert out.shape[1] - width == steps
-    return elapsed, sum(out_lens)
+    return times, sum(out_lens)
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def main(argv=None) -> dict:
@@ -76,6 +86,7 @@ def main(argv=None) -> dict:
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="spread of input/output lengths around --input-len/--output-len, in [0, 1)")
     p.add_argument("--hf-baseline", action="store_true")
+    p.add_argument("--repeat", type=int, default=3, help="timed passes per side (median reported)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for both engines (default: torch's choice)")
@@ -89,16 +100,21 @@ def main(argv=None) -> dict:
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     prompts, out_lens = make_requests(vocab, args.num_prompts, args.input_len, args.output_len,
                                       args.random_range_ratio, args.seed)
-    elapsed, n_out = run_engine(args, prompts, out_lens)
+    if args.repeat < 1:
+        p.error(f"--repeat={args.repeat} is invalid: must be >= 1")
+    times, n_out = run_engine(args, prompts, out_lens, args.repeat)
+    elapsed = _median(times)
     result = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
               "threads": torch.get_num_threads(),
               "moe_expert_cache_size": args.moe_expert_cache_size,
-              "engine": {"seconds": elapsed, "requests_per_s": args.num_prompts / elapsed,
+              "repeat": args.repeat,
+              "engine": {"seconds": elapsed, "all_seconds": times, "requests_per_s": args.num_prompts / elapsed,
                          "output_tokens_per_s": n_out / elapsed}}
     if args.hf_baseline:
-        hf_elapsed, hf_out = run_hf(args.model, prompts, out_lens, args.dtype)
-        result["hf"] = {"seconds": hf_elapsed, "requests_per_s": args.num_prompts / hf_elapsed,
+        hf_times, hf_out = run_hf(args.model, prompts, out_lens, args.dtype, args.repeat)
+        hf_elapsed = _median(hf_times)
+        result["hf"] = {"seconds": hf_elapsed, "all_seconds": hf_times, "requests_per_s": args.num_prompts / hf_elapsed,
                         "output_tokens_per_s": hf_out / hf_elapsed}
         result["speedup_vs_hf"] = hf_elapsed / elapsed * (n_out / max(hf_out, 1))
     if args.json:
