@@ -40,3 +40,15 @@ def vllm_log(caplog, monkeypatch):
     logger.addHandler(caplog.handler)
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def torch_paths(monkeypatch):
+    """Run with the C kernels off (VLLM_CPU_KERNELS=0): every layer takes its torch path, as on
+    a machine without a C compiler (and like the CUDA paths)."""
+    from vllm.kernels.cpu import build
+    monkeypatch.setenv("VLLM_CPU_KERNELS", "0")
+    build.load_cpu_kernels.cache_clear()
+    yield
+    monkeypatch.delenv("VLLM_CPU_KERNELS")
+    build.load_cpu_kernels.cache_clear()

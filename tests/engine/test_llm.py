@@ -56,6 +56,18 @@ def test_greedy_matches_transformers(tiny_model_factory, arch):
         assert out.outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
+def test_greedy_matches_transformers_on_torch_paths(tiny_model_factory, arch, torch_paths):
+    path = tiny_model_factory(arch)
+    prompts = _prompts(4, seed=3)
+    llm = LLM(path, max_num_seqs=8)
+    runner = llm.llm_engine.runner
+    assert runner.moe_layers[0].quant_method.backend_name == "grouped_mm"   # not the C kernel
+    assert not any(n.endswith("packed_weight") for n, _ in runner.model.named_buffers())
+    for prompt, out in zip(prompts, llm.generate(prompts, _greedy(10))):
+        assert out.outputs[0].token_ids == _hf_greedy(path, prompt, 10)
+
+
 def test_batched_equals_one_by_one_and_constrained_runs(tiny_model_factory):
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     prompts = _prompts(12, seed=2)
