@@ -9,7 +9,7 @@ Two routings per token count:
     masked copy of zero misses).
   * "random": softmax over random logits, so misses (and copies) happen too.
 Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up. CPU times
-here are for the torch reference kernel; device numbers need a GPU run.
+here are for the backend "auto" picks (or --moe-backend); device numbers need a GPU run.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig, set_current_vllm_config)
+from vllm.config import (MOE_BACKENDS, CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig,
+                         SchedulerConfig, VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,7 +68,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    p.add_argument("--moe-backend", choices=["auto", "torch", "grouped_mm"], default="auto")
+    p.add_argument("--moe-backend", choices=list(MOE_BACKENDS), default="auto")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     n = args.slots if args.slots is not None else args.num_experts - 1
