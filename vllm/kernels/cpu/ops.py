@@ -1,4 +1,6 @@
-"""Python side of the shared CPU kernel pieces: the packed weight layout and the dense linear."""
+"""Python wrappers of the CPU C kernels (the expert kernel's is ``fused_moe/cpu_kernel.py``, a
+MoE backend): the packed weight layout, dense linear, paged decode attention and KV writes,
+RMSNorm, rotary and argmax. Each checks what the C side cannot and raises with the layer's name."""
 from __future__ import annotations
 
 import torch
@@ -79,3 +81,37 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load_cpu_kernels().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, num_kv_heads: int,
+                           prefix: str = "") -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D]; kv_cache [2, blocks, block_size, Hkv, D];
+    block_tables [>=B, max_blocks] int64; seq_lens [>=B] int64 -> [B, Hq, D]."""
+    B, num_heads, head_dim = q.shape
+    q = q.to(kv_cache.dtype).contiguous()
+    tables = block_tables[:B].to(torch.int64).contiguous()
+    lens = seq_lens[:B].to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    rc = load_cpu_kernels().paged_decode_attention(
+        q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        out.data_ptr(), B, num_heads, num_kv_heads, head_dim, kv_cache.shape[2], kv_cache.shape[1],
+        scale, KERNEL_DTYPES[kv_cache.dtype])
+    if rc:
+        raise RuntimeError(f"{prefix}: paged_decode_attention failed ({rc}): "
+                           + ("out of memory" if rc == -1 else
+                              "a sequence length or block id is outside the KV cache"))
+    return out
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_cache: torch.Tensor, prefix: str = "") -> None:
+    """kv_cache[0] / [1] at flat slot s <- k / v rows: k, v [T, Hkv, D]; slot_mapping [T]."""
+    k, v = k.to(kv_cache.dtype).contiguous(), v.to(kv_cache.dtype).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    rc = load_cpu_kernels().write_kv_cache(k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+                                           kv_cache.data_ptr(), k.shape[0], num_slots,
+                                           k[0].numel() * k.element_size() if len(k) else 0)
+    if rc:
+        raise RuntimeError(f"{prefix}: a KV slot is outside the cache ({num_slots} slots)")

@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.kernels.cpu.ops import kernels_support, paged_decode_attention, write_kv_cache
 from vllm.model_executor.forward_context import AttentionMetadata, get_attn_metadata
 
 
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -85,16 +84,8 @@ class Attention(nn.Module):
 
     def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         cache = self.kv_cache
-        if cache.device.type == "cpu" and cache.is_contiguous() and load_cpu_kernels() is not None:
-            k, v = k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous()
-            slot_mapping = slot_mapping.to(torch.int64).contiguous()
-            num_slots = cache.shape[1] * cache.shape[2]
-            rc = load_cpu_kernels().write_kv_cache(
-                k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), cache.data_ptr(), k.shape[0],
-                num_slots, k[0].numel() * k.element_size())
-            if rc:
-                raise RuntimeError(f"{self.prefix}: a KV slot is outside the cache ({num_slots} "
-                                   "slots)")
+        if cache.is_contiguous() and kernels_support(cache.dtype, cache.device):
+            write_kv_cache(k, v, slot_mapping, cache, self.prefix)
             return
         # .view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
         shape = (-1, self.num_kv_heads, self.head_dim)
@@ -140,22 +131,10 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """All decodes at once: q [B, Hq, D] (one token each) -> [B, Hq, D]."""
         cache = self.kv_cache
-        if cache.device.type != "cpu" or cache.dtype not in _KERNEL_DTYPES or \
-                load_cpu_kernels() is None:
+        if not (cache.is_contiguous() and kernels_support(cache.dtype, cache.device)):
             return self._decode_torch(q, md)
-        B = q.shape[0]
-        q = q.to(cache.dtype).contiguous()
-        out = torch.empty_like(q)
-        tables = md.block_tables[:B]
-        rc = load_cpu_kernels().paged_decode_attention(
-            q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            md.seq_lens.data_ptr(), out.data_ptr(), B, self.num_heads, self.num_kv_heads,
-            self.head_dim, cache.shape[2], cache.shape[1], self.scale, _KERNEL_DTYPES[cache.dtype])
-        if rc:
-            raise RuntimeError(f"{self.prefix}: paged_decode_attention failed ({rc}): "
-                               + ("out of memory" if rc == -1 else
-                                  "a sequence length or block id is outside the KV cache"))
-        return out
+        return paged_decode_attention(q, cache, md.block_tables, md.seq_lens, self.scale,
+                                      self.num_kv_heads, self.prefix)
 
     def _decode_torch(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """All decodes in one padded call: q [B, Hq, D] (one token each) -> [B, Hq, D]."""

@@ -1,9 +1,10 @@
 """Expert computation with the C kernel in ``vllm/kernels/cpu/moe_experts.c`` (CPU only).
 
 The kernel reads each expert's weights packed for its register tiles: input dim first, in
-column blocks that are each one contiguous stream (``vllm/kernels/cpu/gemm.h``). ``prepack``
-(``vllm/kernels/cpu/ops.py``) makes that layout once per expert at load (the quant method's ``process_expert``), so the host
-store and the slots hold it too: w13 [E, 2N, K] -> [E, 2N*K], w2 [E, K, N] -> [E, K*N].
+column blocks that are each one contiguous stream (``vllm/kernels/cpu/gemm.h``).
+``vllm/kernels/cpu/ops.prepack`` makes that layout once per expert at load (the quant method's
+``process_expert``), so the host store and the slots hold it too: w13 [E, 2N, K] -> [E, 2N*K],
+w2 [E, K, N] -> [E, K*N].
 One call per layer (or per expert-cache wave): pairs are grouped by expert inside the kernel,
 each expert's weights are read once per call, and each pair's value is independent of the other
 pairs in the call (see the invariant in the C file), so cached and uncached runs agree bitwise.
