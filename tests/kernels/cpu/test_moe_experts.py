@@ -107,3 +107,9 @@ def test_bad_inputs_named():
         expert_pairs_cpu(x, w13, w2, w, ids, out)          # not packed
     with pytest.raises(ValueError, match="contiguous"):
         expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, out.transpose(0, 1))
+
+
+def test_rejects_out_of_the_wrong_shape():
+    x, w13, w2, w, ids = _case(4)
+    with pytest.raises(ValueError, match="do not match"):
+        expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, torch.zeros(3, 2, 32))

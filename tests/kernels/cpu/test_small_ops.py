@@ -52,3 +52,22 @@ def test_argmax_matches_torch_including_ties_and_nan():
     x[5, 0] = 99.0
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:, :7]), x[:, :7].argmax(dim=-1))
+
+
+def test_wrappers_reject_shapes_the_kernels_would_overrun():
+    """The C side trusts its sizes: each wrapper checks them and names what does not fit."""
+    from vllm.kernels.cpu import ops
+    with pytest.raises(ValueError, match="bias has 3 elements"):
+        ops.dense_linear(torch.randn(2, 16), ops.prepack(torch.randn(8, 16)), 8, torch.randn(3))
+    with pytest.raises(ValueError, match="weight has 5 elements"):
+        ops.rms_norm(torch.randn(2, 8), torch.ones(5), 1e-6)
+    with pytest.raises(ValueError, match="rotary_dim=16"):
+        ops.rotary_embedding(torch.arange(3), torch.randn(3, 32), torch.randn(3, 32),
+                             torch.ones(4), 1.0, 16, 16)
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    with pytest.raises(ValueError, match="layers.0.attn: write_kv_cache"):
+        ops.write_kv_cache(torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.arange(2), cache,
+                           "layers.0.attn")
+    with pytest.raises(ValueError, match="do not fit num_kv_heads=2"):
+        ops.paged_decode_attention(torch.randn(3, 4, 8), cache, torch.zeros(2, 1, dtype=torch.long),
+                                   torch.ones(2, dtype=torch.long), 1.0, 2)

@@ -34,6 +34,9 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if packed.numel() != out_features * n or packed.dtype != x.dtype:
         raise ValueError(f"dense_linear: packed weight ({packed.numel()} x {packed.dtype}) does not "
                          f"match x [..., {n}] ({x.dtype}) and out_features={out_features}")
+    if bias is not None and bias.numel() != out_features:
+        raise ValueError(f"dense_linear: bias has {bias.numel()} elements, out_features="
+                         f"{out_features}")
     x2 = x.reshape(-1, n).contiguous()
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
     if bias is not None:
@@ -49,6 +52,8 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm over the last dim (f32 statistics, cast back, then scale): same shape/dtype."""
     n = x.shape[-1]
+    if weight.numel() != n:
+        raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x has {n} per row")
     x = x.contiguous()
     weight = weight.to(x.dtype).contiguous()
     out = torch.empty_like(x)
@@ -62,6 +67,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE: positions [T] int64, q [T, Hq*D], k [T, Hkv*D] -> new (q, k)."""
     T = positions.shape[0]
+    if q.shape[0] != T or k.shape[0] != T or q.shape[-1] % head_dim or k.shape[-1] % head_dim \
+            or inv_freq.numel() != rotary_dim // 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_embedding: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+                         f"[{T}], inv_freq [{inv_freq.numel()}] do not fit head_dim={head_dim}, "
+                         f"rotary_dim={rotary_dim}")
     q, k = q.contiguous(), k.contiguous()
     positions = positions.to(torch.int64).contiguous()
     inv_freq = inv_freq.to(torch.float32).contiguous()
@@ -89,6 +99,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     """One query token per sequence: q [B, Hq, D]; kv_cache [2, blocks, block_size, Hkv, D];
     block_tables [>=B, max_blocks] int64; seq_lens [>=B] int64 -> [B, Hq, D]."""
     B, num_heads, head_dim = q.shape
+    if tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim) or len(seq_lens) < B \
+            or len(block_tables) < B or num_heads % num_kv_heads:
+        raise ValueError(f"{prefix}: paged_decode_attention: q {tuple(q.shape)}, kv_cache "
+                         f"{tuple(kv_cache.shape)}, {len(seq_lens)} seq_lens, {len(block_tables)} "
+                         f"block tables do not fit num_kv_heads={num_kv_heads}")
     q = q.to(kv_cache.dtype).contiguous()
     tables = block_tables[:B].to(torch.int64).contiguous()
     lens = seq_lens[:B].to(torch.int64).contiguous()
@@ -107,6 +122,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                    kv_cache: torch.Tensor, prefix: str = "") -> None:
     """kv_cache[0] / [1] at flat slot s <- k / v rows: k, v [T, Hkv, D]; slot_mapping [T]."""
+    if k.shape != v.shape or tuple(k.shape[1:]) != tuple(kv_cache.shape[3:]) or \
+            slot_mapping.numel() != k.shape[0]:
+        raise ValueError(f"{prefix}: write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"{slot_mapping.numel()} slots do not fit kv_cache "
+                         f"{tuple(kv_cache.shape)}")
     k, v = k.to(kv_cache.dtype).contiguous(), v.to(kv_cache.dtype).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]

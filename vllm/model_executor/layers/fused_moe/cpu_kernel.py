@@ -43,6 +43,10 @@ def expert_pairs_cpu(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,
         raise ValueError(f"expert_pairs_cpu: shapes x {tuple(x.shape)}, w13p {tuple(w13p.shape)}, "
                          f"w2p {tuple(w2p.shape)} do not match [T, K], [G, 2N*K], [G, K*N]")
     T, top_k = topk_ids.shape
+    if x.shape[0] != T or topk_weights.shape != topk_ids.shape or tuple(out.shape) != (T, top_k, H):
+        raise ValueError(f"expert_pairs_cpu: x {tuple(x.shape)}, topk_weights "
+                         f"{tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}, out "
+                         f"{tuple(out.shape)} do not match [T, K], [T, top_k], [T, top_k, K]")
     x, w13p, w2p = x.contiguous(), w13p.contiguous(), w2p.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
