@@ -23,8 +23,10 @@ INLINE void tile(const float *a, int TM, const void *wt, int bf16, int CV, int64
     for (int64_t i = 0; i < n; i++) {
         vf wv[CV_MAX];
         for (int v = 0; v < CV; v++) {
-            /* Cold weights stream from DRAM: ask for rows PREFETCH ahead (harmless past the end). */
-            __builtin_prefetch((const char *)wt + ((i + PREFETCH) * ldw + v * LANES) * (bf16 ? 2 : 4));
+            /* Cold weights stream from DRAM: ask for rows PREFETCH ahead (harmless past the
+             * end: a prefetch never faults). */
+            const int64_t ahead = (i + PREFETCH) * ldw + v * LANES;
+            __builtin_prefetch((const char *)wt + ahead * (bf16 ? 2 : 4));
             wv[v] = loadv(wt, bf16, i * ldw + v * LANES);
         }
         for (int m = 0; m < TM; m++) {

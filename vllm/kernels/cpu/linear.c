@@ -32,9 +32,10 @@ int dense_linear(const void *x, const void *w, const void *bias, void *y, int64_
     for (int64_t i = 0; i < M * n; i++) xs[i] = bf16_to_f32(((const bf16_t *)x)[i]);
     linear_blocks(xs, w, 1, M, n, cols, ys);
     for (int64_t m = 0; m < M; m++)
-        for (int64_t c = 0; c < cols; c++)
-            ((bf16_t *)y)[m * cols + c] =
-                f32_to_bf16(ys[m * cols + c] + (bias ? bf16_to_f32(((const bf16_t *)bias)[c]) : 0.0f));
+        for (int64_t c = 0; c < cols; c++) {
+            const float b = bias ? bf16_to_f32(((const bf16_t *)bias)[c]) : 0.0f;
+            ((bf16_t *)y)[m * cols + c] = f32_to_bf16(ys[m * cols + c] + b);
+        }
     free(xs);
     return 0;
 }

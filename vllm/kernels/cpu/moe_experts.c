@@ -55,7 +55,8 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf1
                                  : ((const float *)x)[t * H + j];
     }
     matmul(xs, M, w13, bf16, H, 2 * N, gu);
-    for (int64_t m = 0; m < M; m++) activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, h + m * N);
+    for (int64_t m = 0; m < M; m++)
+        activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, h + m * N);
     matmul(h, M, w2, bf16, N, H, y);
     for (int64_t m = 0; m < M; m++) {
         const float wt = topk_w[pairs[m]];

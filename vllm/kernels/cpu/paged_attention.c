@@ -91,9 +91,10 @@ int paged_decode_attention(const void *q, const void *cache, const int64_t *bloc
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = seq_lens[b];
         if (L < 1 || L > bt_stride * block_size) return -2;
-        for (int64_t i = 0; i < (L + block_size - 1) / block_size; i++)
-            if (block_tables[b * bt_stride + i] < 0 || block_tables[b * bt_stride + i] >= num_blocks)
-                return -2;
+        for (int64_t i = 0; i < (L + block_size - 1) / block_size; i++) {
+            const int64_t blk = block_tables[b * bt_stride + i];
+            if (blk < 0 || blk >= num_blocks) return -2;
+        }
         max_len = L > max_len ? L : max_len;
     }
     const void *values = (const char *)cache + num_blocks * block_size * Hkv * D * esz;

@@ -51,7 +51,8 @@ def test_loaded_expert_tensors_equal_checkpoint(float_dir, tmp_path, scheme):
                            want.to(got.dtype).view(torch.uint8) if got.element_size() == 1
                            else want.to(got.dtype)), n
     # dense layers stay unquantized
-    q_proj, want = model.model.layers[0].self_attn.q_proj, ck["model.layers.0.self_attn.q_proj.weight"]
+    q_proj = model.model.layers[0].self_attn.q_proj
+    want = ck["model.layers.0.self_attn.q_proj.weight"]
     packed = q_proj._buffers.get("packed_weight")          # the CPU kernel's layout, when used
     got, want = (packed, prepack(want)) if packed is not None else (q_proj.weight, want)
     assert got.dtype == torch.float32 and torch.equal(got, want)
