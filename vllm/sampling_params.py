@@ -2,9 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from enum import IntEnum
 
 _EPS = 1e-5
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class RequestOutputKind(IntEnum):
+    """What ``LLMEngine.step`` reports for a request (vLLM's names and values)."""
+    CUMULATIVE = 0
+    """Every step, the whole output so far."""
+    DELTA = 1
+    """Every step, only the new part (not supported here: rejected)."""
+    FINAL_ONLY = 2
+    """Only once, when the request finishes (``LLM.generate`` uses this)."""
 
 
 @dataclass
@@ -43,10 +54,16 @@ class SamplingParams:
     """Drop special tokens when detokenizing."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string in the text."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """CUMULATIVE (every step) or FINAL_ONLY (only when finished); DELTA is not supported."""
     _all_stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self._int("n", 1)
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind={self.output_kind!r} is invalid: must be "
+                             "RequestOutputKind.CUMULATIVE or RequestOutputKind.FINAL_ONLY")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._num("temperature", 0.0, None)
         self._num("top_p", 0.0, 1.0, low_open=True)
         if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1

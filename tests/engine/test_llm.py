@@ -180,3 +180,32 @@ def test_generation_config_eos_ids_stop_generation(tiny_model_factory, tmp_path)
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
     # ignore_eos keeps going past it, as with the tokenizer's EOS.
     assert llm.generate([prompt], _greedy(12))[0].outputs[0].token_ids == free
+
+
+def test_output_kind_final_only_reports_each_request_once(tiny_model_factory):
+    """FINAL_ONLY (what LLM.generate uses) reports a request only when it finishes, with the same
+    outputs CUMULATIVE ends with; DELTA is rejected by name."""
+    from vllm.sampling_params import RequestOutputKind
+    llm = LLM(tiny_model_factory())
+    engine = llm.llm_engine
+    prompts = [[5, 6, 7], [8, 9]]
+    results = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{kind.name}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=3 + 2 * i, n=2, seed=1,
+                                              ignore_eos=True, output_kind=kind))
+        reported = []
+        while engine.has_unfinished_requests():
+            reported += engine.step()
+        results[kind] = reported
+    cumulative, final = results[RequestOutputKind.CUMULATIVE], results[RequestOutputKind.FINAL_ONLY]
+    assert any(not o.finished for o in cumulative)
+    assert [o.finished for o in final] == [True, True]
+    last = {o.request_id.split("-")[1]: o for o in cumulative if o.finished}
+    for o in final:
+        want = last[o.request_id.split("-")[1]]
+        assert [(c.index, c.token_ids, c.text) for c in o.outputs] == \
+            [(c.index, c.token_ids, c.text) for c in want.outputs]
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)

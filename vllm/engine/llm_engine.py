@@ -14,7 +14,7 @@ from vllm.engine.output_processor import OutputProcessor, make_request_output
 from vllm.engine.prompt_processor import PromptProcessor
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -133,9 +133,11 @@ class LLMEngine:
             if result.finish_status is not None:
                 self.scheduler.finish_request(req.request_id, result.finish_status,
                                               result.stop_reason)
-            out = make_request_output(req, result)
-            out = self._fan_in(out)
-            if out is not None:
+            final_only = req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
+            if final_only and not result.finished:
+                continue  # nothing to report yet: skip building the cumulative output
+            out = self._fan_in(make_request_output(req, result))
+            if out is not None and (out.finished or not final_only):
                 outputs.append(out)
         self._dropped_children.clear()
         self.moe_stats.maybe_log()

@@ -8,7 +8,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -41,6 +41,8 @@ class LLM:
         processed = [self.llm_engine.process_prompt(p, index=i) for i, p in enumerate(prompt_list)]
         ids = []
         for (text, token_ids), sp in zip(processed, params):
+            # Only finished outputs are returned: the engine need not build the others.
+            sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = str(next(self._counter))
             prompt = {"prompt_token_ids": token_ids} if text is None else {
                 "prompt_token_ids": token_ids, "prompt": text}
