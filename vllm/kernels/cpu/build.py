@@ -31,8 +31,9 @@ _SRC_DIR = Path(__file__).parent
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
           "-std=gnu11"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-# Exported functions -> ctypes argument types (restype is int: 0 = ok).
-_SIGNATURES = {
+# Exported functions -> ctypes argument types (restype is int: 0 = ok). Public: the step
+# profiler (benchmarks/profile_decode_step.py) times each of these.
+SIGNATURES = {
     "moe_expert_pairs": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT,
                          _INT],
     "pack_block_width": [],
@@ -98,7 +99,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable (%s); using torch ops", e)
         return None
-    for name, argtypes in _SIGNATURES.items():
+    for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib

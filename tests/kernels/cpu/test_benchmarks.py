@@ -1,0 +1,38 @@
+"""The kernel benchmarks run end to end (tiny settings) and report what they claim to."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_cpu_kernels_rows(capsys):
+    rows = _load("benchmark_cpu_kernels").main(["--iters", "3"])
+    assert len(rows) == 6 and all(t > 0 and c > 0 for _, t, c in rows)
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_profile_decode_step_splits_the_step(capsys):
+    result = _load("profile_decode_step").main(["--batch", "2", "--steps", "3"])
+    kernels = result["kernels_ms"]
+    assert {"dense_linear", "moe_expert_pairs", "paged_decode_attention"} <= set(kernels)
+    assert 0 < sum(kernels.values()) < result["step_ms"]
+    assert "C kernels" in capsys.readouterr().out
+    from vllm.kernels.cpu.build import load_cpu_kernels
+    lib = load_cpu_kernels()
+    assert type(lib.dense_linear).__name__ != "_Timed"     # the shared library is left as found
+
+
+def test_profile_decode_step_needs_the_kernels(torch_paths):
+    with pytest.raises(SystemExit):
+        _load("profile_decode_step").main(["--steps", "1"])
