@@ -1,9 +1,9 @@
 """Compile the C kernels in this folder into one shared library on first use, and load it.
 
 Why C through ctypes and not a torch C++ extension: the sources include no torch headers, so a
-build takes about a second (a one-function torch C++ extension took 36 s on the 2-core dev machine,
-``torch.utils.cpp_extension.load_inline``) and needs
-only a C compiler. The library is built for this machine (``-march=native``) into
+build takes about a second and needs only a C compiler (a one-function torch C++ extension built
+with ``torch.utils.cpp_extension.load_inline`` took 36 s on the 2-core dev machine).
+The library is built for this machine (``-march=native``) into
 ``$VLLM_CACHE_ROOT/cpu_kernels/<key>/`` (default ``~/.cache/vllm``), keyed by the sources, the
 flags, the compiler and the CPU, so a changed source or a different machine rebuilds.
 Linked with ``-fopenmp``, it uses the OpenMP runtime torch has already loaded (same soname), so
