@@ -2,7 +2,7 @@
 everything else (Python, small torch ops, scheduling, output processing).
 
     python benchmarks/profile_decode_step.py [--model PATH] [--batch 32] [--threads 1]
-        [--steps 40] [--dtype float32]
+        [--steps 40] [--dtype float32] [--moe-expert-cache-size N]
 
 Runs ``--batch`` requests of 64 random prompt tokens, skips the prefill and a few warm-up steps,
 then times ``--steps`` decode steps of the full batch. Needs the CPU kernels (it reports what they
@@ -36,6 +36,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--moe-expert-cache-size", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from vllm.kernels.cpu.build import SIGNATURES, load_cpu_kernels
@@ -53,7 +54,8 @@ def main(argv=None) -> dict:
             setattr(lib, name, fn)
     kernels_ms = {k: v / args.steps * 1e3 for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     total_kernels = sum(kernels_ms.values())
-    print(f"batch={args.batch} threads={args.threads} dtype={args.dtype}: step {step_ms:.2f} ms = "
+    print(f"batch={args.batch} threads={args.threads} dtype={args.dtype} "
+          f"cache={args.moe_expert_cache_size}: step {step_ms:.2f} ms = "
           f"C kernels {total_kernels:.2f} ms + rest {step_ms - total_kernels:.2f} ms")
     for name, ms in kernels_ms.items():
         print(f"  {name:24s} {ms:.3f} ms")
@@ -63,7 +65,8 @@ def main(argv=None) -> dict:
 def _time_steps(args, totals: dict) -> float:
     """ms per decode step of the full batch, after the prefill and warm-up (``totals`` reset)."""
     from vllm import LLM, SamplingParams
-    llm = LLM(args.model, dtype=args.dtype) if args.model else LLM(dtype=args.dtype)
+    kwargs = dict(dtype=args.dtype, moe_expert_cache_size=args.moe_expert_cache_size)
+    llm = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
     engine = llm.llm_engine
     vocab = engine.runner.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
