@@ -21,11 +21,9 @@ INLINE void norm_rows(const void *x, const void *weight, void *out, int64_t rows
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
         for (int64_t j = 0; j < n; j++) {
             const float y = load1(x, bf16, r * n + j) * inv;
-            if (bf16) /* HF rounds the normalised value to the model dtype, then scales */
-                ((bf16_t *)out)[r * n + j] =
-                    f32_to_bf16(bf16_to_f32(f32_to_bf16(y)) * load1(weight, 1, j));
-            else
-                ((float *)out)[r * n + j] = load1(weight, 0, j) * y;
+            /* HF rounds the normalised value to the model dtype, then scales */
+            const float yd = bf16 ? bf16_to_f32(f32_to_bf16(y)) : y;
+            store1(out, bf16, r * n + j, load1(weight, bf16, j) * yd);
         }
     }
 }

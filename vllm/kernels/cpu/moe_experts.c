@@ -50,9 +50,7 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf1
     float *xs = scratch, *gu = xs + CHUNK * H, *h = gu + CHUNK * 2 * N, *y = h + CHUNK * N;
     for (int64_t m = 0; m < M; m++) {
         int64_t t = pairs[m] / K;
-        for (int64_t j = 0; j < H; j++)
-            xs[m * H + j] = bf16 ? bf16_to_f32(((const bf16_t *)x)[t * H + j])
-                                 : ((const float *)x)[t * H + j];
+        for (int64_t j = 0; j < H; j++) xs[m * H + j] = load1(x, bf16, t * H + j);
     }
     matmul(xs, M, w13, bf16, H, 2 * N, gu);
     for (int64_t m = 0; m < M; m++)
@@ -60,11 +58,7 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf1
     matmul(h, M, w2, bf16, N, H, y);
     for (int64_t m = 0; m < M; m++) {
         const float wt = topk_w[pairs[m]];
-        for (int64_t j = 0; j < H; j++) {
-            const float v = y[m * H + j] * wt;
-            if (bf16) ((bf16_t *)out)[pairs[m] * H + j] = f32_to_bf16(v);
-            else ((float *)out)[pairs[m] * H + j] = v;
-        }
+        for (int64_t j = 0; j < H; j++) store1(out, bf16, pairs[m] * H + j, y[m * H + j] * wt);
     }
 }
 

@@ -74,10 +74,7 @@ INLINE void attend(const void *q, const void *keys, const void *values, const in
                 for (int64_t d = 0; d < D; d++) acc[h * D + d] += ph * load1(v, bf16, d);
             }
     }
-    for (int64_t i = 0; i < Hq * D; i++) {
-        if (bf16) ((uint16_t *)out)[i] = f32_to_bf16(acc[i]);
-        else ((float *)out)[i] = acc[i];
-    }
+    for (int64_t i = 0; i < Hq * D; i++) store1(out, bf16, i, acc[i]);
 }
 
 /* Returns 0; -1 if scratch could not be allocated; -2 if a sequence's length or block ids fall

@@ -18,18 +18,11 @@ INLINE void rotate_heads(const void *x, void *out, int64_t heads, int64_t D, int
         for (int64_t i = 0; i < h; i++) {
             const float x1 = load1(x, bf16, b + i), x2 = load1(x, bf16, b + i + h);
             const float o1 = x1 * c[i] - x2 * s[i], o2 = x2 * c[i] + x1 * s[i];
-            if (bf16) {
-                ((bf16_t *)out)[b + i] = f32_to_bf16(o1);
-                ((bf16_t *)out)[b + i + h] = f32_to_bf16(o2);
-            } else {
-                ((float *)out)[b + i] = o1;
-                ((float *)out)[b + i + h] = o2;
-            }
+            store1(out, bf16, b + i, o1);
+            store1(out, bf16, b + i + h, o2);
         }
-        for (int64_t i = rd; i < D; i++) {
-            if (bf16) ((bf16_t *)out)[b + i] = ((const bf16_t *)x)[b + i];
-            else ((float *)out)[b + i] = ((const float *)x)[b + i];
-        }
+        const size_t esz = bf16 ? 2 : 4;       /* dims past rd: copied bit for bit */
+        memcpy((char *)out + (b + rd) * esz, (const char *)x + (b + rd) * esz, (D - rd) * esz);
     }
 }
 

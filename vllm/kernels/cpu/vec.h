@@ -35,6 +35,12 @@ INLINE float load1(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* p[i] = v in an f32 (bf16 == 0) or bf16 array (rounded to nearest even). */
+INLINE void store1(void *p, int bf16, int64_t i, float v) {
+    if (bf16) ((bf16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
 /* Elements i .. i + 15 of an f32 or bf16 array, widened to f32. */
 INLINE vf loadv(const void *p, int bf16, int64_t i) {
     if (!bf16) return *(const vf *)((const float *)p + i);

@@ -82,10 +82,14 @@ class Attention(nn.Module):
                 out[s:e] = self._prefill_chunk(q[s:e], i, md)
         return out.view(T, -1)
 
-    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def _cache_on_kernels(self) -> bool:
+        """The C kernels can read and write this layer's KV cache (CPU, f32/bf16, contiguous)."""
         cache = self.kv_cache
-        if cache.is_contiguous() and kernels_support(cache.dtype, cache.device):
-            write_kv_cache(k, v, slot_mapping, cache, self.prefix)
+        return cache.is_contiguous() and kernels_support(cache.dtype, cache.device)
+
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self._cache_on_kernels():
+            write_kv_cache(k, v, slot_mapping, self.kv_cache, self.prefix)
             return
         # .view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
         shape = (-1, self.num_kv_heads, self.head_dim)
@@ -130,10 +134,9 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """All decodes at once: q [B, Hq, D] (one token each) -> [B, Hq, D]."""
-        cache = self.kv_cache
-        if not (cache.is_contiguous() and kernels_support(cache.dtype, cache.device)):
+        if not self._cache_on_kernels():
             return self._decode_torch(q, md)
-        return paged_decode_attention(q, cache, md.block_tables, md.seq_lens, self.scale,
+        return paged_decode_attention(q, self.kv_cache, md.block_tables, md.seq_lens, self.scale,
                                       self.num_kv_heads, self.prefix)
 
     def _decode_torch(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
