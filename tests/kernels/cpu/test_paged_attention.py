@@ -10,13 +10,13 @@ from vllm.model_executor.layers.attention import Attention
 BS, NB = 4, 64
 
 
-def _decode_case(lens, hq, hkv, d, dtype, seed=0):
+def _decode_case(lens, hq, hkv, d, dtype, seed=0, bs=BS, q_scale=1.0):
     g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, NB, BS, hkv, d, generator=g).to(dtype)
+    cache = torch.randn(2, NB, bs, hkv, d, generator=g).to(dtype)
     perm = torch.randperm(NB, generator=g).tolist()
     tables, used = [], 0
     for L in lens:
-        nblk = -(-L // BS)
+        nblk = -(-L // bs)
         tables.append(perm[used:used + nblk])
         used += nblk
     width = max(map(len, tables))
@@ -25,15 +25,15 @@ def _decode_case(lens, hq, hkv, d, dtype, seed=0):
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         seq_lens=torch.tensor(lens), query_start_loc=torch.arange(len(lens) + 1),
         seq_lens_cpu=list(lens), query_lens_cpu=[1] * len(lens), num_decodes=len(lens),
-        block_size=BS)
-    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+        block_size=bs)
+    q = (torch.randn(len(lens), hq, d, generator=g) * q_scale).to(dtype)
     return cache, tables, md, q
 
 
 def _naive(cache, tables, lens, q, scale):
     """Explicit loops over sequences and heads, in f32."""
     B, hq, d = q.shape
-    hkv = cache.shape[3]
+    BS, hkv = cache.shape[2], cache.shape[3]
     out = torch.empty(B, hq, d)
     for b, L in enumerate(lens):
         rows = [tables[b][p // BS] * BS + p % BS for p in range(L)]
@@ -59,6 +59,21 @@ def test_decode_kernel_matches_naive(hq, hkv, d, dtype, tol):
                                rtol=tol)
     # The torch fallback agrees too (it is the path used off CPU or without a compiler).
     torch.testing.assert_close(attn._decode_torch(q, md).float(), got.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 2, 128), (3, 1, 16)])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_decode_kernel_long_contexts_and_full_chunks(hq, hkv, d, bs):
+    """Many 16-token chunks per sequence (the kernel's online softmax rescales at each) and
+    scores spread over tens of units, so a wrong rescale shows; (4, 2, 64) and (8, 2, 128) are
+    the kernel's specialised shapes."""
+    lens = [1, 15, 16, 17, 200, 31, 96]
+    cache, tables, md, q = _decode_case(lens, hq, hkv, d, torch.float32, seed=bs + d, bs=bs,
+                                        q_scale=4.0)
+    attn = Attention(hq, d, hkv, d ** -0.5)
+    attn.kv_cache = cache
+    torch.testing.assert_close(attn._decode(q, md), _naive(cache, tables, lens, q, d ** -0.5),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_decode_kernel_rejects_block_ids_outside_the_cache():

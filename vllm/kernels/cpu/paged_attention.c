@@ -6,21 +6,109 @@
  * of sequence b at block block_tables[b, l / block_size], offset l % block_size; G = Hq / Hkv
  * (query head h reads kv head h / G, HF's repeat_kv order). q, cache and out share one dtype,
  * f32 or bf16; scores, softmax and the weighted sum are f32.
- * Reads the cache in place: no gather into a padded copy, no mask.
+ * Reads the cache in place (no gather into a padded copy, no mask) and in one pass: keys and
+ * values chunk by chunk, with an online softmax.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "vec.h"
 
-/* dot(a, b) with a f32 and b in the cache dtype: lane-wise partial sums, fixed reduction. */
-INLINE float dot(const float *a, const void *b, int bf16, int64_t n) {
-    vf acc = (vf){0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) acc += *(const vf *)(a + i) * loadv(b, bf16, i);
-    float s = lane_sum(acc);
-    for (; i < n; i++) s += a[i] * load1(b, bf16, i);
-    return s;
+/* Up to 16 consecutive tokens of one block are scored as one vector (lane o = token o): each
+ * token's q . k is first a vector of partial products, and 16 such vectors are summed lane-wise
+ * by a transpose tree (reduce16), not one horizontal sum per token. */
+#define CHUNK LANES
+
+/* Level s of the tree: x and y hold groups of 2s lanes, each group one token's partial sums;
+ * the result holds groups of s lanes, x's and y's alternating. */
+#define HALVES(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+
+/* The tree leaves its results in bit-reversed token order, so token o's partials go in at
+ * BITREV[o] and the sums come out in natural order. */
+static const int BITREV[CHUNK] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+/* r[o] = sum of the lanes of part[BITREV[o]], in a fixed order. */
+INLINE vf reduce16(const vf *part) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = HALVES(part[2 * i], part[2 * i + 1], LO8) + HALVES(part[2 * i], part[2 * i + 1], HI8);
+    for (int i = 0; i < 4; i++)
+        b[i] = HALVES(a[2 * i], a[2 * i + 1], LO4) + HALVES(a[2 * i], a[2 * i + 1], HI4);
+    for (int i = 0; i < 2; i++)
+        c[i] = HALVES(b[2 * i], b[2 * i + 1], LO2) + HALVES(b[2 * i], b[2 * i + 1], HI2);
+    return HALVES(c[0], c[1], LO1) + HALVES(c[0], c[1], HI1);
+}
+
+INLINE float lane_max(vf v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* Per sequence: for each query head, the running max m, the running sum l of exp(score - m),
+ * and acc = sum exp(score - m) * v. Each chunk rescales them once to its new max (online
+ * softmax), so keys and values are read in one pass. */
+
+/* The G query heads of one kv head over nc <= CHUNK tokens (keys kb, values vb: rows of `row`
+ * elements, the kv head's column offset applied): q, acc [G, D] f32; m, l [G]. Inlined with
+ * constant G and D where the caller knows them, so q and the partial sums stay in registers. */
+INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const void *kb,
+                        const void *vb, int64_t nc, int64_t row, int64_t G, int64_t D,
+                        float scale, int bf16) {
+    const int64_t dv = D - D % LANES;
+    vf part[G][CHUNK];
+    float tail[G][CHUNK];
+    memset(tail, 0, sizeof(tail));
+    for (int64_t o = 0; o < CHUNK; o++) {
+        vf s[G];
+        for (int64_t g = 0; g < G; g++) s[g] = (vf){0};
+        if (o < nc) {
+            for (int64_t d = 0; d < dv; d += LANES) {
+                const vf k = loadv(kb, bf16, o * row + d);
+                for (int64_t g = 0; g < G; g++) s[g] += *(const vf *)(q + g * D + d) * k;
+            }
+            for (int64_t d = dv; d < D; d++) {
+                const float k = load1(kb, bf16, o * row + d);
+                for (int64_t g = 0; g < G; g++) tail[g][o] += q[g * D + d] * k;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) part[g][BITREV[o]] = s[g];
+    }
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    float p[G][CHUNK], alpha[G];
+    for (int64_t g = 0; g < G; g++) {
+        vf sc = (reduce16(part[g]) + *(vf *)tail[g]) * scale;
+        sc = vselect(lane < (int32_t)nc, sc, (vf){0} - INFINITY);
+        const float mx = lane_max(sc), m_new = mx > m[g] ? mx : m[g];
+        const vf e = vselect(lane < (int32_t)nc, vexp(sc - m_new), (vf){0});
+        alpha[g] = vexp((vf){0} + (m[g] - m_new))[0];         /* 0-ish on the first chunk */
+        m[g] = m_new;
+        l[g] = l[g] * alpha[g] + lane_sum(e);
+        memcpy(p[g], &e, sizeof(e));
+    }
+    for (int64_t d = 0; d < dv; d += LANES) {
+        vf a[G];
+        for (int64_t g = 0; g < G; g++) a[g] = *(vf *)(acc + g * D + d) * alpha[g];
+        for (int64_t o = 0; o < nc; o++) {
+            const vf v = loadv(vb, bf16, o * row + d);
+            for (int64_t g = 0; g < G; g++) a[g] += p[g][o] * v;
+        }
+        for (int64_t g = 0; g < G; g++) memcpy(acc + g * D + d, &a[g], sizeof(vf));
+    }
+    for (int64_t d = dv; d < D; d++)
+        for (int64_t g = 0; g < G; g++) {
+            float a = acc[g * D + d] * alpha[g];
+            for (int64_t o = 0; o < nc; o++) a += p[g][o] * load1(vb, bf16, o * row + d);
+            acc[g * D + d] = a;
+        }
 }
 
 /* Blocks are scattered over the cache, which the hardware prefetcher cannot follow: while one
@@ -37,44 +125,50 @@ INLINE void prefetch_block(const void *keys, const void *values, const int64_t *
     }
 }
 
-/* One sequence, all its heads: scratch holds Hq*(L + 2D) floats. Inlined with a constant bf16
- * so each dtype gets its own vectorised loops. Positions are walked block by block, each
- * position's row (all kv heads) read once and in order. */
+/* One sequence, all its heads, in one pass over its blocks: scratch holds 2 * Hq * (D + 1)
+ * floats. */
 INLINE void attend(const void *q, const void *keys, const void *values, const int64_t *table,
-                   int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                   int bf16, float *scratch, void *out) {
-    const int64_t G = Hq / Hkv, esz = bf16 ? 2 : 4, nblk = (L + bs - 1) / bs, row = Hkv * D;
-    float *qf = scratch, *acc = qf + Hq * D, *p = acc + Hq * D;   /* p [Hq, L] */
+                   int64_t L, int64_t Hq, int64_t Hkv, int64_t G, int64_t D, int64_t bs,
+                   float scale, int bf16, float *scratch, void *out) {
+    const int64_t esz = bf16 ? 2 : 4, nblk = (L + bs - 1) / bs, row = Hkv * D;
+    float *qf = scratch, *acc = scratch + Hq * D, *m = acc + Hq * D, *l = m + Hq;
     for (int64_t i = 0; i < Hq * D; i++) qf[i] = load1(q, bf16, i);
+    memset(acc, 0, sizeof(float) * Hq * D);
+    for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.0f;
     for (int64_t blk = 0; blk < nblk; blk++) {
         prefetch_block(keys, values, table, blk + 1, L, bs, row * esz);
-        const int64_t l0 = blk * bs, n = L - l0 < bs ? L - l0 : bs;
-        const char *kb = (const char *)keys + table[blk] * bs * row * esz;
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t h = 0; h < Hq; h++)
-                p[h * L + l0 + o] =
-                    scale * dot(qf + h * D, kb + (o * row + (h / G) * D) * esz, bf16, D);
-    }
-    for (int64_t h = 0; h < Hq; h++) {
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t l = 0; l < L; l++) mx = p[h * L + l] > mx ? p[h * L + l] : mx;
-        exp_shifted(p + h * L, L, -mx);
-        for (int64_t l = 0; l < L; l++) sum += p[h * L + l];
-        const float inv = 1.0f / sum;
-        for (int64_t l = 0; l < L; l++) p[h * L + l] *= inv;
-    }
-    memset(acc, 0, sizeof(float) * Hq * D);
-    for (int64_t blk = 0; blk < nblk; blk++) {
-        const int64_t l0 = blk * bs, n = L - l0 < bs ? L - l0 : bs;
-        const char *vb = (const char *)values + table[blk] * bs * row * esz;
-        for (int64_t o = 0; o < n; o++)
-            for (int64_t h = 0; h < Hq; h++) {
-                const float ph = p[h * L + l0 + o];
-                const void *v = vb + (o * row + (h / G) * D) * esz;
-                for (int64_t d = 0; d < D; d++) acc[h * D + d] += ph * load1(v, bf16, d);
+        const int64_t n = L - blk * bs < bs ? L - blk * bs : bs;
+        const int64_t base = table[blk] * bs * row * esz;
+        for (int64_t o0 = 0; o0 < n; o0 += CHUNK)
+            for (int64_t j = 0; j < Hkv; j++) {
+                const int64_t off = base + (o0 * row + j * D) * esz, h = j * G;
+                group_chunk(qf + h * D, acc + h * D, m + h, l + h, (const char *)keys + off,
+                            (const char *)values + off, n - o0 < CHUNK ? n - o0 : CHUNK, row,
+                            G, D, scale, bf16);
             }
     }
-    for (int64_t i = 0; i < Hq * D; i++) store1(out, bf16, i, acc[i]);
+    for (int64_t h = 0; h < Hq; h++) {
+        const float inv = 1.0f / l[h];
+        for (int64_t d = 0; d < D; d++) store1(out, bf16, h * D + d, acc[h * D + d] * inv);
+    }
+}
+
+/* attend() specialised on the dtype and, for common shapes, on G and D (constants let the
+ * compiler keep a group's queries and partial sums in registers). */
+#define ATTEND(bf, g, d) attend(q, keys, values, table, L, Hq, Hkv, g, d, bs, scale, bf, scratch, out)
+static void attend_any(const void *q, const void *keys, const void *values, const int64_t *table,
+                       int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                       int bf16, float *scratch, void *out) {
+    const int64_t G = Hq / Hkv;
+    if (bf16) {
+        if (G == 2 && D == 64) ATTEND(1, 2, 64);
+        else if (G == 4 && D == 128) ATTEND(1, 4, 128);
+        else ATTEND(1, G, D);
+    } else {
+        if (G == 2 && D == 64) ATTEND(0, 2, 64);
+        else if (G == 4 && D == 128) ATTEND(0, 4, 128);
+        else ATTEND(0, G, D);
+    }
 }
 
 /* Returns 0; -1 if scratch could not be allocated; -2 if a sequence's length or block ids fall
@@ -84,7 +178,6 @@ int paged_decode_attention(const void *q, const void *cache, const int64_t *bloc
                            int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
                            int64_t num_blocks, float scale, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
-    int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = seq_lens[b];
         if (L < 1 || L > bt_stride * block_size) return -2;
@@ -92,25 +185,20 @@ int paged_decode_attention(const void *q, const void *cache, const int64_t *bloc
             const int64_t blk = block_tables[b * bt_stride + i];
             if (blk < 0 || blk >= num_blocks) return -2;
         }
-        max_len = L > max_len ? L : max_len;
     }
     const void *values = (const char *)cache + num_blocks * block_size * Hkv * D * esz;
     int failed = 0;
     #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(Hq * (max_len + 2 * D)));
+        float *scratch = malloc(sizeof(float) * (size_t)(2 * Hq * (D + 1)));
         if (!scratch) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             if (!scratch) continue;
             const void *qb = (const char *)q + b * Hq * D * esz;
             void *ob = (char *)out + b * Hq * D * esz;
-            if (bf16)
-                attend(qb, cache, values, block_tables + b * bt_stride, seq_lens[b], Hq, Hkv, D,
-                       block_size, scale, 1, scratch, ob);
-            else
-                attend(qb, cache, values, block_tables + b * bt_stride, seq_lens[b], Hq, Hkv, D,
-                       block_size, scale, 0, scratch, ob);
+            attend_any(qb, cache, values, block_tables + b * bt_stride, seq_lens[b], Hq, Hkv, D,
+                       block_size, scale, bf16, scratch, ob);
         }
         free(scratch);
     }
