@@ -55,6 +55,33 @@ def test_argmax_matches_torch_including_ties_and_nan():
     assert torch.equal(argmax_rows(x[:, :7]), x[:, :7].argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,k,renorm", [(32, 4, True), (8, 2, False), (60, 8, True), (5, 5, True)])
+def test_topk_softmax_kernel_matches_torch_router(dtype, E, k, renorm):
+    from vllm.model_executor.layers.fused_moe.router import (RouterConfig, select_experts,
+                                                             select_experts_torch)
+    g = torch.Generator().manual_seed(E + k)
+    # Distinct logits (multiples of 1/8, exact in bf16 too): torch.topk's order among equal
+    # scores is unspecified, the kernel's is the lower expert first (tested below).
+    logits = torch.stack([(torch.randperm(E, generator=g) - E / 2) / 8 for _ in range(37)])
+    logits = logits.to(dtype)
+    cfg = RouterConfig(top_k=k, renormalize=renorm, num_experts=E)
+    weights, ids = select_experts(logits, cfg)              # the C kernel on CPU
+    want_w, want_ids = select_experts_torch(logits, cfg)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-6)
+
+
+def test_topk_softmax_kernel_ties_take_the_lower_expert_first():
+    from vllm.kernels.cpu.ops import topk_softmax
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, -1.0]])
+    weights, ids = topk_softmax(logits, 4, renormalize=False)
+    assert ids.tolist() == [[1, 3, 2, 4]]
+    scores = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(weights, scores[:, [1, 3, 2, 4]])
+
+
 def test_wrappers_reject_shapes_the_kernels_would_overrun():
     """The C side trusts its sizes: each wrapper checks them and names what does not fit."""
     from vllm.kernels.cpu import ops

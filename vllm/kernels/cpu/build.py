@@ -46,6 +46,7 @@ SIGNATURES = {
                                _I64, ctypes.c_float, _INT],
     "write_kv_cache": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "argmax_rows": [_PTR, _I64, _I64, _PTR],
+    "topk_softmax": [_PTR, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR],
 }
 
 

@@ -27,6 +27,17 @@ def prepack(w: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., n] as a contiguous [rows, n] (no call when it already is one: each torch call
+    costs about a microsecond here, and a decode step makes dozens)."""
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, n).contiguous()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` contiguous in ``dtype`` (no call when it already is)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) with ``packed = prepack(w)``: x [..., n] -> [..., out_features]."""
@@ -34,19 +45,19 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if packed.numel() != out_features * n or packed.dtype != x.dtype:
         raise ValueError(f"dense_linear: packed weight ({packed.numel()} x {packed.dtype}) does not "
                          f"match x [..., {n}] ({x.dtype}) and out_features={out_features}")
-    if bias is not None and bias.numel() != out_features:
-        raise ValueError(f"dense_linear: bias has {bias.numel()} elements, out_features="
-                         f"{out_features}")
-    x2 = x.reshape(-1, n).contiguous()
-    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
     if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
+        if bias.numel() != out_features:
+            raise ValueError(f"dense_linear: bias has {bias.numel()} elements, out_features="
+                             f"{out_features}")
+        bias = _as(bias, x.dtype)
+    x2 = _rows(x, n)
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
     rc = load_cpu_kernels().dense_linear(
         x2.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
         out.data_ptr(), x2.shape[0], n, out_features, KERNEL_DTYPES[x.dtype])
     if rc:
         raise MemoryError("dense_linear: the kernel could not allocate its scratch")
-    return out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,8 +65,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     if weight.numel() != n:
         raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x has {n} per row")
-    x = x.contiguous()
-    weight = weight.to(x.dtype).contiguous()
+    x, weight = x.contiguous(), _as(weight, x.dtype)
     out = torch.empty_like(x)
     load_cpu_kernels().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                 x.numel() // max(n, 1), n, eps, KERNEL_DTYPES[x.dtype])
@@ -73,8 +83,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          f"[{T}], inv_freq [{inv_freq.numel()}] do not fit head_dim={head_dim}, "
                          f"rotary_dim={rotary_dim}")
     q, k = q.contiguous(), k.contiguous()
-    positions = positions.to(torch.int64).contiguous()
-    inv_freq = inv_freq.to(torch.float32).contiguous()
+    positions, inv_freq = _as(positions, torch.int64), _as(inv_freq, torch.float32)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     rc = load_cpu_kernels().rotary_embedding(
         positions.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
@@ -104,9 +113,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         raise ValueError(f"{prefix}: paged_decode_attention: q {tuple(q.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, {len(seq_lens)} seq_lens, {len(block_tables)} "
                          f"block tables do not fit num_kv_heads={num_kv_heads}")
-    q = q.to(kv_cache.dtype).contiguous()
-    tables = block_tables[:B].to(torch.int64).contiguous()
-    lens = seq_lens[:B].to(torch.int64).contiguous()
+    q = _as(q, kv_cache.dtype)
+    tables, lens = _as(block_tables, torch.int64), _as(seq_lens, torch.int64)  # first B rows read
     out = torch.empty_like(q)
     rc = load_cpu_kernels().paged_decode_attention(
         q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
@@ -127,11 +135,27 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
         raise ValueError(f"{prefix}: write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"{slot_mapping.numel()} slots do not fit kv_cache "
                          f"{tuple(kv_cache.shape)}")
-    k, v = k.to(kv_cache.dtype).contiguous(), v.to(kv_cache.dtype).contiguous()
-    slots = slot_mapping.to(torch.int64).contiguous()
+    k, v = _as(k, kv_cache.dtype), _as(v, kv_cache.dtype)
+    slots = _as(slot_mapping, torch.int64)
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     rc = load_cpu_kernels().write_kv_cache(k.data_ptr(), v.data_ptr(), slots.data_ptr(),
                                            kv_cache.data_ptr(), k.shape[0], num_slots,
                                            k[0].numel() * k.element_size() if len(k) else 0)
     if rc:
         raise RuntimeError(f"{prefix}: a KV slot is outside the cache ({num_slots} slots)")
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing: logits [T, E] -> (weights [T, top_k] f32, ids [T, top_k] int64),
+    largest score first; weights renormalised to sum 1 when ``renormalize``."""
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"topk_softmax: top_k={top_k} is invalid: must be in [1, {E}]")
+    logits = logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    load_cpu_kernels().topk_softmax(logits.data_ptr(), T, E, top_k, int(renormalize),
+                                    KERNEL_DTYPES[logits.dtype], weights.data_ptr(),
+                                    ids.data_ptr())
+    return weights, ids

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.kernels.cpu.ops import kernels_support, topk_softmax
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -48,7 +50,20 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     """Return (topk_weights [T, K] float32, topk_ids [T, K] int64).
 
     The correction bias (if any) only affects which experts are selected, never the weights.
+    Plain softmax top-k on CPU runs one C kernel (``vllm/kernels/cpu/router.c``) unless traced
+    by torch.compile; everything else, and the kernel's reference, is ``select_experts_torch``.
     """
+    if cfg.scoring_func == "softmax" and not cfg.num_expert_group and correction_bias is None \
+            and cfg.routed_scaling_factor == 1.0 and not torch.compiler.is_compiling() \
+            and kernels_support(router_logits.dtype, router_logits.device):
+        return topk_softmax(router_logits, cfg.top_k, cfg.renormalize)
+    return select_experts_torch(router_logits, cfg, correction_bias)
+
+
+def select_experts_torch(router_logits: torch.Tensor, cfg: RouterConfig,
+                         correction_bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` in torch ops, on any device."""
     logits = router_logits.float()
     scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
