@@ -10,6 +10,7 @@ Rows (medians of --iters calls, ms):
       16-token blocks scattered over the cache; "cold" rotates over 16 block layouts.
   lm_head: 32 x 256 -> 4096 (weights cold: 8 copies rotate).
   argmax: 32 x 4096 logits.
+  router: softmax top-4 of 32 experts, renormalised, for 32 tokens.
 """
 from __future__ import annotations
 
@@ -87,6 +88,15 @@ def _argmax(iters: int) -> tuple[float, float]:
             _median_ms(lambda i: argmax_rows(x), iters))
 
 
+def _router(iters: int) -> tuple[float, float]:
+    from vllm.model_executor.layers.fused_moe.router import (RouterConfig, select_experts,
+                                                             select_experts_torch)
+    cfg = RouterConfig(top_k=4, renormalize=True, num_experts=32)
+    logits = torch.randn(32, 32, generator=torch.Generator().manual_seed(4))
+    return (_median_ms(lambda i: select_experts_torch(logits, cfg), iters),
+            _median_ms(lambda i: select_experts(logits, cfg), iters))
+
+
 def main(argv=None) -> list[tuple[str, float, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -102,7 +112,8 @@ def main(argv=None) -> list[tuple[str, float, float]]:
             ("decode attention, hot (torch: gather + SDPA)", *_attention(1, args.iters)),
             ("decode attention, cold", *_attention(16, args.iters)),
             ("lm_head 32x256 -> 4096, cold (torch: F.linear)", *_lm_head(args.iters)),
-            ("argmax 32 x 4096", *_argmax(args.iters))]
+            ("argmax 32 x 4096", *_argmax(args.iters)),
+            ("router 32 x 32 experts, top-4", *_router(args.iters))]
     print(f"threads={args.threads}, medians of {args.iters} calls (ms)")
     print(f"{'op':48s} {'torch':>8s} {'C':>8s} {'speedup':>8s}")
     for name, t, c in rows:

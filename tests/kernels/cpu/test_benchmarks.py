@@ -18,7 +18,7 @@ def _load(name: str):
 
 def test_benchmark_cpu_kernels_rows(capsys):
     rows = _load("benchmark_cpu_kernels").main(["--iters", "3"])
-    assert len(rows) == 6 and all(t > 0 and c > 0 for _, t, c in rows)
+    assert len(rows) == 7 and all(t > 0 and c > 0 for _, t, c in rows)
     assert "speedup" in capsys.readouterr().out
 
 
