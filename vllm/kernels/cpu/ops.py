@@ -1,6 +1,7 @@
 """Python wrappers of the CPU C kernels (the expert kernel's is ``fused_moe/cpu_kernel.py``, a
 MoE backend): the packed weight layout, dense linear, paged decode attention and KV writes,
-RMSNorm, rotary and argmax. Each checks what the C side cannot and raises with the layer's name."""
+RMSNorm, rotary, argmax and softmax top-k routing. Each checks what the C side cannot and raises
+with the layer's name."""
 from __future__ import annotations
 
 import torch

@@ -57,12 +57,20 @@ INLINE float lane_max(vf v) {
  * and acc = sum exp(score - m) * v. Each chunk rescales them once to its new max (online
  * softmax), so keys and values are read in one pass. */
 
+/* Where a later chunk's rows of one kv head are (keys k, values v; n of them, 0 past the end):
+ * group_chunk asks for one of its rows per token it computes. */
+typedef struct {
+    const char *k, *v;
+    int64_t n;
+} Ahead;
+
 /* The G query heads of one kv head over nc <= CHUNK tokens (keys kb, values vb: rows of `row`
  * elements, the kv head's column offset applied): q, acc [G, D] f32; m, l [G]. Inlined with
  * constant G and D where the caller knows them, so q and the partial sums stay in registers. */
 INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const void *kb,
                         const void *vb, int64_t nc, int64_t row, int64_t G, int64_t D,
-                        float scale, int bf16) {
+                        float scale, int bf16, Ahead ahead) {
+    const int64_t esz = bf16 ? 2 : 4;
     const int64_t dv = D - D % LANES;
     vf part[G][CHUNK];
     float tail[G][CHUNK];
@@ -70,6 +78,11 @@ INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const vo
     for (int64_t o = 0; o < CHUNK; o++) {
         vf s[G];
         for (int64_t g = 0; g < G; g++) s[g] = (vf){0};
+        if (o < ahead.n)
+            for (int64_t b = 0; b < D * esz; b += 64) {
+                __builtin_prefetch(ahead.k + o * row * esz + b);
+                __builtin_prefetch(ahead.v + o * row * esz + b);
+            }
         if (o < nc) {
             for (int64_t d = 0; d < dv; d += LANES) {
                 const vf k = loadv(kb, bf16, o * row + d);
@@ -111,18 +124,23 @@ INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const vo
         }
 }
 
-/* Blocks are scattered over the cache, which the hardware prefetcher cannot follow: while one
- * block is computed, ask for the next block's keys and values (all kv heads: one block of one
- * layer is a contiguous bs * Hkv * D run in each). */
-INLINE void prefetch_block(const void *keys, const void *values, const int64_t *table, int64_t blk,
-                           int64_t L, int64_t bs, int64_t row_bytes) {
-    if (blk * bs >= L) return;
-    const int64_t n = L - blk * bs < bs ? L - blk * bs : bs;
-    const int64_t off = table[blk] * bs * row_bytes;
-    for (int64_t b = 0; b < n * row_bytes; b += 64) {
-        __builtin_prefetch((const char *)keys + off + b);
-        __builtin_prefetch((const char *)values + off + b);
-    }
+/* Blocks are scattered over the cache, which the hardware prefetcher cannot follow, so the
+ * rows of the chunk PF_CHUNKS ahead are prefetched a row at a time while this one is computed
+ * (a whole block at once overflows the outstanding-miss queues; measured: 2 ahead is best,
+ * 15% faster than prefetching the next block at its start, on 300-token contexts). Chunks never
+ * straddle blocks: chunk c is block c / cpb, rows from (c % cpb) * CHUNK, cpb chunks per block. */
+#define PF_CHUNKS 2
+INLINE Ahead chunk_ahead(const void *keys, const void *values, const int64_t *table, int64_t c,
+                         int64_t L, int64_t bs, int64_t row_bytes, int64_t col_bytes) {
+    const int64_t cpb = (bs + CHUNK - 1) / CHUNK, blk = c / cpb, o0 = (c % cpb) * CHUNK;
+    Ahead a = {0, 0, 0};
+    if (blk * bs + o0 >= L) return a;
+    const int64_t end = L - blk * bs < bs ? L - blk * bs : bs;
+    const int64_t off = (table[blk] * bs + o0) * row_bytes + col_bytes;
+    a.k = (const char *)keys + off;
+    a.v = (const char *)values + off;
+    a.n = end - o0 < CHUNK ? end - o0 : CHUNK;
+    return a;
 }
 
 /* One sequence, all its heads, in one pass over its blocks: scratch holds 2 * Hq * (D + 1)
@@ -135,16 +153,19 @@ INLINE void attend(const void *q, const void *keys, const void *values, const in
     for (int64_t i = 0; i < Hq * D; i++) qf[i] = load1(q, bf16, i);
     memset(acc, 0, sizeof(float) * Hq * D);
     for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    const int64_t cpb = (bs + CHUNK - 1) / CHUNK;
     for (int64_t blk = 0; blk < nblk; blk++) {
-        prefetch_block(keys, values, table, blk + 1, L, bs, row * esz);
         const int64_t n = L - blk * bs < bs ? L - blk * bs : bs;
         const int64_t base = table[blk] * bs * row * esz;
         for (int64_t o0 = 0; o0 < n; o0 += CHUNK)
             for (int64_t j = 0; j < Hkv; j++) {
                 const int64_t off = base + (o0 * row + j * D) * esz, h = j * G;
+                const Ahead ahead = chunk_ahead(keys, values, table,
+                                                blk * cpb + o0 / CHUNK + PF_CHUNKS, L, bs,
+                                                row * esz, j * D * esz);
                 group_chunk(qf + h * D, acc + h * D, m + h, l + h, (const char *)keys + off,
                             (const char *)values + off, n - o0 < CHUNK ? n - o0 : CHUNK, row,
-                            G, D, scale, bf16);
+                            G, D, scale, bf16, ahead);
             }
     }
     for (int64_t h = 0; h < Hq; h++) {
