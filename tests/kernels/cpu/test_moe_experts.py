@@ -113,3 +113,19 @@ def test_rejects_out_of_the_wrong_shape():
     x, w13, w2, w, ids = _case(4)
     with pytest.raises(ValueError, match="do not match"):
         expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, torch.zeros(3, 2, 32))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("T,K,H", [(1, 1, 16), (7, 4, 48), (300, 8, 40)])
+def test_moe_sum_matches_torch_sum(dtype, tol, T, K, H):
+    from vllm.kernels.cpu.ops import moe_sum
+    g = torch.Generator().manual_seed(T + K)
+    pairs = (torch.randn(T, K, H, generator=g) * 3).to(dtype)
+    got = moe_sum(pairs)
+    assert got.shape == (T, H) and got.dtype == dtype
+    # Reference: k order, in f32, rounded once.
+    want = pairs[:, 0].float()
+    for k in range(1, K):
+        want = want + pairs[:, k].float()
+    torch.testing.assert_close(got, want.to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(got, pairs.sum(dim=1), atol=tol, rtol=tol)

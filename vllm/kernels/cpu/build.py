@@ -47,6 +47,7 @@ SIGNATURES = {
     "write_kv_cache": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "argmax_rows": [_PTR, _I64, _I64, _PTR],
     "topk_softmax": [_PTR, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR],
+    "moe_sum": [_PTR, _PTR, _I64, _I64, _I64, _INT],
 }
 
 

@@ -1,6 +1,6 @@
 """Python wrappers of the CPU C kernels (the expert kernel's is ``fused_moe/cpu_kernel.py``, a
 MoE backend): the packed weight layout, dense linear, paged decode attention and KV writes,
-RMSNorm, rotary, argmax and softmax top-k routing. Each checks what the C side cannot and raises
+RMSNorm, rotary, argmax, softmax top-k routing and the MoE combine. Each checks what the C side cannot and raises
 with the layer's name."""
 from __future__ import annotations
 
@@ -160,3 +160,15 @@ def topk_softmax(logits: torch.Tensor, top_k: int,
                                     KERNEL_DTYPES[logits.dtype], weights.data_ptr(),
                                     ids.data_ptr())
     return weights, ids
+
+
+def moe_sum(pairs: torch.Tensor) -> torch.Tensor:
+    """``pairs.sum(dim=1)`` for [T, K, H] -> [T, H], summed in k order."""
+    if pairs.dim() != 3:
+        raise ValueError(f"moe_sum: pairs must be [T, K, H], got {tuple(pairs.shape)}")
+    T, K, H = pairs.shape
+    pairs = pairs.contiguous()
+    out = torch.empty(T, H, dtype=pairs.dtype, device=pairs.device)
+    load_cpu_kernels().moe_sum(pairs.data_ptr(), out.data_ptr(), T, K, H,
+                               KERNEL_DTYPES[pairs.dtype])
+    return out

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.fused_moe.backend import combine_pairs
+
 
 @dataclass(frozen=True)
 class MoEShape:
@@ -60,6 +62,6 @@ class FusedMoEMethodBase:
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, K]: every pair computed, then reduced over top_k in k order."""
-        out = x.new_zeros(topk_ids.shape[0], topk_ids.shape[1], x.shape[-1])
+        out = x.new_zeros(topk_ids.shape[0], topk_ids.shape[1], x.shape[-1])   # skipped pairs: 0
         self.apply_pairs(layer, x, topk_weights, topk_ids, out)
-        return out.sum(dim=1)
+        return combine_pairs(out)

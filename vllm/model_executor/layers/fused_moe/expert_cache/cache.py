@@ -4,7 +4,7 @@ Forward contract (bitwise equal to the uncached ``quant_method.apply``):
   needed experts = those in topk_ids, split into W = ceil(min(E, T*K) / N) waves of at most N
   (static in the shapes); per wave: Residency.plan -> copy the misses -> remap topk_ids to slot ids
   with pairs of other waves set to -1 -> ``apply_pairs`` into one shared out [T, K, H]; finally
-  ``out.sum(dim=1)``, the same reduction the uncached ``apply`` does. Every pair is computed
+  ``combine_pairs(out)``, the same reduction the uncached ``apply`` does. Every pair is computed
   exactly once, by the same expert weights, over the same tokens in the same order.
 
 No host synchronisation in the forward on CPU (or on CUDA with a registered copy kernel): all
@@ -26,6 +26,7 @@ from torch import nn
 
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
+from vllm.model_executor.layers.fused_moe.backend import combine_pairs
 from vllm.model_executor.layers.fused_moe.expert_cache import policy as policy_mod
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import copy_misses
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, split_waves
@@ -117,7 +118,7 @@ class ExpertCache:
             slot_ids = torch.where(in_wave, res.remap(ids.clamp(max=E - 1)), -1)  # [T, K] slots
             layer.quant_method.apply_pairs(layer, x, topk_weights, slot_ids, out)
         self._waves.add_(len(waves))
-        return out.sum(dim=1)
+        return combine_pairs(out)
 
     def stats(self) -> dict[str, int | float]:
         """Cumulative counters as Python numbers (the cache's only host sync)."""
