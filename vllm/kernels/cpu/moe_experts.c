@@ -114,11 +114,18 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
  * pairs [T, K, H], out [T, H], one dtype. */
 int moe_sum(const void *pairs, void *out, int64_t T, int64_t K, int64_t H, int bf16) {
     #pragma omp parallel for schedule(static) if (T * K * H > (1 << 18))
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < H; h++) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t h = 0;
+        for (; h + LANES <= H; h += LANES) {
+            vf s = loadv(pairs, bf16, t * K * H + h);
+            for (int64_t k = 1; k < K; k++) s += loadv(pairs, bf16, (t * K + k) * H + h);
+            for (int l = 0; l < LANES; l++) store1(out, bf16, t * H + h + l, s[l]);
+        }
+        for (; h < H; h++) {
             float s = load1(pairs, bf16, t * K * H + h);
             for (int64_t k = 1; k < K; k++) s += load1(pairs, bf16, (t * K + k) * H + h);
             store1(out, bf16, t * H + h, s);
         }
+    }
     return 0;
 }
