@@ -53,10 +53,6 @@ INLINE float lane_max(vf v) {
     return m;
 }
 
-/* Per sequence: for each query head, the running max m, the running sum l of exp(score - m),
- * and acc = sum exp(score - m) * v. Each chunk rescales them once to its new max (online
- * softmax), so keys and values are read in one pass. */
-
 /* Where a later chunk's rows of one kv head are (keys k, values v; n of them, 0 past the end):
  * group_chunk asks for one of its rows per token it computes. */
 typedef struct {
@@ -143,8 +139,9 @@ INLINE Ahead chunk_ahead(const void *keys, const void *values, const int64_t *ta
     return a;
 }
 
-/* One sequence, all its heads, in one pass over its blocks: scratch holds 2 * Hq * (D + 1)
- * floats. */
+/* One sequence, all its heads, in one pass over its blocks. Per query head it keeps the running
+ * max m, the running sum l of exp(score - m) and acc = sum exp(score - m) * v; each chunk
+ * rescales them once to its new max (online softmax). scratch holds 2 * Hq * (D + 1) floats. */
 INLINE void attend(const void *q, const void *keys, const void *values, const int64_t *table,
                    int64_t L, int64_t Hq, int64_t Hkv, int64_t G, int64_t D, int64_t bs,
                    float scale, int bf16, float *scratch, void *out) {
