@@ -1,12 +1,12 @@
 """Each CPU C kernel against the torch path it replaced, on the default model's shapes.
 
-    python benchmarks/benchmark_cpu_kernels.py [--threads 1] [--iters 50]
+    python benchmarks/benchmark_cpu_kernels.py [--threads 1] [--iters 50] [--context 100]
 
 Rows (medians of --iters calls, ms):
   experts, 32 tokens, cold: one MoE layer (E=32, top-4, hidden 256, inter 64); 4 layers' weights
       rotate so each call reads weights that are not in cache (as in a real step).
   experts, 2048 tokens: a prefill's worth of pairs (compute-bound).
-  decode attention: 32 sequences x 100 tokens of context, 4 query / 2 kv heads of 64, paged in
+  decode attention: 32 sequences x --context tokens, 4 query / 2 kv heads of 64, paged in
       16-token blocks scattered over the cache; "cold" rotates over 16 block layouts.
   lm_head: 32 x 256 -> 4096 (weights cold: 8 copies rotate).
   argmax: 32 x 4096 logits.
@@ -52,10 +52,11 @@ def _experts(T: int, layers: int, iters: int) -> tuple[float, float]:
     return torch_ms, c_ms
 
 
-def _attention(layouts: int, iters: int) -> tuple[float, float]:
+def _attention(layouts: int, iters: int, L: int) -> tuple[float, float]:
     from vllm.model_executor.forward_context import AttentionMetadata
     from vllm.model_executor.layers.attention import Attention
-    B, HQ, HKV, D, BS, L, NB = 32, 4, 2, 64, 16, 100, 4096
+    B, HQ, HKV, D, BS = 32, 4, 2, 64, 16
+    NB = max(4096, 32 * -(-L // BS))
     g = torch.Generator().manual_seed(1)
     attn = Attention(HQ, D, HKV, D ** -0.5)
     attn.kv_cache = torch.randn(2, NB, BS, HKV, D, generator=g)
@@ -101,6 +102,8 @@ def main(argv=None) -> list[tuple[str, float, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--context", type=int, default=100,
+                   help="tokens of context per sequence in the decode attention rows")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from vllm.kernels.cpu.build import load_cpu_kernels
@@ -109,8 +112,9 @@ def main(argv=None) -> list[tuple[str, float, float]]:
     rows = [("experts, 32 tokens, cold (torch: grouped_mm)", *_experts(32, 4, args.iters)),
             ("experts, 2048 tokens (torch: grouped_mm)",
              *_experts(2048, 1, max(3, args.iters // 10))),
-            ("decode attention, hot (torch: gather + SDPA)", *_attention(1, args.iters)),
-            ("decode attention, cold", *_attention(16, args.iters)),
+            (f"decode attention {args.context} tokens, hot (torch: gather + SDPA)",
+             *_attention(1, args.iters, args.context)),
+            ("decode attention, cold", *_attention(16, args.iters, args.context)),
             ("lm_head 32x256 -> 4096, cold (torch: F.linear)", *_lm_head(args.iters)),
             ("argmax 32 x 4096", *_argmax(args.iters)),
             ("router 32 x 32 experts, top-4", *_router(args.iters))]
