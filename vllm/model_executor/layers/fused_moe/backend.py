@@ -59,7 +59,8 @@ def select_expert_backend(hidden_size: int, intermediate_size: int,
 def combine_pairs(out: torch.Tensor) -> torch.Tensor:
     """[T, top_k, H] per-pair outputs -> [T, H], summed in k order: the one combine of every
     expert path (uncached ``apply`` and the expert cache), so both give the same bits. One C call
-    on CPU (torch's strided sum reads a 2048-token prefill's pairs at ~3.5 GB/s), else torch."""
+    on CPU (on a 2048-token prefill's pairs torch's strided sum took 0.4-2.3 ms, the C loop
+    0.2 ms), else torch."""
     if not torch.compiler.is_compiling() and kernels_support(out.dtype, out.device):
         return moe_sum(out)
     return combine_pairs_torch(out)
