@@ -54,7 +54,7 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     by torch.compile; everything else, and the kernel's reference, is ``select_experts_torch``.
     """
     if cfg.scoring_func == "softmax" and not cfg.num_expert_group and correction_bias is None \
-            and cfg.routed_scaling_factor == 1.0 and not torch.compiler.is_compiling() \
+            and cfg.routed_scaling_factor == 1.0 \
             and kernels_support(router_logits.dtype, router_logits.device):
         return topk_softmax(router_logits, cfg.top_k, cfg.renormalize)
     return select_experts_torch(router_logits, cfg, correction_bias)
