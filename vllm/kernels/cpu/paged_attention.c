@@ -120,6 +120,11 @@ INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const vo
         }
 }
 
+/* Tokens of block blk of an L-token sequence (bs, or fewer in the last block). */
+INLINE int64_t block_rows(int64_t L, int64_t blk, int64_t bs) {
+    return L - blk * bs < bs ? L - blk * bs : bs;
+}
+
 /* Blocks are scattered over the cache, which the hardware prefetcher cannot follow, so the
  * rows of the chunk PF_CHUNKS ahead are prefetched a row at a time while this one is computed
  * (a whole block at once overflows the outstanding-miss queues; measured: 2 ahead is best,
@@ -131,7 +136,7 @@ INLINE Ahead chunk_ahead(const void *keys, const void *values, const int64_t *ta
     const int64_t cpb = (bs + CHUNK - 1) / CHUNK, blk = c / cpb, o0 = (c % cpb) * CHUNK;
     Ahead a = {0, 0, 0};
     if (blk * bs + o0 >= L) return a;
-    const int64_t end = L - blk * bs < bs ? L - blk * bs : bs;
+    const int64_t end = block_rows(L, blk, bs);
     const int64_t off = (table[blk] * bs + o0) * row_bytes + col_bytes;
     a.k = (const char *)keys + off;
     a.v = (const char *)values + off;
@@ -152,7 +157,7 @@ INLINE void attend(const void *q, const void *keys, const void *values, const in
     for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.0f;
     const int64_t cpb = (bs + CHUNK - 1) / CHUNK;
     for (int64_t blk = 0; blk < nblk; blk++) {
-        const int64_t n = L - blk * bs < bs ? L - blk * bs : bs;
+        const int64_t n = block_rows(L, blk, bs);
         const int64_t base = table[blk] * bs * row * esz;
         for (int64_t o0 = 0; o0 < n; o0 += CHUNK)
             for (int64_t j = 0; j < Hkv; j++) {
