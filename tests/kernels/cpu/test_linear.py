@@ -21,6 +21,35 @@ def test_matches_f_linear_f32(M, n, cols, bias):
                                atol=1e-4, rtol=1e-5)
 
 
+def _pair_chain_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, n], w [cols, n] bf16 -> f32 [M, cols] by the chain gemm.h documents for bf16: for
+    each input pair the odd product first, then the even one, then the last input when n is odd.
+    One torch op per step: a product of two bf16 values is exact in f32, so each add rounds
+    once, as an FMA does."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    order = [i for p in range(x.shape[1] // 2) for i in (2 * p + 1, 2 * p)]
+    for i in order + ([x.shape[1] - 1] if x.shape[1] % 2 else []):
+        acc = acc + xf[:, i, None] * wf[None, :, i]
+    return acc
+
+
+@pytest.mark.parametrize("M,n,cols", [(1, 32, 64), (5, 47, 40), (33, 256, 130), (7, 25, 7),
+                                      (9, 2, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_is_the_pair_chain_bitwise(M, n, cols, bias):
+    g = torch.Generator().manual_seed(M * cols + n)
+    x, w = torch.randn(M, n, generator=g), torch.randn(cols, n, generator=g)
+    # A product of 2^20 first and its negation last: the small products are summed at that
+    # magnitude, where f32 rounds coarsely, so another order (even product first, or one
+    # rounding per pair) changes the bf16 result.
+    x[:, 0], w[:, 0], x[:, n - 1], w[:, n - 1] = 2.0 ** 10, 2.0 ** 10, 2.0 ** 10, -2.0 ** 10
+    x, w = x.bfloat16(), w.bfloat16()
+    b = torch.randn(cols, generator=g).bfloat16() if bias else None
+    want = _pair_chain_ref(x, w) + (b.float() if bias else 0.0)
+    assert torch.equal(dense_linear(x, prepack(w), cols, b), want.bfloat16())
+
+
 def test_matches_f_linear_bf16_and_keeps_leading_dims():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 64, generator=g).bfloat16()
@@ -29,6 +58,21 @@ def test_matches_f_linear_bf16_and_keeps_leading_dims():
     assert got.shape == (2, 3, 96) and got.dtype == torch.bfloat16
     want = F.linear(x.float(), w.float(), b.float())          # f32 math on the same bf16 inputs
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_prepack_bf16_layout():
+    """Written out by index: per block of 64 columns, row pairs interleaved, then the odd row."""
+    n, cols = 5, 70                                               # blocks of 64 + 6 columns
+    # Distinct values: consecutive bf16 bit patterns from 1.0 up.
+    w = torch.arange(0x3F80, 0x3F80 + cols * n, dtype=torch.int16).view(torch.bfloat16)
+    w = w.reshape(cols, n)
+    expect = []
+    for start in (0, 64):
+        width = min(64, cols - start)
+        for p in range(n // 2):
+            expect += [w[start + c, 2 * p + j].item() for c in range(width) for j in (0, 1)]
+        expect += [w[start + c, n - 1].item() for c in range(width)]
+    assert prepack(w).tolist() == expect
 
 
 def test_rows_do_not_depend_on_the_batch():
@@ -68,3 +112,30 @@ def test_linear_layer_keeps_weight_without_kernels(monkeypatch):
         assert "weight" in dict(layer.named_parameters())
     finally:
         build.load_cpu_kernels.cache_clear()
+
+
+def test_bf16_portable_chain_equals_the_instruction(monkeypatch):
+    """A library built without AVX512-BF16 computes the same chain with FMAs: the same bits as
+    the instruction's (on a machine without the instruction both builds are the portable one)."""
+    from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 47, generator=g).bfloat16(), torch.randn(70, 47, generator=g).bfloat16()
+    xe = torch.randn(6, 40, generator=g).bfloat16()
+    w13 = (torch.randn(4, 2 * 21, 40, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(4, 40, 21, generator=g) * 0.2).bfloat16()
+    ids, wts = torch.randint(0, 4, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+
+    def run():
+        out = torch.zeros(6, 2, 40, dtype=torch.bfloat16)
+        expert_pairs_cpu(xe, prepack(w13), prepack(w2), wts, ids, out)
+        return dense_linear(x, prepack(w), 70), out
+
+    native = run()
+    monkeypatch.setenv("VLLM_CPU_KERNEL_CFLAGS", "-mno-avx512bf16")
+    build.load_cpu_kernels.cache_clear()
+    try:
+        portable = run()
+    finally:
+        monkeypatch.delenv("VLLM_CPU_KERNEL_CFLAGS")
+        build.load_cpu_kernels.cache_clear()
+    assert torch.equal(native[0], portable[0]) and torch.equal(native[1], portable[1])

@@ -9,6 +9,8 @@ flags, the compiler and the CPU, so a changed source or a different machine rebu
 Linked with ``-fopenmp``, it uses the OpenMP runtime torch has already loaded (same soname), so
 ``torch.set_num_threads`` governs its threads too.
 
+``VLLM_CPU_KERNEL_CFLAGS`` adds compiler flags (part of the cache key), for example
+``-mno-avx512bf16`` to build the portable bf16 chain on a machine that has the instruction.
 ``VLLM_CPU_KERNELS=0`` disables the kernels; without a compiler, or when the build fails, callers
 get ``None`` and fall back to torch (with one warning naming the reason).
 """
@@ -64,12 +66,12 @@ def _cache_root() -> Path:
     return Path(root) / "cpu_kernels"
 
 
-def _build(cc: str, sources: list[Path], target: Path) -> None:
+def _build(cc: str, flags: list[str], sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"]
+        cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
@@ -90,14 +92,15 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         return None
     sources = sorted(_SRC_DIR.glob("*.c"))
     headers = sorted(_SRC_DIR.glob("*.h"))
+    flags = [*_FLAGS, *os.environ.get("VLLM_CPU_KERNEL_CFLAGS", "").split()]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
         key = hashlib.sha256("\0".join(
-            [*(p.read_text() for p in sources + headers), *_FLAGS, version, _cpu_id()]).encode())
+            [*(p.read_text() for p in sources + headers), *flags, version, _cpu_id()]).encode())
         target = _cache_root() / key.hexdigest()[:20] / "libvllm_cpu.so"
         if not target.exists():
-            _build(cc, sources, target)
+            _build(cc, flags, sources, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable (%s); using torch ops", e)

@@ -1,22 +1,45 @@
-/* Register-tiled f32 GEMM over packed weights, shared by the expert and dense linear kernels.
+/* Register-tiled GEMMs over packed weights, shared by the expert and dense linear kernels.
  *
- * Invariant: every output element is one sequential f32 FMA chain over the input dim, whatever
- * tile computes it, so a row's result never depends on how many rows are in the call. */
+ *   f32:  y = a @ W, a and W f32: every output is one sequential f32 FMA chain over the input
+ *         dim (i = 0 .. n-1).
+ *   bf16: y = a @ W, a and W bf16, y f32: every output is the chain the AVX512-BF16 instruction
+ *         vdpbf16ps computes, one pair of inputs at a time (p = 0 .. n/2-1):
+ *             acc = fma(a[2p+1], w[2p+1], acc);  acc = fma(a[2p], w[2p], acc)
+ *         then acc = fma(a[n-1], w[n-1], acc) when n is odd. A product of two bf16 values is
+ *         exact in f32, so each step rounds once. With the instruction (this machine's
+ *         -march has avx512bf16) the pairs run through it, 32 products per instruction, 2.7x
+ *         the f32 FMA rate on Zen 4; elsewhere the same chain is computed with FMAs (equal bits
+ *         except that the instruction flushes denormals to zero).
+ *
+ * Invariant: whichever register tile computes an output, it runs the same chain, so a row's
+ * result never depends on how many rows are in the call. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "vec.h"
 
-/* y[m * ldy + c] = sum_i a[m * n + i] * wt[i * ldw + c] for m < TM, c < CV * LANES: a register
- * tile of TM tokens x CV vectors of columns. Every output is one sequential FMA chain over
- * i = 0..n-1 (a lane of a vector accumulator), the same chain ``column_tail`` runs, so its
- * bits do not depend on the tile it was computed in. */
-#define TM_MAX 4
-#define PREFETCH 8
-#define CV_MAX 4
-INLINE void tile(const float *a, int TM, const void *wt, int bf16, int CV, int64_t n, int64_t ldw,
-                 float *y, int64_t ldy) {
+#define TM_MAX 4      /* tokens per register tile */
+#define CV_MAX 4      /* 16-column vectors per register tile */
+#define PREFETCH 8    /* weight rows (f32) or row pairs (bf16) prefetched ahead */
+
+/* Packed weight layout (prepack in vllm/kernels/cpu/ops.py): a linear weight [cols, n] (out, in)
+ * is stored in column blocks: block b holds output columns [b * BLOCK, b * BLOCK + bw),
+ * bw = BLOCK except for the last block, as one contiguous stream that stays in L2 while every
+ * token passes over it. Element (input i, block column c):
+ *   f32:  i * bw + c                                  ([n, bw] row-major)
+ *   bf16: (i / 2) * 2 * bw + 2 * c + i % 2           for i < n - n % 2 (row pairs interleaved,
+ *         (n - 1) * bw + c                            [n/2, bw, 2]) and the last row when n is odd.
+ * Either way a block has n * bw elements. */
+#define BLOCK (CV_MAX * LANES)
+
+/* y[m * ldy + v * LANES + l] for m < TM, v < CV: a tile of TM tokens x CV vectors of the f32
+ * block wt (row stride ldw) starting at its column c. */
+INLINE void tile_f32(const float *a, int TM, const float *wt, int CV, int64_t n, int64_t ldw,
+                     int64_t c, float *y, int64_t ldy) {
     vf acc[TM_MAX][CV_MAX];
     for (int m = 0; m < TM; m++)
         for (int v = 0; v < CV; v++) acc[m][v] = (vf){0};
@@ -25,9 +48,8 @@ INLINE void tile(const float *a, int TM, const void *wt, int bf16, int CV, int64
         for (int v = 0; v < CV; v++) {
             /* Cold weights stream from DRAM: ask for rows PREFETCH ahead (harmless past the
              * end: a prefetch never faults). */
-            const int64_t ahead = (i + PREFETCH) * ldw + v * LANES;
-            __builtin_prefetch((const char *)wt + ahead * (bf16 ? 2 : 4));
-            wv[v] = loadv(wt, bf16, i * ldw + v * LANES);
+            __builtin_prefetch(wt + (i + PREFETCH) * ldw + c + v * LANES);
+            wv[v] = *(const vf *)(wt + i * ldw + c + v * LANES);
         }
         for (int m = 0; m < TM; m++) {
             const vf av = (vf){0} + a[m * n + i];
@@ -38,53 +60,121 @@ INLINE void tile(const float *a, int TM, const void *wt, int bf16, int CV, int64
         for (int v = 0; v < CV; v++) memcpy(y + m * ldy + v * LANES, &acc[m][v], sizeof(vf));
 }
 
-INLINE void column_tail(const float *a, int64_t M, const void *wt, int bf16, int64_t n,
-                        int64_t ldw, float *y, int64_t ldy) {
+/* acc += the pair (a_pair's two bf16: low = even input, high = odd) times the 16 column pairs
+ * at w (32 bf16, each column's even input first). */
+#if defined(__AVX512BF16__)
+typedef __m512bh wpair;
+INLINE wpair load_pair(const bf16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
+INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a_pair), w);
+}
+#else
+typedef struct { vf even, odd; } wpair;
+INLINE wpair load_pair(const bf16_t *w) {
+    vu u;
+    memcpy(&u, w, sizeof(u));
+    const vu even = u << 16, odd = u & 0xffff0000u;
+    wpair p;
+    memcpy(&p.even, &even, sizeof(vf));
+    memcpy(&p.odd, &odd, sizeof(vf));
+    return p;
+}
+INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
+    acc += ((vf){0} + bf16_to_f32((bf16_t)(a_pair >> 16))) * w.odd;
+    return acc + ((vf){0} + bf16_to_f32((bf16_t)a_pair)) * w.even;
+}
+#endif
+
+/* tile_f32 for bf16 activations and a pair-packed bf16 block (the chain in the header). */
+INLINE void tile_bf16(const bf16_t *a, int TM, const bf16_t *wt, int CV, int64_t n, int64_t ldw,
+                      int64_t c, float *y, int64_t ldy) {
+    vf acc[TM_MAX][CV_MAX];
+    for (int m = 0; m < TM; m++)
+        for (int v = 0; v < CV; v++) acc[m][v] = (vf){0};
+    const int64_t pairs = n / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        wpair wv[CV_MAX];
+        for (int v = 0; v < CV; v++) {
+            const bf16_t *w = wt + p * 2 * ldw + 2 * (c + v * LANES);
+            __builtin_prefetch(w + PREFETCH * 2 * ldw);
+            wv[v] = load_pair(w);
+        }
+        for (int m = 0; m < TM; m++) {
+            uint32_t ap;
+            memcpy(&ap, a + m * n + 2 * p, sizeof(ap));
+            for (int v = 0; v < CV; v++) acc[m][v] = dot_pair(acc[m][v], ap, wv[v]);
+        }
+    }
+    if (n & 1)
+        for (int v = 0; v < CV; v++) {
+            const vf wl = loadv(wt, 1, (n - 1) * ldw + c + v * LANES);
+            for (int m = 0; m < TM; m++) acc[m][v] += bf16_to_f32(a[m * n + n - 1]) * wl;
+        }
+    for (int m = 0; m < TM; m++)
+        for (int v = 0; v < CV; v++) memcpy(y + m * ldy + v * LANES, &acc[m][v], sizeof(vf));
+}
+
+/* Block column c alone (the columns of a ragged block outside any vector), same chains. */
+INLINE void column_tail(const void *a, int64_t M, const void *wt, int bf16, int64_t n,
+                        int64_t ldw, int64_t c, float *y, int64_t ldy) {
     for (int64_t m = 0; m < M; m++) {
         float s = 0.0f;
-        for (int64_t i = 0; i < n; i++) s += a[m * n + i] * load1(wt, bf16, i * ldw);
+        if (!bf16) {
+            for (int64_t i = 0; i < n; i++)
+                s = __builtin_fmaf(((const float *)a)[m * n + i], ((const float *)wt)[i * ldw + c], s);
+        } else {
+            const bf16_t *ab = (const bf16_t *)a + m * n, *w = wt;
+            for (int64_t p = 0; p < n / 2; p++) {
+                const bf16_t *wp = w + p * 2 * ldw + 2 * c;
+                s = __builtin_fmaf(bf16_to_f32(ab[2 * p + 1]), bf16_to_f32(wp[1]), s);
+                s = __builtin_fmaf(bf16_to_f32(ab[2 * p]), bf16_to_f32(wp[0]), s);
+            }
+            if (n & 1) s = __builtin_fmaf(bf16_to_f32(ab[n - 1]), bf16_to_f32(w[(n - 1) * ldw + c]), s);
+        }
         y[m * ldy] = s;
     }
 }
 
-/* CV * LANES columns of y for every token. */
-INLINE void columns(const float *a, int64_t M, const void *wt, int bf16, int CV, int64_t n,
-                    int64_t ldw, float *y, int64_t ldy) {
+INLINE void tile(const void *a, int TM, const void *wt, int bf16, int CV, int64_t n, int64_t ldw,
+                 int64_t c, float *y, int64_t ldy) {
+    if (bf16) tile_bf16(a, TM, wt, CV, n, ldw, c, y, ldy);
+    else tile_f32(a, TM, wt, CV, n, ldw, c, y, ldy);
+}
+
+/* CV * LANES columns (from block column c) of y for every token. */
+INLINE void columns(const void *a, int64_t M, const void *wt, int bf16, int CV, int64_t n,
+                    int64_t ldw, int64_t c, float *y, int64_t ldy) {
+    const size_t asz = bf16 ? 2 : 4;
     int64_t m = 0;
     for (; m + TM_MAX <= M; m += TM_MAX)
-        tile(a + m * n, TM_MAX, wt, bf16, CV, n, ldw, y + m * ldy, ldy);
+        tile((const char *)a + m * n * asz, TM_MAX, wt, bf16, CV, n, ldw, c, y + m * ldy, ldy);
+    const void *am = (const char *)a + m * n * asz;
     switch (M - m) { /* the last 1-3 tokens in one tile: one more pass over the weights, not 3 */
-    case 3: tile(a + m * n, 3, wt, bf16, CV, n, ldw, y + m * ldy, ldy); break;
-    case 2: tile(a + m * n, 2, wt, bf16, CV, n, ldw, y + m * ldy, ldy); break;
-    case 1: tile(a + m * n, 1, wt, bf16, CV, n, ldw, y + m * ldy, ldy); break;
+    case 3: tile(am, 3, wt, bf16, CV, n, ldw, c, y + m * ldy, ldy); break;
+    case 2: tile(am, 2, wt, bf16, CV, n, ldw, c, y + m * ldy, ldy); break;
+    case 1: tile(am, 1, wt, bf16, CV, n, ldw, c, y + m * ldy, ldy); break;
     default: break;
     }
 }
 
-/* Packed weight layout (prepack in vllm/kernels/cpu/ops.py): a linear weight [cols, n] (out, in)
- * is stored in column blocks: block b holds output columns [b * BLOCK, b * BLOCK + bw) as a
- * contiguous [n, bw] row-major matrix, bw = BLOCK except for the last block. So every block is
- * one sequential stream from memory, and it stays in L2 while every token passes over it. */
-#define BLOCK (CV_MAX * LANES)
-
-/* Columns of block c0 (c0 a multiple of BLOCK) of y [M, cols] = a [M, n] (f32) @ packed w. */
-INLINE void matmul_block(const float *a, int64_t M, const void *w, int bf16, int64_t n,
-                         int64_t cols, int64_t c0, float *y) {
+/* The columns of block c0 (c0 a multiple of BLOCK) of a [M, n] @ packed w ([cols, n]) into
+ * y[m * ldy + c] for c < the block's width; a and w are both f32 or both bf16, y is f32. */
+INLINE void matmul_block(const void *a, int64_t M, const void *w, int bf16, int64_t n,
+                         int64_t cols, int64_t c0, float *y, int64_t ldy) {
     const size_t esz = bf16 ? 2 : 4;
     const int64_t bw = cols - c0 < BLOCK ? cols - c0 : BLOCK;
     const char *blk = (const char *)w + (size_t)c0 * n * esz;
     if (bw == BLOCK) {
-        columns(a, M, blk, bf16, CV_MAX, n, bw, y + c0, cols);
+        columns(a, M, blk, bf16, CV_MAX, n, bw, 0, y, ldy);
         return;
     }
     int64_t v = 0;
-    for (; v + LANES <= bw; v += LANES)
-        columns(a, M, blk + v * esz, bf16, 1, n, bw, y + c0 + v, cols);
-    for (; v < bw; v++) column_tail(a, M, blk + v * esz, bf16, n, bw, y + c0 + v, cols);
+    for (; v + LANES <= bw; v += LANES) columns(a, M, blk, bf16, 1, n, bw, v, y + v, ldy);
+    for (; v < bw; v++) column_tail(a, M, blk, bf16, n, bw, v, y + v, ldy);
 }
 
-/* y [M, cols] = a [M, n] (f32) @ packed w, all blocks in order. */
-INLINE void matmul(const float *a, int64_t M, const void *w, int bf16, int64_t n, int64_t cols,
+/* y [M, cols] = a [M, n] @ packed w, all blocks in order. */
+INLINE void matmul(const void *a, int64_t M, const void *w, int bf16, int64_t n, int64_t cols,
                    float *y) {
-    for (int64_t c0 = 0; c0 < cols; c0 += BLOCK) matmul_block(a, M, w, bf16, n, cols, c0, y);
+    for (int64_t c0 = 0; c0 < cols; c0 += BLOCK) matmul_block(a, M, w, bf16, n, cols, c0, y + c0, cols);
 }

@@ -6,11 +6,11 @@
  * Layout: x [T, H]; weights prepacked at load (ops.prepack): w13 as [H, 2N] (gate
  * columns then up columns) and w2 as [N, H], each in column blocks (see matmul), per expert;
  * ids/topk_w [T, K], out [T, K, H]. x, weights and out share one dtype: f32 or bf16
- * (bf16 is widened to f32; all accumulation is f32).
+ * (bf16 products run in pairs as gemm.h says; all accumulation is f32).
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is one sequential f32 FMA chain over
- * the input dim, whatever register tile computed it. So a batch split into expert-cache waves,
+ * the input dim (gemm.h), whatever register tile computed it. So a batch split into expert-cache waves,
  * or a token batched with others, gives identical bits.
  */
 #include <math.h>
@@ -42,23 +42,35 @@ INLINE void activate_mul(const float *gate, const float *up, int64_t n, int act,
     }
 }
 
-/* One expert over M of its pairs: rows of x -> out rows, through f32 scratch. Inlined with a
- * constant bf16 so each dtype gets its own vectorised loops. */
+/* One expert over M of its pairs: rows of x -> out rows, through scratch. The matmuls take
+ * their activations in the weights' dtype (gemm.h), so in bf16 the gathered rows stay bf16 and
+ * the hidden activation h is rounded to bf16 (as the model's torch forward rounds it). Inlined
+ * with a constant bf16 so each dtype gets its own vectorised loops. */
 INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf16,
                          const float *topk_w, const int64_t *pairs, int64_t M, int64_t K,
                          int64_t H, int64_t N, int act, void *out, float *scratch) {
+    /* scratch: xs [CHUNK, H] (x's dtype), gu [CHUNK, 2N], h [CHUNK, N], y [CHUNK, H] (f32),
+     * hb [CHUNK, N] (bf16 h) */
     float *xs = scratch, *gu = xs + CHUNK * H, *h = gu + CHUNK * 2 * N, *y = h + CHUNK * N;
-    for (int64_t m = 0; m < M; m++) {
-        int64_t t = pairs[m] / K;
-        for (int64_t j = 0; j < H; j++) xs[m * H + j] = load1(x, bf16, t * H + j);
-    }
+    bf16_t *hb = (bf16_t *)(y + CHUNK * H);
+    const size_t esz = bf16 ? 2 : 4;
+    for (int64_t m = 0; m < M; m++)
+        memcpy((char *)xs + m * H * esz, (const char *)x + pairs[m] / K * H * esz, H * esz);
     matmul(xs, M, w13, bf16, H, 2 * N, gu);
     for (int64_t m = 0; m < M; m++)
         activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, h + m * N);
-    matmul(h, M, w2, bf16, N, H, y);
+    if (bf16) {
+        int64_t j = 0;
+        for (; j + LANES <= M * N; j += LANES) storev(hb, 1, j, *(const vf *)(h + j));
+        for (; j < M * N; j++) hb[j] = f32_to_bf16(h[j]);
+    }
+    matmul(bf16 ? (const void *)hb : h, M, w2, bf16, N, H, y);
     for (int64_t m = 0; m < M; m++) {
         const float wt = topk_w[pairs[m]];
-        for (int64_t j = 0; j < H; j++) store1(out, bf16, pairs[m] * H + j, y[m * H + j] * wt);
+        int64_t j = 0;
+        for (; j + LANES <= H; j += LANES)
+            storev(out, bf16, pairs[m] * H + j, *(const vf *)(y + m * H + j) * wt);
+        for (; j < H; j++) store1(out, bf16, pairs[m] * H + j, y[m * H + j] * wt);
     }
 }
 
@@ -87,7 +99,7 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
     const size_t w13_stride = (size_t)2 * N * H * esz, w2_stride = (size_t)H * N * esz;
     #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * CHUNK * (size_t)(2 * H + 3 * N));
+        float *scratch = malloc(sizeof(float) * CHUNK * (size_t)(2 * H + 4 * N));
         if (!scratch) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t e = 0; e < G; e++) {
@@ -119,7 +131,7 @@ int moe_sum(const void *pairs, void *out, int64_t T, int64_t K, int64_t H, int b
         for (; h + LANES <= H; h += LANES) {
             vf s = loadv(pairs, bf16, t * K * H + h);
             for (int64_t k = 1; k < K; k++) s += loadv(pairs, bf16, (t * K + k) * H + h);
-            for (int l = 0; l < LANES; l++) store1(out, bf16, t * H + h + l, s[l]);
+            storev(out, bf16, t * H + h, s);
         }
         for (; h < H; h++) {
             float s = load1(pairs, bf16, t * K * H + h);

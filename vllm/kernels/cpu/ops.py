@@ -22,12 +22,22 @@ def kernels_support(dtype: torch.dtype, device: torch.device) -> bool:
 
 def prepack(w: torch.Tensor) -> torch.Tensor:
     """Linear weight(s) [..., cols, n] (out, in) -> packed [..., cols * n]: for each block of
-    ``pack_block_width()`` output columns, that block's [n, width] transpose, row-major
-    (the layout ``gemm.h`` reads as one stream per block)."""
+    ``pack_block_width()`` output columns, that block's [n, width] transpose, row-major (f32),
+    or in bf16 its row pairs interleaved, [n // 2, width, 2], then the last row when n is odd
+    (the layouts ``gemm.h`` reads as one stream per block)."""
     block = load_cpu_kernels().pack_block_width()
-    cols = w.shape[-2]
-    parts = [w[..., c:c + block, :].transpose(-1, -2).reshape(*w.shape[:-2], -1)
-             for c in range(0, cols, block)]
+    cols, n, lead = w.shape[-2], w.shape[-1], w.shape[:-2]
+    even = n - n % 2
+    parts = []
+    for c in range(0, cols, block):
+        blk = w[..., c:c + block, :]                                    # [..., width, n]
+        if w.dtype != torch.bfloat16:
+            parts.append(blk.transpose(-1, -2).reshape(*lead, -1))
+            continue
+        pairs = blk[..., :even].reshape(*lead, blk.shape[-2], even // 2, 2)
+        parts.append(pairs.transpose(-3, -2).reshape(*lead, -1))      # [..., n/2, width, 2]
+        if n % 2:
+            parts.append(blk[..., even])                                # [..., width]
     return torch.cat(parts, dim=-1).contiguous()
 
 

@@ -30,6 +30,15 @@ INLINE bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+/* f32_to_bf16 lane-wise (the same bits). */
+INLINE vh f32_to_bf16v(vf f) {
+    vu u;
+    memcpy(&u, &f, sizeof(u));
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return __builtin_convertvector((nan & quiet) | (~nan & rounded), vh);
+}
+
 /* Element i of an f32 (bf16 == 0) or bf16 array, widened to f32. */
 INLINE float load1(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
@@ -48,6 +57,16 @@ INLINE vf loadv(const void *p, int bf16, int64_t i) {
     vf f;
     memcpy(&f, &u, sizeof(f));
     return f;
+}
+
+/* p[i .. i + 15] = v in an f32 or bf16 array (rounded to nearest even). */
+INLINE void storev(void *p, int bf16, int64_t i, vf v) {
+    if (!bf16) {
+        memcpy((float *)p + i, &v, sizeof(v));
+        return;
+    }
+    const vh h = f32_to_bf16v(v);
+    memcpy((bf16_t *)p + i, &h, sizeof(h));
 }
 
 /* Sum of the 16 lanes in a fixed tree (halves, then quarters, ...), in registers. */
