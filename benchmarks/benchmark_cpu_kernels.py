@@ -53,6 +53,7 @@ def _experts(T: int, layers: int, iters: int) -> tuple[float, float]:
 
 
 def _attention(layouts: int, iters: int, L: int) -> tuple[float, float]:
+    from vllm.kernels.cpu.ops import paged_attention
     from vllm.model_executor.forward_context import AttentionMetadata
     from vllm.model_executor.layers.attention import Attention
     B, HQ, HKV, D, BS = 32, 4, 2, 64, 16
@@ -69,7 +70,9 @@ def _attention(layouts: int, iters: int, L: int) -> tuple[float, float]:
         for _ in range(layouts)]
     q = torch.randn(B, HQ, D, generator=g)
     return (_median_ms(lambda i: attn._decode_torch(q, mds[i]), iters, layouts),
-            _median_ms(lambda i: attn._decode(q, mds[i]), iters, layouts))
+            _median_ms(lambda i: paged_attention(q, attn.kv_cache, mds[i].block_tables,
+                                                 mds[i].seq_lens, attn.scale, HKV), iters,
+                       layouts))
 
 
 def _lm_head(iters: int) -> tuple[float, float]:

@@ -37,6 +37,20 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @cached_property
+    def token_rows_and_lens(self) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per query token: its sequence (row of ``block_tables``) and how many context tokens
+        it attends (its position + 1), as host int64 [T] tensors built once per step (every
+        layer reads them). Rows are None when every sequence is one decode (row = token)."""
+        if self.num_decodes == self.num_seqs:
+            return None, torch.tensor(self.seq_lens_cpu)
+        rows: list[int] = []
+        lens: list[int] = []
+        for i, (n, ctx) in enumerate(zip(self.query_lens_cpu, self.seq_lens_cpu)):
+            rows += [i] * n
+            lens += range(ctx - n + 1, ctx + 1)
+        return torch.tensor(rows), torch.tensor(lens)
+
+    @cached_property
     def query_start_loc_cpu(self) -> list[int]:
         """Host copy of ``query_start_loc``, computed once per step (every layer reads it)."""
         return [0, *itertools.accumulate(self.query_lens_cpu)]

@@ -25,7 +25,7 @@ def test_benchmark_cpu_kernels_rows(capsys):
 def test_profile_decode_step_splits_the_step(capsys):
     result = _load("profile_decode_step").main(["--batch", "2", "--steps", "3"])
     kernels = result["kernels_ms"]
-    assert {"dense_linear", "moe_expert_pairs", "paged_decode_attention"} <= set(kernels)
+    assert {"dense_linear", "moe_expert_pairs", "paged_attention"} <= set(kernels)
     assert 0 < sum(kernels.values()) < result["step_ms"]
     assert "C kernels" in capsys.readouterr().out
     from vllm.kernels.cpu.build import load_cpu_kernels

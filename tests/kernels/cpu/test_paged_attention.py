@@ -1,9 +1,10 @@
-"""The C paged decode-attention kernel against a naive softmax attention written here."""
+"""The C paged-attention kernel against a naive softmax attention written here."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from vllm.kernels.cpu.ops import paged_attention
 from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention import Attention
 
@@ -30,6 +31,12 @@ def _decode_case(lens, hq, hkv, d, dtype, seed=0, bs=BS, q_scale=1.0):
     return cache, tables, md, q
 
 
+def _kernel(attn, q, md):
+    """The kernel on a decode batch, as Attention.forward calls it (one query per sequence)."""
+    return paged_attention(q, attn.kv_cache, md.block_tables, md.seq_lens, attn.scale,
+                           attn.num_kv_heads, None, attn.prefix)
+
+
 def _naive(cache, tables, lens, q, scale):
     """Explicit loops over sequences and heads, in f32."""
     B, hq, d = q.shape
@@ -53,7 +60,7 @@ def test_decode_kernel_matches_naive(hq, hkv, d, dtype, tol):
     cache, tables, md, q = _decode_case(lens, hq, hkv, d, dtype, seed=d)
     attn = Attention(hq, d, hkv, d ** -0.5)
     attn.kv_cache = cache
-    got = attn._decode(q, md)
+    got = _kernel(attn, q, md)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), _naive(cache, tables, lens, q, d ** -0.5), atol=tol,
                                rtol=tol)
@@ -72,7 +79,7 @@ def test_decode_kernel_long_contexts_and_full_chunks(hq, hkv, d, bs):
                                         q_scale=4.0)
     attn = Attention(hq, d, hkv, d ** -0.5)
     attn.kv_cache = cache
-    torch.testing.assert_close(attn._decode(q, md), _naive(cache, tables, lens, q, d ** -0.5),
+    torch.testing.assert_close(_kernel(attn, q, md), _naive(cache, tables, lens, q, d ** -0.5),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -81,8 +88,8 @@ def test_decode_kernel_rejects_block_ids_outside_the_cache():
     md.block_tables[1, 2] = NB                                   # one past the last block
     attn = Attention(4, 16, 2, 0.25, prefix="layers.0.attn")
     attn.kv_cache = cache
-    with pytest.raises(RuntimeError, match="layers.0.attn.*outside the KV cache"):
-        attn._decode(q, md)
+    with pytest.raises(RuntimeError, match="layers.0.attn.*outside the block tables or the KV cache"):
+        _kernel(attn, q, md)
 
 
 def test_cache_write_lands_in_its_slots_and_rejects_foreign_slots():
@@ -96,3 +103,42 @@ def test_cache_write_lands_in_its_slots_and_rejects_foreign_slots():
     assert attn.kv_cache[0].view(-1, 2, 16)[1].abs().sum() == 0          # nothing else written
     with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
         attn._write_cache(k, v, torch.tensor([1, NB * BS, 2]))
+
+
+def _prompt_case(lens, hq, hkv, d, dtype, seed, bs=BS):
+    """Decode-style sequences whose every token is a query: (cache, tables, md, q [T], rows [T],
+    ctx [T]) with token p of sequence s attending its first p + 1 tokens."""
+    cache, tables, md, _ = _decode_case(lens, hq, hkv, d, dtype, seed=seed, bs=bs)
+    rows = torch.tensor([s for s, L in enumerate(lens) for _ in range(L)])
+    ctx = torch.tensor([p + 1 for L in lens for p in range(L)])
+    q = torch.randn(len(rows), hq, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return cache, tables, md, q, rows, ctx
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (6, 2, 8)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_prompt_tokens_attend_causally_through_rows(hq, hkv, d, dtype, tol):
+    """Every token of several prompts in one call (rows name each token's sequence, lens its
+    position + 1) equals the naive attention of each token over its own prefix."""
+    lens = [1, 5, 17, 40]
+    cache, tables, md, q, rows, ctx = _prompt_case(lens, hq, hkv, d, dtype, seed=d)
+    got = paged_attention(q, cache, md.block_tables, ctx, d ** -0.5, hkv, rows)
+    want = _naive(cache, [tables[r] for r in rows.tolist()], ctx.tolist(), q, d ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_a_query_does_not_depend_on_the_others_in_the_call():
+    """The bits a chunked prefill relies on: each token alone equals it inside the whole call."""
+    cache, tables, md, q, rows, ctx = _prompt_case([9, 33], 4, 2, 64, torch.bfloat16, seed=3)
+    whole = paged_attention(q, cache, md.block_tables, ctx, 0.125, 2, rows)
+    for t in (0, 8, 9, 20, 41):
+        alone = paged_attention(q[t:t + 1], cache, md.block_tables, ctx[t:t + 1], 0.125, 2,
+                                rows[t:t + 1])
+        assert torch.equal(alone, whole[t:t + 1])
+
+
+def test_rejects_a_row_outside_the_block_tables():
+    cache, tables, md, q, rows, ctx = _prompt_case([3, 4], 4, 2, 16, torch.float32, seed=1)
+    rows[2] = 2                                                   # only rows 0 and 1 exist
+    with pytest.raises(RuntimeError, match="outside the block tables"):
+        paged_attention(q, cache, md.block_tables, ctx, 0.25, 2, rows)

@@ -97,5 +97,5 @@ def test_wrappers_reject_shapes_the_kernels_would_overrun():
         ops.write_kv_cache(torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.arange(2), cache,
                            "layers.0.attn")
     with pytest.raises(ValueError, match="do not fit num_kv_heads=2"):
-        ops.paged_decode_attention(torch.randn(3, 4, 8), cache, torch.zeros(2, 1, dtype=torch.long),
-                                   torch.ones(2, dtype=torch.long), 1.0, 2)
+        ops.paged_attention(torch.randn(3, 4, 8), cache, torch.zeros(2, 1, dtype=torch.long),
+                            torch.ones(2, dtype=torch.long), 1.0, 2)

@@ -30,8 +30,12 @@ def test_no_metadata_is_causal_over_whole_input():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_batch_reads_earlier_context_from_paged_cache():
-    """3 decodes of different lengths, a chunked prefill with history, and a fresh prefill."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["c_kernel", "torch"])
+def test_mixed_batch_reads_earlier_context_from_paged_cache(kernels, monkeypatch):
+    """3 decodes of different lengths, a chunked prefill with history, and a fresh prefill:
+    through the C kernel (every token in one call) and through the torch path."""
+    if not kernels:
+        monkeypatch.setattr(Attention, "_cache_on_kernels", lambda self: False)
     torch.manual_seed(0)
     scale = D ** -0.5
     attn = Attention(HQ, D, HKV, scale)

@@ -116,28 +116,34 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, num_kv_heads: int,
-                           prefix: str = "") -> torch.Tensor:
-    """One query token per sequence: q [B, Hq, D]; kv_cache [2, blocks, block_size, Hkv, D];
-    block_tables [>=B, max_blocks] int64; seq_lens [>=B] int64 -> [B, Hq, D]."""
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                    lens: torch.Tensor, scale: float, num_kv_heads: int,
+                    rows: torch.Tensor | None = None, prefix: str = "") -> torch.Tensor:
+    """Query tokens over the paged cache: q [B, Hq, D]; kv_cache [2, blocks, block_size, Hkv,
+    D]; block_tables [S, max_blocks] int64; query b attends the first lens[b] tokens of sequence
+    rows[b] (b when rows is None; lens and rows [>=B] int64, the first B read) -> [B, Hq, D].
+    A decode's lens is its sequence length; a prompt token's is its position + 1."""
     B, num_heads, head_dim = q.shape
-    if tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim) or len(seq_lens) < B \
-            or len(block_tables) < B or num_heads % num_kv_heads:
-        raise ValueError(f"{prefix}: paged_decode_attention: q {tuple(q.shape)}, kv_cache "
-                         f"{tuple(kv_cache.shape)}, {len(seq_lens)} seq_lens, {len(block_tables)} "
+    if tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim) or len(lens) < B \
+            or (rows is None and len(block_tables) < B) or (rows is not None and len(rows) < B) \
+            or num_heads % num_kv_heads:
+        raise ValueError(f"{prefix}: paged_attention: q {tuple(q.shape)}, kv_cache "
+                         f"{tuple(kv_cache.shape)}, {len(lens)} lens, {len(block_tables)} "
                          f"block tables do not fit num_kv_heads={num_kv_heads}")
     q = _as(q, kv_cache.dtype)
-    tables, lens = _as(block_tables, torch.int64), _as(seq_lens, torch.int64)  # first B rows read
+    tables, lens = _as(block_tables, torch.int64), _as(lens, torch.int64)
+    rows = _as(rows, torch.int64) if rows is not None else None
     out = torch.empty_like(q)
-    rc = load_cpu_kernels().paged_decode_attention(
-        q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        out.data_ptr(), B, num_heads, num_kv_heads, head_dim, kv_cache.shape[2], kv_cache.shape[1],
-        scale, KERNEL_DTYPES[kv_cache.dtype])
+    rc = load_cpu_kernels().paged_attention(
+        q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[0], tables.stride(0),
+        rows.data_ptr() if rows is not None else None, lens.data_ptr(), out.data_ptr(), B,
+        num_heads, num_kv_heads, head_dim, kv_cache.shape[2], kv_cache.shape[1], scale,
+        KERNEL_DTYPES[kv_cache.dtype])
     if rc:
-        raise RuntimeError(f"{prefix}: paged_decode_attention failed ({rc}): "
+        raise RuntimeError(f"{prefix}: paged_attention failed ({rc}): "
                            + ("out of memory" if rc == -1 else
-                              "a sequence length or block id is outside the KV cache"))
+                              "a query's sequence, length or block id is outside the block "
+                              "tables or the KV cache"))
     return out
 
 

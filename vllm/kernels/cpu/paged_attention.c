@@ -1,13 +1,16 @@
-/* Decode attention over the paged KV cache: one query token per sequence.
+/* Attention of query tokens over the paged KV cache (decodes and prefills alike: each query token
+ * attends the first lens[b] tokens of its sequence, its own included, so causality is lens).
  *
- *   out[b, h] = softmax_l(scale * q[b, h] . k[b, l, h / G]) @ v[b, :, h / G],  l < seq_lens[b]
+ *   out[b, h] = softmax_l(scale * q[b, h] . k[s, l, h / G]) @ v[s, :, h / G],  l < lens[b],
+ *   s = rows[b] (the query's sequence: its block-table row; b when rows is NULL)
  *
  * q, out [B, Hq, D]; cache [2, num_blocks, block_size, Hkv, D] (0 = keys, 1 = values), token l
- * of sequence b at block block_tables[b, l / block_size], offset l % block_size; G = Hq / Hkv
+ * of sequence s at block block_tables[s, l / block_size], offset l % block_size; G = Hq / Hkv
  * (query head h reads kv head h / G, HF's repeat_kv order). q, cache and out share one dtype,
  * f32 or bf16; scores, softmax and the weighted sum are f32.
  * Reads the cache in place (no gather into a padded copy, no mask) and in one pass: keys and
- * values chunk by chunk, with an online softmax.
+ * values chunk by chunk, with an online softmax. A query's result depends only on its q, its
+ * lens and the cache, so a prompt prefilled in chunks gives the bits of one prefilled whole.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -194,18 +197,18 @@ static void attend_any(const void *q, const void *keys, const void *values, cons
     }
 }
 
-/* Returns 0; -1 if scratch could not be allocated; -2 if a sequence's length or block ids fall
- * outside the cache or its block table (nothing is read out of bounds). */
-int paged_decode_attention(const void *q, const void *cache, const int64_t *block_tables,
-                           int64_t bt_stride, const int64_t *seq_lens, void *out, int64_t B,
-                           int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                           int64_t num_blocks, float scale, int bf16) {
+/* Returns 0; -1 if scratch could not be allocated; -2 if a query's row, length or block ids
+ * fall outside the block tables or the cache (nothing is read out of bounds). */
+int paged_attention(const void *q, const void *cache, const int64_t *block_tables,
+                    int64_t bt_rows, int64_t bt_stride, const int64_t *rows,
+                    const int64_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                    int64_t block_size, int64_t num_blocks, float scale, int bf16) {
     const int64_t esz = bf16 ? 2 : 4;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t L = seq_lens[b];
-        if (L < 1 || L > bt_stride * block_size) return -2;
+        const int64_t L = lens[b], r = rows ? rows[b] : b;
+        if (r < 0 || r >= bt_rows || L < 1 || L > bt_stride * block_size) return -2;
         for (int64_t i = 0; i < (L + block_size - 1) / block_size; i++) {
-            const int64_t blk = block_tables[b * bt_stride + i];
+            const int64_t blk = block_tables[r * bt_stride + i];
             if (blk < 0 || blk >= num_blocks) return -2;
         }
     }
@@ -220,8 +223,8 @@ int paged_decode_attention(const void *q, const void *cache, const int64_t *bloc
             if (!scratch) continue;
             const void *qb = (const char *)q + b * Hq * D * esz;
             void *ob = (char *)out + b * Hq * D * esz;
-            attend_any(qb, cache, values, block_tables + b * bt_stride, seq_lens[b], Hq, Hkv, D,
-                       block_size, scale, bf16, scratch, ob);
+            attend_any(qb, cache, values, block_tables + (rows ? rows[b] : b) * bt_stride, lens[b],
+                       Hq, Hkv, D, block_size, scale, bf16, scratch, ob);
         }
         free(scratch);
     }

@@ -1,8 +1,10 @@
 """Paged causal attention for mixed prefill + decode batches.
 
-Prefill runs torch SDPA. Decodes run the C kernel ``vllm/kernels/cpu/paged_attention.c`` when the
-cache is on the CPU in f32/bf16 and the kernels are built (it reads the paged cache in place),
-else a padded gather + SDPA in torch (``_decode_torch``, also the kernel's test reference).
+When the cache is on the CPU in f32/bf16 and the kernels are built, every query token of the
+step (decodes and prompt tokens alike) runs in one call of the C kernel
+``vllm/kernels/cpu/paged_attention.c``, which reads the paged cache in place. Elsewhere torch
+runs it: decodes as one padded gather + SDPA (``_decode_torch``), each prompt as SDPA
+(``_causal``, ``_prefill_chunk``); these are also the kernel's test references.
 
 KV cache layout (allocated by the model runner): ``kv_cache`` [2, num_blocks, block_size,
 num_kv_heads, head_dim], index 0 = keys, 1 = values, flat slot = block_id * block_size + offset.
@@ -14,25 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.kernels.cpu.ops import kernels_support, paged_decode_attention, write_kv_cache
+from vllm.kernels.cpu.ops import kernels_support, paged_attention, write_kv_cache
 from vllm.model_executor.forward_context import AttentionMetadata, get_attn_metadata
-
-
-_SCRATCH: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat buffer of at least ``numel`` elements, reused across calls (grows, never shrinks).
-    CPU only: on CUDA the caching allocator already makes transient buffers cheap."""
-    if device.type != "cpu":
-        return torch.empty(numel, dtype=dtype, device=device)
-    key = (dtype, device)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < numel:
-        # A normal (non-inference) tensor: writable both inside and outside inference_mode.
-        with torch.inference_mode(False):
-            buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
+from vllm.model_executor.layers.scratch import scratch
 
 
 class Attention(nn.Module):
@@ -61,18 +47,28 @@ class Attention(nn.Module):
         starts = md.query_start_loc_cpu
         if starts[-1] != T:
             raise ValueError(f"{self.prefix}: metadata covers {starts[-1]} tokens, input has {T}")
-        out = torch.empty_like(q)
         if self.kv_cache is None:
             # Dummy/profiling run without a cache: each sequence sees only its own new tokens.
+            out = torch.empty_like(q)
             for s, e in zip(starts[:-1], starts[1:]):
                 out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
             return out.view(T, -1)
         self._write_cache(k, v, md.slot_mapping)
-        nd = md.num_decodes
-        if nd == T and T:
-            return self._decode(q, md).view(T, -1)   # decode-only step: no copy into ``out``
+        if self._cache_on_kernels():
+            rows, lens = md.token_rows_and_lens
+            return paged_attention(q, self.kv_cache, md.block_tables, lens, self.scale,
+                                   self.num_kv_heads, rows, self.prefix).view(T, -1)
+        return self._forward_torch(q, k, v, md).view(T, -1)
+
+    def _forward_torch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       md: AttentionMetadata) -> torch.Tensor:
+        """The batch in torch, after the cache write: q [T, Hq, D], k/v [T, Hkv, D]."""
+        nd, starts = md.num_decodes, md.query_start_loc_cpu
+        if nd == q.shape[0] and nd:
+            return self._decode_torch(q, md)             # decode-only: no copy into ``out``
+        out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], md)
+            out[:nd] = self._decode_torch(q[:nd], md)
         for i in range(nd, md.num_seqs):
             s, e = starts[i], starts[i + 1]
             if md.seq_lens_cpu[i] == e - s:
@@ -80,7 +76,7 @@ class Attention(nn.Module):
                 out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
             else:
                 out[s:e] = self._prefill_chunk(q[s:e], i, md)
-        return out.view(T, -1)
+        return out
 
     def _cache_on_kernels(self) -> bool:
         """The C kernels can read and write this layer's KV cache (CPU, f32/bf16, contiguous)."""
@@ -99,13 +95,13 @@ class Attention(nn.Module):
     def _gather(self, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """block_ids [..., nblk] -> (k, v) [..., length, Hkv, D] read from the paged cache.
 
-        The copies land in a scratch buffer shared by all layers (layers run one at a time):
-        on CPU a fresh multi-MB allocation per layer costs more in page faults than the copy.
+        The copies land in a scratch buffer shared by all layers (``layers/scratch.py``).
         """
         lead, ids = block_ids.shape[:-1], block_ids.reshape(-1)
         num_blocks = self.kv_cache.shape[1]
         row = self.kv_cache[0].numel() // num_blocks                  # one block, flattened
-        buf = _scratch(2 * ids.numel() * row, self.kv_cache.dtype, self.kv_cache.device)
+        buf = scratch("attention.kv_gather", (2 * ids.numel() * row,), self.kv_cache.dtype,
+                      self.kv_cache.device)
         out = []
         for i in (0, 1):
             dst = buf[i * ids.numel() * row:(i + 1) * ids.numel() * row].view(ids.numel(), row)
@@ -131,13 +127,6 @@ class Attention(nn.Module):
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask[None],
             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(0, 1)
-
-    def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """All decodes at once: q [B, Hq, D] (one token each) -> [B, Hq, D]."""
-        if not self._cache_on_kernels():
-            return self._decode_torch(q, md)
-        return paged_decode_attention(q, self.kv_cache, md.block_tables, md.seq_lens, self.scale,
-                                      self.num_kv_heads, self.prefix)
 
     def _decode_torch(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """All decodes in one padded call: q [B, Hq, D] (one token each) -> [B, Hq, D]."""

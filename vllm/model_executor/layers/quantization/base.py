@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.fused_moe.backend import combine_pairs
+from vllm.model_executor.layers.scratch import scratch
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class FusedMoEMethodBase:
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, K]: every pair computed, then reduced over top_k in k order."""
-        out = x.new_zeros(topk_ids.shape[0], topk_ids.shape[1], x.shape[-1])   # skipped pairs: 0
+        # [T, top_k, K] pairs, skipped ones 0; dead after the combine, so a reused buffer.
+        out = scratch("moe.pairs", (*topk_ids.shape, x.shape[-1]), x.dtype, x.device).zero_()
         self.apply_pairs(layer, x, topk_weights, topk_ids, out)
         return combine_pairs(out)

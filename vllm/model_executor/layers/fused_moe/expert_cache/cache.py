@@ -27,6 +27,7 @@ from torch import nn
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.backend import combine_pairs
+from vllm.model_executor.layers.scratch import scratch
 from vllm.model_executor.layers.fused_moe.expert_cache import policy as policy_mod
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import copy_misses
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, split_waves
@@ -109,7 +110,7 @@ class ExpertCache:
         # Wave masks are fixed against the residency before any wave is planned.
         waves = split_waves(needed, res.slot_of_expert, self.num_slots, T * K)
         slots = {n: getattr(layer, n) for n in self.names}   # the layer's params are the slots
-        out = x.new_zeros(T, K, x.shape[-1])                                 # [T, K, H]
+        out = scratch("moe.pairs", (T, K, x.shape[-1]), x.dtype, x.device).zero_()  # [T, K, H]
         for wave in waves:                                                   # static count W
             plan = res.plan(wave)
             copy_misses(self.store, slots, plan, self.non_blocking)
