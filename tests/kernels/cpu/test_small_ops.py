@@ -42,6 +42,20 @@ def test_rotary_kernel_matches_torch(dtype, tol, rotary_dim, scaling):
         assert torch.equal(got_q.view(T, hq, D)[tail], q.view(T, hq, D)[tail])
 
 
+def test_cos_sin_rows_are_reused_only_for_the_same_positions_and_frequencies():
+    """Layers of one forward share the cos/sin rows of their positions tensor; a module with
+    other frequencies, or a new positions tensor with other values, gets its own."""
+    D = 32
+    ropes = [RotaryEmbedding(D, D, 1.0 / (base ** (torch.arange(0, D, 2).float() / D)))
+             for base in (10000, 500)]
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(4, 2 * D, generator=g), torch.randn(4, D, generator=g)
+    pos, other = torch.tensor([3, 70, 9, 1000]), torch.tensor([5, 6, 7, 8])
+    for rope, p in [(ropes[0], pos), (ropes[1], pos), (ropes[0], pos), (ropes[0], other)]:
+        got, want = rope(p, q, k), rope.forward_torch(p, q, k)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_argmax_matches_torch_including_ties_and_nan():
     from vllm.kernels.cpu.ops import argmax_rows
     g = torch.Generator().manual_seed(3)
@@ -90,8 +104,7 @@ def test_wrappers_reject_shapes_the_kernels_would_overrun():
     with pytest.raises(ValueError, match="weight has 5 elements"):
         ops.rms_norm(torch.randn(2, 8), torch.ones(5), 1e-6)
     with pytest.raises(ValueError, match="rotary_dim=16"):
-        ops.rotary_embedding(torch.arange(3), torch.randn(3, 32), torch.randn(3, 32),
-                             torch.ones(4), 1.0, 16, 16)
+        ops.rotary_embedding(torch.randn(3, 8), torch.randn(3, 32), torch.randn(3, 32), 16, 16)
     cache = torch.zeros(2, 4, 4, 2, 8)
     with pytest.raises(ValueError, match="layers.0.attn: write_kv_cache"):
         ops.write_kv_cache(torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.arange(2), cache,

@@ -6,6 +6,12 @@
 
 #include "vec.h"
 
+/* One output element: HF rounds the normalised value to the model dtype, then scales. */
+INLINE float norm1(float x, float inv, float w, int bf16) {
+    const float y = x * inv;
+    return w * (bf16 ? bf16_to_f32(f32_to_bf16(y)) : y);
+}
+
 INLINE void norm_rows(const void *x, const void *weight, void *out, int64_t rows, int64_t n,
                       float eps, int bf16) {
     #pragma omp parallel for schedule(static) if (rows * n > 65536)
@@ -19,12 +25,15 @@ INLINE void norm_rows(const void *x, const void *weight, void *out, int64_t rows
         float ss = lane_sum(acc);
         for (; i < n; i++) ss += load1(x, bf16, r * n + i) * load1(x, bf16, r * n + i);
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int64_t j = 0; j < n; j++) {
-            const float y = load1(x, bf16, r * n + j) * inv;
-            /* HF rounds the normalised value to the model dtype, then scales */
-            const float yd = bf16 ? bf16_to_f32(f32_to_bf16(y)) : y;
-            store1(out, bf16, r * n + j, load1(weight, bf16, j) * yd);
+        int64_t j = 0;
+        for (; j + LANES <= n; j += LANES) {   /* norm1, lane-wise */
+            const vf y = loadv(x, bf16, r * n + j) * inv;
+            const vf yd = bf16 ? bf16v_to_f32(f32_to_bf16v(y)) : y;
+            storev(out, bf16, r * n + j, loadv(weight, bf16, j) * yd);
         }
+        for (; j < n; j++)
+            store1(out, bf16, r * n + j, norm1(load1(x, bf16, r * n + j), inv,
+                                              load1(weight, bf16, j), bf16));
     }
 }
 

@@ -86,25 +86,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     inv_freq: torch.Tensor, scaling: float, head_dim: int,
-                     rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE: positions [T] int64, q [T, Hq*D], k [T, Hkv*D] -> new (q, k)."""
-    T = positions.shape[0]
-    if q.shape[0] != T or k.shape[0] != T or q.shape[-1] % head_dim or k.shape[-1] % head_dim \
-            or inv_freq.numel() != rotary_dim // 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_embedding: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
-                         f"[{T}], inv_freq [{inv_freq.numel()}] do not fit head_dim={head_dim}, "
-                         f"rotary_dim={rotary_dim}")
-    q, k = q.contiguous(), k.contiguous()
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """positions [T] int64, inv_freq [rd/2] -> [T, rd] f32: per row cos(a) * scaling then
+    sin(a) * scaling, a = position * inv_freq (f32). What ``rotary_embedding`` reads."""
     positions, inv_freq = _as(positions, torch.int64), _as(inv_freq, torch.float32)
+    T, h = positions.shape[0], inv_freq.numel()
+    cs = torch.empty(T, 2 * h, dtype=torch.float32)
+    load_cpu_kernels().rope_cos_sin(positions.data_ptr(), inv_freq.data_ptr(), scaling, T, h,
+                                    cs.data_ptr())
+    return cs
+
+
+def rotary_embedding(cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
+                     rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE: cos_sin [T, rotary_dim] from ``rope_cos_sin``, q [T, Hq*D],
+    k [T, Hkv*D] -> new (q, k)."""
+    T = cos_sin.shape[0]
+    if q.shape[0] != T or k.shape[0] != T or q.shape[-1] % head_dim or k.shape[-1] % head_dim \
+            or cos_sin.shape[-1] != rotary_dim or rotary_dim > head_dim or rotary_dim % 2:
+        raise ValueError(f"rotary_embedding: q {tuple(q.shape)}, k {tuple(k.shape)}, cos_sin "
+                         f"{tuple(cos_sin.shape)} do not fit head_dim={head_dim}, "
+                         f"rotary_dim={rotary_dim}")
+    q, k, cos_sin = q.contiguous(), k.contiguous(), _as(cos_sin, torch.float32)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    rc = load_cpu_kernels().rotary_embedding(
-        positions.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(),
-        inv_freq.data_ptr(), scaling, T, q.shape[-1] // head_dim, k.shape[-1] // head_dim,
-        head_dim, rotary_dim, KERNEL_DTYPES[q.dtype])
-    if rc:
-        raise MemoryError("rotary_embedding: the kernel could not allocate its scratch")
+    load_cpu_kernels().rotary_embedding(
+        cos_sin.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), T,
+        q.shape[-1] // head_dim, k.shape[-1] // head_dim, head_dim, rotary_dim,
+        KERNEL_DTYPES[q.dtype])
     return q_out, k_out
 
 

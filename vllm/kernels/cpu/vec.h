@@ -50,13 +50,18 @@ INLINE void store1(void *p, int bf16, int64_t i, float v) {
     else ((float *)p)[i] = v;
 }
 
-/* Elements i .. i + 15 of an f32 or bf16 array, widened to f32. */
-INLINE vf loadv(const void *p, int bf16, int64_t i) {
-    if (!bf16) return *(const vf *)((const float *)p + i);
-    vu u = __builtin_convertvector(*(const vh *)((const bf16_t *)p + i), vu) << 16;
+/* 16 bf16 values widened to f32 (exact). */
+INLINE vf bf16v_to_f32(vh h) {
+    const vu u = __builtin_convertvector(h, vu) << 16;
     vf f;
     memcpy(&f, &u, sizeof(f));
     return f;
+}
+
+/* Elements i .. i + 15 of an f32 or bf16 array, widened to f32. */
+INLINE vf loadv(const void *p, int bf16, int64_t i) {
+    if (!bf16) return *(const vf *)((const float *)p + i);
+    return bf16v_to_f32(*(const vh *)((const bf16_t *)p + i));
 }
 
 /* p[i .. i + 15] = v in an f32 or bf16 array (rounded to nearest even). */

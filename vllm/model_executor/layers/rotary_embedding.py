@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.kernels.cpu.ops import kernels_support, rotary_embedding
+from vllm.kernels.cpu.ops import kernels_support, rope_cos_sin, rotary_embedding
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -99,6 +99,10 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+_LAST_COS_SIN: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
+"""(positions, frequency key, cos/sin rows) of the last ``RotaryEmbedding._cos_sin``."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -114,14 +118,27 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.attention_scaling = attention_scaling
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._freq_key = (tuple(self.inv_freq.tolist()), attention_scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes.
         One C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch."""
         if q.dtype == k.dtype and kernels_support(q.dtype, q.device):
-            return rotary_embedding(positions, q, k, self.inv_freq, self.attention_scaling,
-                                    self.head_dim, self.rotary_dim)
+            return rotary_embedding(self._cos_sin(positions), q, k, self.head_dim,
+                                    self.rotary_dim)
         return self.forward_torch(positions, q, k)
+
+    def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, rd] cos/sin rows for the kernel. The layers of one forward pass share the
+        positions tensor and (usually) the frequencies, so the rows are made once per step:
+        the last ones are kept with the positions tensor (held, so its identity stays unique)
+        and the frequencies they were made from."""
+        global _LAST_COS_SIN
+        last = _LAST_COS_SIN
+        if last is None or last[0] is not positions or last[1] != self._freq_key:
+            cs = rope_cos_sin(positions, self.inv_freq, self.attention_scaling)
+            last = _LAST_COS_SIN = (positions, self._freq_key, cs)
+        return last[2]
 
     def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # cos/sin on the fly in float32 (as HF does): a table for 100k+ positions would cost more.
