@@ -115,8 +115,10 @@ def test_linear_layer_keeps_weight_without_kernels(monkeypatch):
 
 
 def test_bf16_portable_chain_equals_the_instruction(monkeypatch):
-    """A library built without AVX512-BF16 computes the same chain with FMAs: the same bits as
-    the instruction's (on a machine without the instruction both builds are the portable one)."""
+    """A library built without AVX512-BF16 computes the same pair chains with FMAs: the same
+    bits as the instruction's, in the dense and expert GEMMs and attention's q . k (on a
+    machine without the instruction both builds are the portable one)."""
+    from vllm.kernels.cpu.ops import paged_attention
     from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(9, 47, generator=g).bfloat16(), torch.randn(70, 47, generator=g).bfloat16()
@@ -124,11 +126,15 @@ def test_bf16_portable_chain_equals_the_instruction(monkeypatch):
     w13 = (torch.randn(4, 2 * 21, 40, generator=g) * 0.2).bfloat16()
     w2 = (torch.randn(4, 40, 21, generator=g) * 0.2).bfloat16()
     ids, wts = torch.randint(0, 4, (6, 2), generator=g), torch.rand(6, 2, generator=g)
+    cache = torch.randn(2, 8, 16, 2, 64, generator=g).bfloat16()      # 8 blocks of 16 tokens
+    q = torch.randn(3, 4, 64, generator=g).bfloat16()
+    tables, lens = torch.randperm(8, generator=g).view(2, 4), torch.tensor([40, 64, 7])
 
     def run():
         out = torch.zeros(6, 2, 40, dtype=torch.bfloat16)
         expert_pairs_cpu(xe, prepack(w13), prepack(w2), wts, ids, out)
-        return dense_linear(x, prepack(w), 70), out
+        attn = paged_attention(q, cache, tables, lens, 0.125, 2, torch.tensor([0, 1, 1]))
+        return dense_linear(x, prepack(w), 70), out, attn
 
     native = run()
     monkeypatch.setenv("VLLM_CPU_KERNEL_CFLAGS", "-mno-avx512bf16")
@@ -138,4 +144,5 @@ def test_bf16_portable_chain_equals_the_instruction(monkeypatch):
     finally:
         monkeypatch.delenv("VLLM_CPU_KERNEL_CFLAGS")
         build.load_cpu_kernels.cache_clear()
-    assert torch.equal(native[0], portable[0]) and torch.equal(native[1], portable[1])
+    for a, b in zip(native, portable):
+        assert torch.equal(a, b)

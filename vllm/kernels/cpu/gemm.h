@@ -16,9 +16,6 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 #include "vec.h"
 
@@ -59,31 +56,6 @@ INLINE void tile_f32(const float *a, int TM, const float *wt, int CV, int64_t n,
     for (int m = 0; m < TM; m++)
         for (int v = 0; v < CV; v++) memcpy(y + m * ldy + v * LANES, &acc[m][v], sizeof(vf));
 }
-
-/* acc += the pair (a_pair's two bf16: low = even input, high = odd) times the 16 column pairs
- * at w (32 bf16, each column's even input first). */
-#if defined(__AVX512BF16__)
-typedef __m512bh wpair;
-INLINE wpair load_pair(const bf16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
-INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
-    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a_pair), w);
-}
-#else
-typedef struct { vf even, odd; } wpair;
-INLINE wpair load_pair(const bf16_t *w) {
-    vu u;
-    memcpy(&u, w, sizeof(u));
-    const vu even = u << 16, odd = u & 0xffff0000u;
-    wpair p;
-    memcpy(&p.even, &even, sizeof(vf));
-    memcpy(&p.odd, &odd, sizeof(vf));
-    return p;
-}
-INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
-    acc += ((vf){0} + bf16_to_f32((bf16_t)(a_pair >> 16))) * w.odd;
-    return acc + ((vf){0} + bf16_to_f32((bf16_t)a_pair)) * w.even;
-}
-#endif
 
 /* tile_f32 for bf16 activations and a pair-packed bf16 block (the chain in the header). */
 INLINE void tile_bf16(const bf16_t *a, int TM, const bf16_t *wt, int CV, int64_t n, int64_t ldw,

@@ -7,7 +7,8 @@
  * q, out [B, Hq, D]; cache [2, num_blocks, block_size, Hkv, D] (0 = keys, 1 = values), token l
  * of sequence s at block block_tables[s, l / block_size], offset l % block_size; G = Hq / Hkv
  * (query head h reads kv head h / G, HF's repeat_kv order). q, cache and out share one dtype,
- * f32 or bf16; scores, softmax and the weighted sum are f32.
+ * f32 or bf16; scores, softmax and the weighted sum are f32 (in bf16 with D a multiple of 32,
+ * q . k is summed by bf16 pairs, vec.h's dot_pairs).
  * Reads the cache in place (no gather into a padded copy, no mask) and in one pass: keys and
  * values chunk by chunk, with an online softmax. A query's result depends only on its q, its
  * lens and the cache, so a prompt prefilled in chunks gives the bits of one prefilled whole.
@@ -66,11 +67,19 @@ typedef struct {
 /* The G query heads of one kv head over nc <= CHUNK tokens (keys kb, values vb: rows of `row`
  * elements, the kv head's column offset applied): q, acc [G, D] f32; m, l [G]. Inlined with
  * constant G and D where the caller knows them, so q and the partial sums stay in registers. */
-INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const void *kb,
-                        const void *vb, int64_t nc, int64_t row, int64_t G, int64_t D,
-                        float scale, int bf16, Ahead ahead) {
+INLINE void group_chunk(const float *q, const void *qraw, float *acc, float *m, float *l,
+                        const void *kb, const void *vb, int64_t nc, int64_t row, int64_t G,
+                        int64_t D, float scale, int bf16, Ahead ahead) {
     const int64_t esz = bf16 ? 2 : 4;
     const int64_t dv = D - D % LANES;
+    /* bf16 with D a multiple of 32: q . k by bf16 pairs (vec.h's dot_pairs, 32 products per
+     * instruction where the build has AVX512-BF16), from the raw bf16 q. */
+    const int pairs = bf16 && D % (2 * LANES) == 0;
+    wpair qp[G][pairs ? D / (2 * LANES) : 1];
+    if (pairs)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d += 2 * LANES)
+                qp[g][d / (2 * LANES)] = load_pair((const bf16_t *)qraw + g * D + d);
     vf part[G][CHUNK];
     float tail[G][CHUNK];
     memset(tail, 0, sizeof(tail));
@@ -82,7 +91,12 @@ INLINE void group_chunk(const float *q, float *acc, float *m, float *l, const vo
                 __builtin_prefetch(ahead.k + o * row * esz + b);
                 __builtin_prefetch(ahead.v + o * row * esz + b);
             }
-        if (o < nc) {
+        if (o < nc && pairs) {
+            for (int64_t d = 0; d < D; d += 2 * LANES) {
+                const wpair k = load_pair((const bf16_t *)kb + o * row + d);
+                for (int64_t g = 0; g < G; g++) s[g] = dot_pairs(s[g], qp[g][d / (2 * LANES)], k);
+            }
+        } else if (o < nc) {
             for (int64_t d = 0; d < dv; d += LANES) {
                 const vf k = loadv(kb, bf16, o * row + d);
                 for (int64_t g = 0; g < G; g++) s[g] += *(const vf *)(q + g * D + d) * k;
@@ -168,7 +182,8 @@ INLINE void attend(const void *q, const void *keys, const void *values, const in
                 const Ahead ahead = chunk_ahead(keys, values, table,
                                                 blk * cpb + o0 / CHUNK + PF_CHUNKS, L, bs,
                                                 row * esz, j * D * esz);
-                group_chunk(qf + h * D, acc + h * D, m + h, l + h, (const char *)keys + off,
+                group_chunk(qf + h * D, (const char *)q + h * D * esz, acc + h * D, m + h, l + h,
+                            (const char *)keys + off,
                             (const char *)values + off, n - o0 < CHUNK ? n - o0 : CHUNK, row,
                             G, D, scale, bf16, ahead);
             }

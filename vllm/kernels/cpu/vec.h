@@ -3,6 +3,9 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define INLINE static inline __attribute__((always_inline))
@@ -73,6 +76,41 @@ INLINE void storev(void *p, int bf16, int64_t i, vf v) {
     const vh h = f32_to_bf16v(v);
     memcpy((bf16_t *)p + i, &h, sizeof(h));
 }
+
+/* bf16 pair products, as AVX512-BF16's vdpbf16ps computes them: a wpair holds 16 lanes of two
+ * bf16 each (the even element in the low half). Per lane, acc = fma(odd products) then
+ * fma(even products); a product of two bf16 is exact in f32, so each step rounds once. Without
+ * the instruction the same steps run as FMAs (equal bits, except that the instruction flushes
+ * denormals to zero). */
+#if defined(__AVX512BF16__)
+typedef __m512bh wpair;
+INLINE wpair load_pair(const bf16_t *w) { return (__m512bh)_mm512_loadu_si512(w); }
+/* acc += one pair (a_pair: even in the low 16 bits), broadcast, times each lane's pair. */
+INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a_pair), w);
+}
+/* acc += lane-wise pair products of a and b. */
+INLINE vf dot_pairs(vf acc, wpair a, wpair b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
+#else
+typedef struct { vf even, odd; } wpair;
+INLINE wpair load_pair(const bf16_t *w) {
+    vu u;
+    memcpy(&u, w, sizeof(u));
+    const vu even = u << 16, odd = u & 0xffff0000u;
+    wpair p;
+    memcpy(&p.even, &even, sizeof(vf));
+    memcpy(&p.odd, &odd, sizeof(vf));
+    return p;
+}
+INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
+    acc += ((vf){0} + bf16_to_f32((bf16_t)(a_pair >> 16))) * w.odd;
+    return acc + ((vf){0} + bf16_to_f32((bf16_t)a_pair)) * w.even;
+}
+INLINE vf dot_pairs(vf acc, wpair a, wpair b) {
+    acc += a.odd * b.odd;
+    return acc + a.even * b.even;
+}
+#endif
 
 /* Sum of the 16 lanes in a fixed tree (halves, then quarters, ...), in registers. */
 INLINE float lane_sum(vf v) {

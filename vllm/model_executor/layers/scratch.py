@@ -7,8 +7,9 @@ time, so one buffer per purpose serves every layer. On other devices the caching
 already makes transient buffers cheap, and ``scratch`` is ``torch.empty`` (as it is under
 torch.compile).
 
-Invariant: a scratch buffer is dead once the call that took it returns (nothing returned to the
-caller may alias it).
+Invariants: a scratch buffer is dead once the call that took it returns (nothing returned to the
+caller may alias it), and one forward pass runs at a time in the process (each engine steps in
+one thread; two engines stepping concurrently in one process would share these buffers).
 """
 from __future__ import annotations
 
