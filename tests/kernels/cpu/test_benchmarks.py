@@ -16,9 +16,10 @@ def _load(name: str):
     return module
 
 
-def test_benchmark_cpu_kernels_rows(capsys):
-    rows = _load("benchmark_cpu_kernels").main(["--iters", "3"])
-    assert len(rows) == 7 and all(t > 0 and c > 0 for _, t, c in rows)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_benchmark_cpu_kernels_rows(capsys, dtype):
+    rows = _load("benchmark_cpu_kernels").main(["--iters", "3", "--dtype", dtype])
+    assert len(rows) == 8 and all(t > 0 and c > 0 for _, t, c in rows)
     assert "speedup" in capsys.readouterr().out
 
 
