@@ -9,8 +9,8 @@
  * (bf16 products run in pairs as gemm.h says; all accumulation is f32).
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
- * which other pairs are in the call: every output element is one sequential f32 FMA chain over
- * the input dim (gemm.h), whatever register tile computed it. So a batch split into expert-cache waves,
+ * which other pairs are in the call: every output element is the one chain over the input dim
+ * that gemm.h states for its dtype, whatever register tile computed it. So a batch split into expert-cache waves,
  * or a token batched with others, gives identical bits.
  */
 #include <math.h>
