@@ -39,10 +39,11 @@ class AttentionMetadata:
     @cached_property
     def token_rows_and_lens(self) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Per query token: its sequence (row of ``block_tables``) and how many context tokens
-        it attends (its position + 1), as host int64 [T] tensors built once per step (every
-        layer reads them). Rows are None when every sequence is one decode (row = token)."""
+        it attends (its position + 1), as int64 [T] tensors built once per step (every layer
+        reads them). When every sequence is one decode, rows are None (row = token) and the
+        lengths are ``seq_lens`` itself."""
         if self.num_decodes == self.num_seqs:
-            return None, torch.tensor(self.seq_lens_cpu)
+            return None, self.seq_lens
         rows: list[int] = []
         lens: list[int] = []
         for i, (n, ctx) in enumerate(zip(self.query_lens_cpu, self.seq_lens_cpu)):
