@@ -10,8 +10,8 @@
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is the one chain over the input dim
- * that gemm.h states for its dtype, whatever register tile computed it. So a batch split into expert-cache waves,
- * or a token batched with others, gives identical bits.
+ * that gemm.h states for its dtype, whatever register tile computed it. So a batch split into
+ * expert-cache waves, or a token batched with others, gives identical bits.
  */
 #include <math.h>
 #include <stdint.h>

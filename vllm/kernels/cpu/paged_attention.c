@@ -182,10 +182,9 @@ INLINE void attend(const void *q, const void *keys, const void *values, const in
                 const Ahead ahead = chunk_ahead(keys, values, table,
                                                 blk * cpb + o0 / CHUNK + PF_CHUNKS, L, bs,
                                                 row * esz, j * D * esz);
-                group_chunk(qf + h * D, (const char *)q + h * D * esz, acc + h * D, m + h, l + h,
-                            (const char *)keys + off,
-                            (const char *)values + off, n - o0 < CHUNK ? n - o0 : CHUNK, row,
-                            G, D, scale, bf16, ahead);
+                group_chunk(qf + h * D, (const char *)q + h * D * esz, acc + h * D, m + h,
+                            l + h, (const char *)keys + off, (const char *)values + off,
+                            n - o0 < CHUNK ? n - o0 : CHUNK, row, G, D, scale, bf16, ahead);
             }
     }
     for (int64_t h = 0; h < Hq; h++) {
