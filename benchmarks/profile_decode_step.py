@@ -2,10 +2,12 @@
 everything else (Python, small torch ops, scheduling, output processing).
 
     python benchmarks/profile_decode_step.py [--model PATH] [--batch 32] [--threads 1]
-        [--steps 40] [--dtype float32] [--moe-expert-cache-size N]
+        [--steps 40] [--dtype float32] [--moe-expert-cache-size N] [--enforce-eager]
 
 Runs ``--batch`` requests of 64 random prompt tokens, skips the prefill and a few warm-up steps,
-then times ``--steps`` decode steps of the full batch. Needs the CPU kernels (it reports what they
+then times ``--steps`` decode steps of the full batch. Decode steps replay a CPU graph as the
+engine does by default, so the forward's kernels show as one ``run_graph``; ``--enforce-eager``
+runs them one call at a time, each timed. Needs the CPU kernels (it reports what they
 take, so it refuses to run without them).
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--moe-expert-cache-size", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CPU graphs: every kernel call of the forward timed on its own")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from vllm.kernels.cpu.build import SIGNATURES, load_cpu_kernels
@@ -55,7 +59,7 @@ def main(argv=None) -> dict:
     kernels_ms = {k: v / args.steps * 1e3 for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
     total_kernels = sum(kernels_ms.values())
     print(f"batch={args.batch} threads={args.threads} dtype={args.dtype} "
-          f"cache={args.moe_expert_cache_size}: step {step_ms:.2f} ms = "
+          f"cache={args.moe_expert_cache_size} eager={args.enforce_eager}: step {step_ms:.2f} ms = "
           f"C kernels {total_kernels:.2f} ms + rest {step_ms - total_kernels:.2f} ms")
     for name, ms in kernels_ms.items():
         print(f"  {name:24s} {ms:.3f} ms")
@@ -65,7 +69,8 @@ def main(argv=None) -> dict:
 def _time_steps(args, totals: dict) -> float:
     """ms per decode step of the full batch, after the prefill and warm-up (``totals`` reset)."""
     from vllm import LLM, SamplingParams
-    kwargs = dict(dtype=args.dtype, moe_expert_cache_size=args.moe_expert_cache_size)
+    kwargs = dict(dtype=args.dtype, moe_expert_cache_size=args.moe_expert_cache_size,
+                  enforce_eager=args.enforce_eager)
     llm = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
     engine = llm.llm_engine
     vocab = engine.runner.model.config.vocab_size

@@ -16,6 +16,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.worker.cpu_graphs import DecodeGraphs
+from vllm.worker.cpu_graphs import eligible as graphs_eligible
 from vllm.worker.sampler import Sampler, SamplingMetadata
 
 logger = init_logger(__name__)
@@ -41,6 +43,7 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         self.routing_recorder = self._attach_routing_recorder()
         self._log_moe_cache_config()
+        self.decode_graphs = self._make_decode_graphs()
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -72,6 +75,14 @@ class ModelRunner:
         used = total - free
         return max(0, int(total * self.config.cache_config.gpu_memory_utilization) - used)
 
+    def _make_decode_graphs(self) -> DecodeGraphs | None:
+        """CPU graphs for decode-only steps where they apply (``worker/cpu_graphs.py``)."""
+        if not graphs_eligible(self.model, self.moe_layers, self.dtype, self.device,
+                               self.config.enforce_eager):
+            return None
+        max_len = self.config.model_config.max_model_len
+        return DecodeGraphs(self.model, -(-max_len // self.block_size))
+
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -81,8 +92,12 @@ class ModelRunner:
         if not seqs:
             return RunnerOutput(sampled={})
         input_ids, positions, attn_metadata, logits_indices = self._prepare_inputs(seqs)
-        with set_forward_context(attn_metadata):
-            hidden = self.model(input_ids, positions)
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.forward(input_ids, positions, attn_metadata)
+        if hidden is None:
+            with set_forward_context(attn_metadata):
+                hidden = self.model(input_ids, positions)
         if self.routing_recorder is not None:
             self.routing_recorder.end_step([s.req_id for s in seqs for _ in range(s.num_tokens)])
         sampled_seqs = [s for s in seqs if s.do_sample]

@@ -24,11 +24,16 @@ def test_benchmark_cpu_kernels_rows(capsys, dtype):
 
 
 def test_profile_decode_step_splits_the_step(capsys):
-    result = _load("profile_decode_step").main(["--batch", "2", "--steps", "3"])
+    result = _load("profile_decode_step").main(["--batch", "2", "--steps", "3",
+                                                "--enforce-eager"])
     kernels = result["kernels_ms"]
     assert {"dense_linear", "moe_expert_pairs", "paged_attention"} <= set(kernels)
+    assert "run_graph" not in kernels
     assert 0 < sum(kernels.values()) < result["step_ms"]
     assert "C kernels" in capsys.readouterr().out
+    # By default the decode steps replay a graph: the forward's kernels are one call.
+    kernels = _load("profile_decode_step").main(["--batch", "2", "--steps", "3"])["kernels_ms"]
+    assert "run_graph" in kernels and "paged_attention" not in kernels
     from vllm.kernels.cpu.build import load_cpu_kernels
     lib = load_cpu_kernels()
     assert type(lib.dense_linear).__name__ != "_Timed"     # the shared library is left as found

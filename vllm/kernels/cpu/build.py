@@ -50,6 +50,7 @@ SIGNATURES = {
     "argmax_rows": [_PTR, _I64, _I64, _PTR],
     "topk_softmax": [_PTR, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR],
     "moe_sum": [_PTR, _PTR, _I64, _I64, _I64, _INT],
+    "run_graph": [_PTR, _I64, _PTR],
 }
 
 
@@ -108,4 +109,5 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.graph_op_names.argtypes, lib.graph_op_names.restype = [], ctypes.c_char_p
     return lib

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.kernels.cpu.graph import launch
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Dtypes the C kernels take, and the code they pass for each."""
@@ -66,8 +67,9 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         bias = _as(bias, x.dtype)
     x2 = _rows(x, n)
     out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
-    rc = load_cpu_kernels().dense_linear(
-        x2.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+    rc = launch(
+        "dense_linear", x2.data_ptr(), packed.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
         out.data_ptr(), x2.shape[0], n, out_features, KERNEL_DTYPES[x.dtype])
     if rc:
         raise MemoryError("dense_linear: the kernel could not allocate its scratch")
@@ -81,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: weight has {weight.numel()} elements, x has {n} per row")
     x, weight = x.contiguous(), _as(weight, x.dtype)
     out = torch.empty_like(x)
-    load_cpu_kernels().rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+    launch("rms_norm", x.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                 x.numel() // max(n, 1), n, eps, KERNEL_DTYPES[x.dtype])
     return out
 
@@ -92,7 +94,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     positions, inv_freq = _as(positions, torch.int64), _as(inv_freq, torch.float32)
     T, h = positions.shape[0], inv_freq.numel()
     cs = torch.empty(T, 2 * h, dtype=torch.float32)
-    load_cpu_kernels().rope_cos_sin(positions.data_ptr(), inv_freq.data_ptr(), scaling, T, h,
+    launch("rope_cos_sin", positions.data_ptr(), inv_freq.data_ptr(), scaling, T, h,
                                     cs.data_ptr())
     return cs
 
@@ -109,8 +111,9 @@ def rotary_embedding(cos_sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, he
                          f"rotary_dim={rotary_dim}")
     q, k, cos_sin = q.contiguous(), k.contiguous(), _as(cos_sin, torch.float32)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    load_cpu_kernels().rotary_embedding(
-        cos_sin.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), T,
+    launch(
+        "rotary_embedding", cos_sin.data_ptr(), q.data_ptr(), k.data_ptr(), q_out.data_ptr(),
+        k_out.data_ptr(), T,
         q.shape[-1] // head_dim, k.shape[-1] // head_dim, head_dim, rotary_dim,
         KERNEL_DTYPES[q.dtype])
     return q_out, k_out
@@ -120,7 +123,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for f32 [rows, n] on CPU (first maximum; NaN counts as the maximum)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    load_cpu_kernels().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    launch("argmax_rows", x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 
@@ -142,8 +145,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     tables, lens = _as(block_tables, torch.int64), _as(lens, torch.int64)
     rows = _as(rows, torch.int64) if rows is not None else None
     out = torch.empty_like(q)
-    rc = load_cpu_kernels().paged_attention(
-        q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[0], tables.stride(0),
+    rc = launch(
+        "paged_attention", q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[0],
+        tables.stride(0),
         rows.data_ptr() if rows is not None else None, lens.data_ptr(), out.data_ptr(), B,
         num_heads, num_kv_heads, head_dim, kv_cache.shape[2], kv_cache.shape[1], scale,
         KERNEL_DTYPES[kv_cache.dtype])
@@ -166,7 +170,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     k, v = _as(k, kv_cache.dtype), _as(v, kv_cache.dtype)
     slots = _as(slot_mapping, torch.int64)
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    rc = load_cpu_kernels().write_kv_cache(k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+    rc = launch("write_kv_cache", k.data_ptr(), v.data_ptr(), slots.data_ptr(),
                                            kv_cache.data_ptr(), k.shape[0], num_slots,
                                            k[0].numel() * k.element_size() if len(k) else 0)
     if rc:
@@ -183,7 +187,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int,
     logits = logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32)
     ids = torch.empty(T, top_k, dtype=torch.int64)
-    load_cpu_kernels().topk_softmax(logits.data_ptr(), T, E, top_k, int(renormalize),
+    launch("topk_softmax", logits.data_ptr(), T, E, top_k, int(renormalize),
                                     KERNEL_DTYPES[logits.dtype], weights.data_ptr(),
                                     ids.data_ptr())
     return weights, ids
@@ -196,6 +200,6 @@ def moe_sum(pairs: torch.Tensor) -> torch.Tensor:
     T, K, H = pairs.shape
     pairs = pairs.contiguous()
     out = torch.empty(T, H, dtype=pairs.dtype, device=pairs.device)
-    load_cpu_kernels().moe_sum(pairs.data_ptr(), out.data_ptr(), T, K, H,
+    launch("moe_sum", pairs.data_ptr(), out.data_ptr(), T, K, H,
                                KERNEL_DTYPES[pairs.dtype])
     return out

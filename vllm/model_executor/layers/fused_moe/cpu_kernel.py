@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.kernels.cpu.graph import launch
 from vllm.kernels.cpu.ops import KERNEL_DTYPES as _DTYPES
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1}
@@ -51,8 +51,9 @@ def expert_pairs_cpu(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,
     x, w13p, w2p = x.contiguous(), w13p.contiguous(), w2p.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
-    rc = load_cpu_kernels().moe_expert_pairs(
-        x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), wts.data_ptr(), ids.data_ptr(),
+    rc = launch(
+        "moe_expert_pairs", x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), wts.data_ptr(),
+        ids.data_ptr(),
         out.data_ptr(), T, top_k, G, H, two_n // 2, _DTYPES[dtype], _ACTIVATIONS[activation])
     if rc:
         raise MemoryError("expert_pairs_cpu: the kernel could not allocate its scratch")

@@ -1,0 +1,102 @@
+"""Decode steps replayed from CPU graphs (``vllm/kernels/cpu/graph.py``), one graph per batch
+size, captured the first time a decode-only step of that size runs.
+
+A graph reads its inputs from static buffers it owns (token ids, positions, KV slots, block
+tables, context lengths); each replay copies the step's values into them, runs the recorded
+kernels and returns the graph's own output tensor (overwritten by the next replay of that
+size, so callers use it before the next step). Prefill and mixed steps run eagerly.
+
+Used on CPU with the C kernels, unless ``enforce_eager``; not with the expert cache or a
+routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). A batch
+size whose capture is refused (a torch op without a graph node) stays eager, logged once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.kernels.cpu.graph import CpuGraph, GraphCaptureError, capture
+from vllm.kernels.cpu.ops import kernels_support
+from vllm.logger import init_logger
+from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Entry:
+    graph: CpuGraph
+    input_ids: torch.Tensor       # [B] int64
+    positions: torch.Tensor       # [B] int64
+    slot_mapping: torch.Tensor    # [B] int64
+    block_tables: torch.Tensor    # [B, max_blocks_per_seq] int64 (a step fills a prefix)
+    seq_lens: torch.Tensor        # [B] int64
+    hidden: torch.Tensor          # [B, H]: the forward's output, rewritten by each replay
+
+
+def eligible(model: nn.Module, moe_layers: list, dtype: torch.dtype, device: torch.device,
+             enforce_eager: bool) -> bool:
+    """Whether decode steps may replay graphs: CPU kernels on, no per-step Python state."""
+    if enforce_eager or not kernels_support(dtype, device):
+        return False
+    return all(m.expert_cache is None and m.routing_observer is None for m in moe_layers)
+
+
+class DecodeGraphs:
+    def __init__(self, model: nn.Module, max_blocks_per_seq: int):
+        self.model = model
+        self.max_blocks = max_blocks_per_seq
+        self._graphs: dict[int, _Entry] = {}
+        self._refused: set[int] = set()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states [B, H] of a decode-only step from its graph (captured now if new), or
+        None when this step must run eagerly."""
+        B = input_ids.shape[0]
+        if md.num_decodes != md.num_seqs or B != md.num_seqs or B in self._refused \
+                or md.block_tables.shape[1] > self.max_blocks:
+            return None
+        entry = self._graphs.get(B)
+        if entry is None:
+            return self._capture(input_ids, positions, md)
+        self._load(entry, input_ids, positions, md)
+        entry.graph.replay()
+        return entry.hidden
+
+    @staticmethod
+    def _load(e: _Entry, input_ids, positions, md: AttentionMetadata) -> None:
+        e.input_ids.copy_(input_ids)
+        e.positions.copy_(positions)
+        e.slot_mapping.copy_(md.slot_mapping)
+        e.block_tables[:, :md.block_tables.shape[1]].copy_(md.block_tables)
+        e.seq_lens.copy_(md.seq_lens)
+
+    def _capture(self, input_ids, positions, md: AttentionMetadata) -> torch.Tensor | None:
+        B = input_ids.shape[0]
+        i64 = dict(dtype=torch.int64, device=input_ids.device)
+        with torch.inference_mode(False):   # buffers written both inside and outside it
+            e = _Entry(CpuGraph(), torch.zeros(B, **i64), torch.zeros(B, **i64),
+                       torch.zeros(B, **i64), torch.zeros(B, self.max_blocks, **i64),
+                       torch.ones(B, **i64), hidden=None)
+        self._load(e, input_ids, positions, md)
+        static_md = AttentionMetadata(
+            slot_mapping=e.slot_mapping, block_tables=e.block_tables, seq_lens=e.seq_lens,
+            query_start_loc=torch.arange(B + 1, **i64), seq_lens_cpu=md.seq_lens_cpu,
+            query_lens_cpu=[1] * B, num_decodes=B, block_size=md.block_size)
+        try:
+            with set_forward_context(static_md), capture(e.graph):
+                e.hidden = self.model(e.input_ids, e.positions)
+        except GraphCaptureError as err:
+            # The forward stopped part-way; the caller reruns it eagerly (its KV writes put
+            # the same values in the same slots again).
+            self._refused.add(B)
+            logger.info("decode batch size %d runs eagerly: %s", B, err)
+            return None
+        e.graph.finish()
+        self._graphs[B] = e
+        logger.debug("captured a CPU graph for decode batch size %d (%d nodes)", B,
+                     e.graph.num_nodes)
+        return e.hidden
