@@ -190,7 +190,8 @@ class VllmConfig:
     moe_cache_config: MoECacheConfig
     device_config: DeviceConfig
     enforce_eager: bool = False
-    """Accepted for vLLM compatibility; CUDA graphs are CUDA-only, CPU always runs eagerly."""
+    """No CPU graphs for decode steps (``vllm/worker/cpu_graphs.py``); CUDA runs eagerly either
+    way (no CUDA graphs are built)."""
     quant_config: Any = None
     """A ``QuantConfig`` (quantized experts) parsed from the checkpoint's ``quantization_config``
     (or ``hf_quant_config.json``) when left None; stays None for unquantized checkpoints."""

@@ -40,7 +40,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     """Fraction of accelerator memory the engine may use (CUDA only)."""
     enforce_eager: bool = False
-    """Accepted for vLLM compatibility: CPU always runs eagerly."""
+    """Run every step eagerly. By default decode-only steps on CPU with the C kernels replay a
+    CPU graph of their kernel calls (``vllm/worker/cpu_graphs.py``); CUDA graphs are not built
+    (CUDA always runs eagerly)."""
     device: str = "auto"
     """auto, cpu or cuda."""
     trust_remote_code: bool = False

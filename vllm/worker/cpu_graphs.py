@@ -7,8 +7,10 @@ kernels and returns the graph's own output tensor (overwritten by the next repla
 size, so callers use it before the next step). Prefill and mixed steps run eagerly.
 
 Used on CPU with the C kernels, unless ``enforce_eager``; not with the expert cache or a
-routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). A batch
-size whose capture is refused (a torch op without a graph node) stays eager, logged once.
+routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). When a
+capture is refused (a torch op without a graph node, e.g. Qwen2-MoE's sigmoid-gated shared
+expert), every decode step of the model runs eagerly from then on (the forward's ops do not
+depend on the batch size), logged once.
 """
 from __future__ import annotations
 
@@ -49,14 +51,15 @@ class DecodeGraphs:
         self.model = model
         self.max_blocks = max_blocks_per_seq
         self._graphs: dict[int, _Entry] = {}
-        self._refused: set[int] = set()
+        self.refused: str | None = None
+        """Why the model's decode steps run eagerly (a refused capture), or None."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states [B, H] of a decode-only step from its graph (captured now if new), or
         None when this step must run eagerly."""
         B = input_ids.shape[0]
-        if md.num_decodes != md.num_seqs or B != md.num_seqs or B in self._refused \
+        if md.num_decodes != md.num_seqs or B != md.num_seqs or self.refused is not None \
                 or md.block_tables.shape[1] > self.max_blocks:
             return None
         entry = self._graphs.get(B)
@@ -92,8 +95,8 @@ class DecodeGraphs:
         except GraphCaptureError as err:
             # The forward stopped part-way; the caller reruns it eagerly (its KV writes put
             # the same values in the same slots again).
-            self._refused.add(B)
-            logger.info("decode batch size %d runs eagerly: %s", B, err)
+            self.refused = str(err)
+            logger.info("decode steps run eagerly (no CPU graphs): %s", err)
             return None
         e.graph.finish()
         self._graphs[B] = e

@@ -1,0 +1,68 @@
+"""Decode steps replayed from CPU graphs (``vllm/worker/cpu_graphs.py``) give the tokens of the
+eager engine (``enforce_eager=True``), bit for bit, at every batch size a run passes through."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+
+
+def _requests(vocab: int, n: int = 12):
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (int(L),), generator=g).tolist()}
+               for L in torch.randint(2, 40, (n,), generator=g)]
+    # Different output lengths, so requests finish at different steps and the decode batch
+    # shrinks through many sizes; greedy and seeded sampling alternate.
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0.0 if i % 2 else 0.9,
+                             top_p=0.9, seed=i)
+              for i, m in enumerate(torch.randint(1, 24, (n,), generator=g))]
+    return prompts, params
+
+
+def _generate(path, prompts, params, **kwargs):
+    llm = LLM(path, max_num_seqs=6, **kwargs)
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs], llm.llm_engine.runner
+
+
+@pytest.mark.parametrize("arch,dtype", [("Qwen3MoeForCausalLM", "float32"),
+                                        ("Qwen3MoeForCausalLM", "bfloat16"),
+                                        ("MixtralForCausalLM", "float32"),
+                                        ("Qwen2MoeForCausalLM", "bfloat16")])
+def test_graph_decode_equals_eager(tiny_model_factory, arch, dtype):
+    path = tiny_model_factory(arch)
+    prompts, params = _requests(vocab=200)
+    eager, runner = _generate(path, prompts, params, dtype=dtype, enforce_eager=True)
+    assert runner.decode_graphs is None
+    got, runner = _generate(path, prompts, params, dtype=dtype)
+    graphs = runner.decode_graphs
+    if arch == "Qwen2MoeForCausalLM":
+        # Its shared expert's sigmoid gate has no graph node: refused, every step eager.
+        assert "sigmoid" in graphs.refused and not graphs._graphs
+    else:
+        assert graphs.refused is None and len(graphs._graphs) >= 3   # several batch sizes
+    assert got == eager
+
+
+def test_graphs_are_off_where_per_step_python_state_lives(tiny_model_factory, tmp_path):
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    for kwargs in ({"moe_expert_cache_size": 2},
+                   {"moe_routing_trace_path": str(tmp_path / "trace.json")}):
+        assert LLM(path, **kwargs).llm_engine.runner.decode_graphs is None, kwargs
+
+
+def test_a_refused_capture_runs_that_batch_size_eagerly(tiny_model_factory, monkeypatch,
+                                                         vllm_log):
+    """A torch op without a graph node in the forward (here a scale added to the final norm)
+    refuses the capture; the step runs eagerly and its tokens are still right."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts, params = _requests(vocab=200, n=4)
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    orig = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: orig(self, x) * 1.0)
+    eager, _ = _generate(path, prompts, params, enforce_eager=True)
+    got, runner = _generate(path, prompts, params)
+    assert got == eager
+    assert "mul" in runner.decode_graphs.refused and not runner.decode_graphs._graphs
+    assert vllm_log.text.count("run eagerly (no CPU graphs)") == 1
