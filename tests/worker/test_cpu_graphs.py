@@ -66,3 +66,21 @@ def test_a_refused_capture_runs_that_batch_size_eagerly(tiny_model_factory, monk
     assert got == eager
     assert "mul" in runner.decode_graphs.refused and not runner.decode_graphs._graphs
     assert vllm_log.text.count("run eagerly (no CPU graphs)") == 1
+
+
+def test_tied_embeddings_replay_the_forward_and_compute_logits_eagerly(tiny_model_factory):
+    """Tied logits go through ``F.linear`` (no graph node): only the forward is replayed."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM", tie_word_embeddings=True)
+    prompts, params = _requests(vocab=200, n=6)
+    eager, _ = _generate(path, prompts, params, enforce_eager=True)
+    got, runner = _generate(path, prompts, params)
+    graphs = runner.decode_graphs
+    assert graphs.refused is None and graphs._graphs
+    assert all(e.logits_graph is None for e in graphs._graphs.values())
+    assert got == eager
+
+
+def test_untied_logits_are_replayed_too(tiny_model_factory):
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    _, runner = _generate(path, *_requests(vocab=200, n=4))
+    assert all(e.logits_graph is not None for e in runner.decode_graphs._graphs.values())

@@ -1,10 +1,14 @@
 """Decode steps replayed from CPU graphs (``vllm/kernels/cpu/graph.py``), one graph per batch
 size, captured the first time a decode-only step of that size runs.
 
-A graph reads its inputs from static buffers it owns (token ids, positions, KV slots, block
-tables, context lengths); each replay copies the step's values into them, runs the recorded
-kernels and returns the graph's own output tensor (overwritten by the next replay of that
-size, so callers use it before the next step). Prefill and mixed steps run eagerly.
+A batch size has a graph of the forward and, where it can be captured, one of
+``compute_logits`` (every sequence of a decode step samples, so the logits rows are the
+tokens; a model whose logits use a torch op without a node, e.g. tied embeddings through
+``F.linear``, computes them eagerly from the forward graph's output). The graphs read its inputs from static buffers it owns (token ids,
+positions, KV slots, block tables, context lengths); each replay copies the step's values into
+them, runs the recorded kernels and returns the graph's own logits tensor (overwritten by the
+next replay of that size, so callers use it before the next step). Prefill and mixed steps run
+eagerly.
 
 Used on CPU with the C kernels, unless ``enforce_eager``; not with the expert cache or a
 routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). When a
@@ -14,6 +18,7 @@ depend on the batch size), logged once.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +26,7 @@ from torch import nn
 
 from vllm.kernels.cpu.graph import CpuGraph, GraphCaptureError, capture
 from vllm.kernels.cpu.ops import kernels_support
-from vllm.logger import init_logger
+from vllm.logger import init_logger, log_once
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 
 logger = init_logger(__name__)
@@ -29,13 +34,15 @@ logger = init_logger(__name__)
 
 @dataclass
 class _Entry:
-    graph: CpuGraph
+    graph: CpuGraph               # the forward
+    logits_graph: CpuGraph | None # compute_logits, None when it runs eagerly
     input_ids: torch.Tensor       # [B] int64
     positions: torch.Tensor       # [B] int64
     slot_mapping: torch.Tensor    # [B] int64
     block_tables: torch.Tensor    # [B, max_blocks_per_seq] int64 (a step fills a prefix)
     seq_lens: torch.Tensor        # [B] int64
     hidden: torch.Tensor          # [B, H]: the forward's output, rewritten by each replay
+    logits: torch.Tensor | None   # [B, V] f32: the logits graph's output, likewise
 
 
 def eligible(model: nn.Module, moe_layers: list, dtype: torch.dtype, device: torch.device,
@@ -54,9 +61,9 @@ class DecodeGraphs:
         self.refused: str | None = None
         """Why the model's decode steps run eagerly (a refused capture), or None."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor | None:
-        """Hidden states [B, H] of a decode-only step from its graph (captured now if new), or
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               md: AttentionMetadata) -> torch.Tensor | None:
+        """Logits [B, V] f32 of a decode-only step from its graph (captured now if new), or
         None when this step must run eagerly."""
         B = input_ids.shape[0]
         if md.num_decodes != md.num_seqs or B != md.num_seqs or self.refused is not None \
@@ -67,7 +74,10 @@ class DecodeGraphs:
             return self._capture(input_ids, positions, md)
         self._load(entry, input_ids, positions, md)
         entry.graph.replay()
-        return entry.hidden
+        if entry.logits_graph is None:
+            return self.model.compute_logits(entry.hidden)
+        entry.logits_graph.replay()
+        return entry.logits
 
     @staticmethod
     def _load(e: _Entry, input_ids, positions, md: AttentionMetadata) -> None:
@@ -81,9 +91,9 @@ class DecodeGraphs:
         B = input_ids.shape[0]
         i64 = dict(dtype=torch.int64, device=input_ids.device)
         with torch.inference_mode(False):   # buffers written both inside and outside it
-            e = _Entry(CpuGraph(), torch.zeros(B, **i64), torch.zeros(B, **i64),
+            e = _Entry(CpuGraph(), CpuGraph(), torch.zeros(B, **i64), torch.zeros(B, **i64),
                        torch.zeros(B, **i64), torch.zeros(B, self.max_blocks, **i64),
-                       torch.ones(B, **i64), hidden=None)
+                       torch.ones(B, **i64), hidden=None, logits=None)
         self._load(e, input_ids, positions, md)
         static_md = AttentionMetadata(
             slot_mapping=e.slot_mapping, block_tables=e.block_tables, seq_lens=e.seq_lens,
@@ -99,7 +109,14 @@ class DecodeGraphs:
             logger.info("decode steps run eagerly (no CPU graphs): %s", err)
             return None
         e.graph.finish()
+        try:
+            with capture(e.logits_graph):
+                e.logits = self.model.compute_logits(e.hidden)
+            e.logits_graph.finish()
+        except GraphCaptureError as err:
+            e.logits_graph, e.logits = None, self.model.compute_logits(e.hidden)
+            log_once(logger, logging.INFO, f"logits are computed eagerly: {err}")
         self._graphs[B] = e
         logger.debug("captured a CPU graph for decode batch size %d (%d nodes)", B,
                      e.graph.num_nodes)
-        return e.hidden
+        return e.logits

@@ -92,18 +92,19 @@ class ModelRunner:
         if not seqs:
             return RunnerOutput(sampled={})
         input_ids, positions, attn_metadata, logits_indices = self._prepare_inputs(seqs)
-        hidden = None
-        if self.decode_graphs is not None:
-            hidden = self.decode_graphs.forward(input_ids, positions, attn_metadata)
-        if hidden is None:
+        sampled_seqs = [s for s in seqs if s.do_sample]
+        logits = None
+        if self.decode_graphs is not None and len(sampled_seqs) == len(seqs):
+            logits = self.decode_graphs.logits(input_ids, positions, attn_metadata)
+        if logits is None:
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids, positions)
-        if self.routing_recorder is not None:
-            self.routing_recorder.end_step([s.req_id for s in seqs for _ in range(s.num_tokens)])
-        sampled_seqs = [s for s in seqs if s.do_sample]
-        if not sampled_seqs:
-            return RunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[logits_indices])
+            if self.routing_recorder is not None:
+                self.routing_recorder.end_step([s.req_id for s in seqs
+                                                for _ in range(s.num_tokens)])
+            if not sampled_seqs:
+                return RunnerOutput(sampled={})
+            logits = self.model.compute_logits(hidden[logits_indices])
         # build() creates the generator of a seeded request on its first sampled step.
         metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
                                           eos_token_id=self.eos_token_id)
