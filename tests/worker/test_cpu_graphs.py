@@ -84,3 +84,14 @@ def test_untied_logits_are_replayed_too(tiny_model_factory):
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     _, runner = _generate(path, *_requests(vocab=200, n=4))
     assert all(e.logits_graph is not None for e in runner.decode_graphs._graphs.values())
+
+
+def test_only_the_most_recent_batch_sizes_keep_a_graph(tiny_model_factory, monkeypatch):
+    from vllm.worker.cpu_graphs import DecodeGraphs
+    monkeypatch.setattr(DecodeGraphs, "MAX_GRAPHS", 2)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts, params = _requests(vocab=200)
+    eager, _ = _generate(path, prompts, params, enforce_eager=True)
+    got, runner = _generate(path, prompts, params)
+    assert len(runner.decode_graphs._graphs) == 2
+    assert got == eager

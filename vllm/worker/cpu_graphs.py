@@ -19,6 +19,7 @@ depend on the batch size), logged once.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +55,16 @@ def eligible(model: nn.Module, moe_layers: list, dtype: torch.dtype, device: tor
 
 
 class DecodeGraphs:
+    MAX_GRAPHS = 8
+    """Graphs kept at once, least recently used dropped first: each holds its intermediate
+    tensors and its [B, vocab] f32 logits, so one per batch size up to max_num_seqs could hold
+    gigabytes for a large vocabulary. A dropped size is captured again when it comes back (one
+    eager step)."""
+
     def __init__(self, model: nn.Module, max_blocks_per_seq: int):
         self.model = model
         self.max_blocks = max_blocks_per_seq
-        self._graphs: dict[int, _Entry] = {}
+        self._graphs: OrderedDict[int, _Entry] = OrderedDict()
         self.refused: str | None = None
         """Why the model's decode steps run eagerly (a refused capture), or None."""
 
@@ -72,6 +79,7 @@ class DecodeGraphs:
         entry = self._graphs.get(B)
         if entry is None:
             return self._capture(input_ids, positions, md)
+        self._graphs.move_to_end(B)
         self._load(entry, input_ids, positions, md)
         entry.graph.replay()
         if entry.logits_graph is None:
@@ -117,6 +125,8 @@ class DecodeGraphs:
             e.logits_graph, e.logits = None, self.model.compute_logits(e.hidden)
             log_once(logger, logging.INFO, f"logits are computed eagerly: {err}")
         self._graphs[B] = e
+        if len(self._graphs) > self.MAX_GRAPHS:
+            self._graphs.popitem(last=False)
         logger.debug("captured a CPU graph for decode batch size %d (%d nodes)", B,
                      e.graph.num_nodes)
         return e.logits
