@@ -8,6 +8,13 @@ import torch
 from vllm import LLM, SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def capture_at_once(monkeypatch):
+    """Capture a batch size on its first decode step, so short runs exercise many graphs."""
+    from vllm.worker.cpu_graphs import DecodeGraphs
+    monkeypatch.setattr(DecodeGraphs, "CAPTURE_AFTER", 1)
+
+
 def _requests(vocab: int, n: int = 12):
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, vocab, (int(L),), generator=g).tolist()}
@@ -86,12 +93,33 @@ def test_untied_logits_are_replayed_too(tiny_model_factory):
     assert all(e.logits_graph is not None for e in runner.decode_graphs._graphs.values())
 
 
-def test_only_the_most_recent_batch_sizes_keep_a_graph(tiny_model_factory, monkeypatch):
+def test_graphs_past_the_memory_budget_are_dropped(tiny_model_factory, monkeypatch):
     from vllm.worker.cpu_graphs import DecodeGraphs
-    monkeypatch.setattr(DecodeGraphs, "MAX_GRAPHS", 2)
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     prompts, params = _requests(vocab=200)
     eager, _ = _generate(path, prompts, params, enforce_eager=True)
+    _, runner = _generate(path, prompts, params)
+    sizes = {B: e.graph.nbytes + e.logits_graph.nbytes
+             for B, e in runner.decode_graphs._graphs.items()}
+    assert len(sizes) >= 3 and min(sizes.values()) > 0
+    budget = max(sizes.values()) + 1          # less than all of them together
+    monkeypatch.setattr(DecodeGraphs, "MAX_BYTES", budget)
     got, runner = _generate(path, prompts, params)
-    assert len(runner.decode_graphs._graphs) == 2
+    kept = runner.decode_graphs._graphs
+    assert 1 <= len(kept) < len(sizes)
+    assert sum(e.graph.nbytes + e.logits_graph.nbytes for e in kept.values()) <= budget
+    assert got == eager
+
+
+def test_a_batch_size_is_captured_after_a_streak_of_steps(tiny_model_factory, monkeypatch):
+    from vllm.worker.cpu_graphs import DecodeGraphs
+    monkeypatch.setattr(DecodeGraphs, "CAPTURE_AFTER", 5)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    # Batch 2 for 3 decode steps (not captured), then batch 1 for 6 more (captured at its 5th).
+    params = [SamplingParams(max_tokens=4, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True)]
+    eager, _ = _generate(path, prompts, params, enforce_eager=True)
+    got, runner = _generate(path, prompts, params)
+    assert list(runner.decode_graphs._graphs) == [1]
     assert got == eager

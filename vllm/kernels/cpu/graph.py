@@ -70,6 +70,8 @@ class CpuGraph:
         self._names: list[str] = []       # node index -> op name, for error messages
         self._keep: list[torch.Tensor] = []
         self._buf: torch.Tensor | None = None
+        self.nbytes = 0
+        """Bytes of the tensors allocated during the capture (what keeping the graph costs)."""
 
     def add_kernel(self, name: str, args: tuple) -> None:
         if name not in self._codes:
@@ -109,6 +111,8 @@ class CpuGraph:
     # ---- torch ops seen during capture -----------------------------------------------------
     def torch_op(self, func, args: tuple, kwargs: dict, out) -> None:
         """Add the node that repeats ``func`` (already run), or refuse the capture."""
+        if func in _ALLOCATING:
+            self.nbytes += out.untyped_storage().nbytes()
         if func in _NO_NODE:
             return
         handler = _HANDLERS.get(func)
@@ -168,6 +172,7 @@ _NO_NODE = {
     _aten.unsqueeze.default, _aten.squeeze.dim, _aten.t.default, _aten.transpose.int,
     _aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default,
 }
+_ALLOCATING = {_aten.empty.memory_format, _aten.empty_like.default, _aten.empty_strided.default}
 _HANDLERS = {
     _aten.add.Tensor: _add_node,
     _aten.to.dtype: _convert_node,
