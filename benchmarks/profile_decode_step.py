@@ -4,7 +4,7 @@ everything else (Python, small torch ops, scheduling, output processing).
     python benchmarks/profile_decode_step.py [--model PATH] [--batch 32] [--threads 1]
         [--steps 40] [--dtype float32] [--moe-expert-cache-size N] [--enforce-eager]
 
-Runs ``--batch`` requests of 64 random prompt tokens, skips the prefill and a few warm-up steps,
+Runs ``--batch`` requests of 64 random prompt tokens, skips the prefill and 20 warm-up steps,
 then times ``--steps`` decode steps of the full batch. Decode steps replay a CPU graph as the
 engine does by default, so the forward's kernels show as one ``run_graph``; ``--enforce-eager``
 runs them one call at a time, each timed. Needs the CPU kernels (it reports what they
@@ -75,11 +75,13 @@ def _time_steps(args, totals: dict) -> float:
     engine = llm.llm_engine
     vocab = engine.runner.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True, temperature=0)
+    from vllm.worker.cpu_graphs import DecodeGraphs
+    warmup = DecodeGraphs.CAPTURE_AFTER + 5            # prefill, graph capture, warm-up
+    params = SamplingParams(max_tokens=args.steps + warmup + 3, ignore_eos=True, temperature=0)
     for i in range(args.batch):
         engine.add_request(str(i), {"prompt_token_ids": torch.randint(
             8, vocab, (64,), generator=g).tolist()}, params)
-    for _ in range(5):                                   # prefill and warm-up
+    for _ in range(warmup):
         engine.step()
     totals.clear()
     start = time.perf_counter()
