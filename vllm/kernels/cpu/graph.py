@@ -71,7 +71,8 @@ class CpuGraph:
         self._keep: list[torch.Tensor] = []
         self._buf: torch.Tensor | None = None
         self.nbytes = 0
-        """Bytes of the tensors allocated during the capture (what keeping the graph costs)."""
+        """Bytes of the tensors allocated during the capture, by ``empty*`` or by an op that
+        became a node (what keeping the graph costs)."""
 
     def add_kernel(self, name: str, args: tuple) -> None:
         if name not in self._codes:
@@ -137,6 +138,7 @@ def _add_node(g: CpuGraph, args, kwargs, out) -> None:
         raise GraphCaptureError(f"add of {tuple(a.shape)} and {getattr(b, 'shape', b)} "
                                 "(only same-shape, same-dtype tensors)")
     pa, code = _flat(a, "add")
+    g.nbytes += out.untyped_storage().nbytes()
     g._add("add", [pa, _flat(b, "add")[0], _flat(out, "add")[0], out.numel(), code])
 
 
@@ -146,6 +148,7 @@ def _convert_node(g: CpuGraph, args, kwargs, out) -> None:
         return                                           # .to() of a tensor already in dtype
     ps, cs = _flat(src, "to(dtype)")
     po, co = _flat(out, "to(dtype)")
+    g.nbytes += out.untyped_storage().nbytes()
     g._add("convert", [ps, po, out.numel(), cs, co])
 
 
@@ -161,6 +164,7 @@ def _embedding_node(g: CpuGraph, args, kwargs, out) -> None:
     if not (weight.dim() == 2 and weight.is_contiguous() and ids.dtype == torch.int64
             and ids.is_contiguous() and out.is_contiguous()):
         raise GraphCaptureError("embedding: needs a contiguous 2-d weight and int64 ids")
+    g.nbytes += out.untyped_storage().nbytes()
     g._add("embedding", [weight.data_ptr(), ids.data_ptr(), out.data_ptr(), ids.numel(),
                          weight.stride(0) * weight.element_size(), weight.shape[0]])
 
