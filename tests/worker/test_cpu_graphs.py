@@ -84,6 +84,7 @@ def test_tied_embeddings_replay_the_forward_and_compute_logits_eagerly(tiny_mode
     graphs = runner.decode_graphs
     assert graphs.refused is None and graphs._graphs
     assert all(e.logits_graph is None for e in graphs._graphs.values())
+    assert "linear" in graphs.logits_refused
     assert got == eager
 
 

@@ -18,7 +18,6 @@ depend on the batch size), logged once.
 """
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -27,7 +26,7 @@ from torch import nn
 
 from vllm.kernels.cpu.graph import CpuGraph, GraphCaptureError, capture
 from vllm.kernels.cpu.ops import kernels_support
-from vllm.logger import init_logger, log_once
+from vllm.logger import init_logger
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 
 logger = init_logger(__name__)
@@ -81,6 +80,9 @@ class DecodeGraphs:
         self._graphs: OrderedDict[int, _Entry] = OrderedDict()
         self.refused: str | None = None
         """Why the model's decode steps run eagerly (a refused capture), or None."""
+        self.logits_refused: str | None = None
+        """Why the logits run eagerly after the forward graph (refused once for the model, as
+        the forward's refusal is, so later batch sizes do not try again), or None."""
         self._last_size, self._streak = 0, 0
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -136,13 +138,16 @@ class DecodeGraphs:
             logger.info("decode steps run eagerly (no CPU graphs): %s", err)
             return None
         e.graph.finish()
-        try:
-            with capture(e.logits_graph):
-                e.logits = self.model.compute_logits(e.hidden)
-            e.logits_graph.finish()
-        except GraphCaptureError as err:
+        if self.logits_refused is None:
+            try:
+                with capture(e.logits_graph):
+                    e.logits = self.model.compute_logits(e.hidden)
+                e.logits_graph.finish()
+            except GraphCaptureError as err:
+                self.logits_refused = str(err)
+                logger.info("logits are computed eagerly: %s", err)
+        if self.logits_refused is not None:
             e.logits_graph, e.logits = None, self.model.compute_logits(e.hidden)
-            log_once(logger, logging.INFO, f"logits are computed eagerly: {err}")
         self._graphs[B] = e
         while len(self._graphs) > 1 and sum(map(_nbytes, self._graphs.values())) > self.MAX_BYTES:
             self._graphs.popitem(last=False)
