@@ -13,6 +13,11 @@ from functools import cached_property
 import torch
 
 
+PAD_SLOT_ID = -1
+"""Slot of a padding row (a decode graph replayed for more rows than the step has): its keys and
+values are not written. Only the C kernels see it (``worker/cpu_graphs.py``)."""
+
+
 @dataclass
 class AttentionMetadata:
     """Layout of one flattened batch. Tokens of a sequence are contiguous, decodes first.
@@ -22,7 +27,8 @@ class AttentionMetadata:
     of its ``seq_lens[i]`` context tokens.
     """
 
-    slot_mapping: torch.Tensor     # [T] int64, flat KV slot (block_id * block_size + offset)
+    slot_mapping: torch.Tensor     # [T] int64, flat KV slot (block_id * block_size + offset),
+                                   # or PAD_SLOT_ID for a padding row (C kernels only)
     block_tables: torch.Tensor     # [B, max_blocks] int64, padded with 0
     seq_lens: torch.Tensor         # [B] int64, context length incl. this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int64, prefix sums of query lengths

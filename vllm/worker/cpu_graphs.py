@@ -1,14 +1,20 @@
-"""Decode steps replayed from CPU graphs (``vllm/kernels/cpu/graph.py``), one graph per batch
-size, captured the first time a decode-only step of that size runs.
+"""Decode steps replayed from CPU graphs (``vllm/kernels/cpu/graph.py``), one graph per padded
+batch size, captured the first time a decode-only step of that size runs (``CAPTURE_AFTER``).
 
-A batch size has a graph of the forward and, where it can be captured, one of
+As vLLM pads a decode batch to its next CUDA-graph size, a step of B sequences replays the
+graph of ``padded_size(B)`` rows (1, 2, 4, then multiples of 8), so a batch that shrinks as
+requests finish keeps replaying the same few graphs. A padding row decodes token 0 at position
+0 against a one-token context, writes no KV (its slot is ``PAD_SLOT_ID``) and its logits are
+dropped; every op of the forward works row by row, so padding does not change the real rows.
+
+A padded size has a graph of the forward and, where it can be captured, one of
 ``compute_logits`` (every sequence of a decode step samples, so the logits rows are the
 tokens; a model whose logits use a torch op without a node, e.g. tied embeddings through
-``F.linear``, computes them eagerly from the forward graph's output). The graphs read its inputs from static buffers it owns (token ids,
-positions, KV slots, block tables, context lengths); each replay copies the step's values into
-them, runs the recorded kernels and returns the graph's own logits tensor (overwritten by the
-next replay of that size, so callers use it before the next step). Prefill and mixed steps run
-eagerly.
+``F.linear``, computes them eagerly from the forward graph's output). The graphs read their
+inputs from static buffers (token ids, positions, KV slots, block tables, context lengths);
+each replay copies the step's values into them, runs the recorded kernels and returns a view
+of the graph's own logits tensor (overwritten by the next replay of that size, so callers use
+it before the next step). Prefill and mixed steps run eagerly.
 
 Used on CPU with the C kernels, unless ``enforce_eager``; not with the expert cache or a
 routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). When a
@@ -27,22 +33,33 @@ from torch import nn
 from vllm.kernels.cpu.graph import CpuGraph, GraphCaptureError, capture
 from vllm.kernels.cpu.ops import kernels_support
 from vllm.logger import init_logger
-from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
+                                                 set_forward_context)
 
 logger = init_logger(__name__)
 
 
+def padded_size(batch: int) -> int:
+    """The graph a decode step of ``batch`` sequences replays: 1, 2, 4, then multiples of 8
+    (vLLM's CUDA-graph sizes), so at most 7 padding rows."""
+    if batch <= 2:
+        return batch
+    return 4 if batch <= 4 else -(-batch // 8) * 8
+
+
 @dataclass
 class _Entry:
+    """The graphs of one padded size P and their static inputs (rows past the step's B
+    sequences are padding)."""
     graph: CpuGraph               # the forward
     logits_graph: CpuGraph | None # compute_logits, None when it runs eagerly
-    input_ids: torch.Tensor       # [B] int64
-    positions: torch.Tensor       # [B] int64
-    slot_mapping: torch.Tensor    # [B] int64
-    block_tables: torch.Tensor    # [B, max_blocks_per_seq] int64 (a step fills a prefix)
-    seq_lens: torch.Tensor        # [B] int64
-    hidden: torch.Tensor          # [B, H]: the forward's output, rewritten by each replay
-    logits: torch.Tensor | None   # [B, V] f32: the logits graph's output, likewise
+    input_ids: torch.Tensor       # [P] int64
+    positions: torch.Tensor       # [P] int64
+    slot_mapping: torch.Tensor    # [P] int64, PAD_SLOT_ID on padding rows
+    block_tables: torch.Tensor    # [P, max_blocks_per_seq] int64 (a step fills a prefix)
+    seq_lens: torch.Tensor        # [P] int64, 1 on padding rows
+    hidden: torch.Tensor          # [P, H]: the forward's output, rewritten by each replay
+    logits: torch.Tensor | None   # [P, V] f32: the logits graph's output, likewise
 
 
 def _nbytes(e: _Entry) -> int:
@@ -64,12 +81,11 @@ class DecodeGraphs:
     vocabulary); the least recently used graph is dropped first, and captured again when its
     batch size comes back (a capture costs about three eager steps)."""
 
-    CAPTURE_AFTER = 16
-    """A batch size is captured on its CAPTURE_AFTER-th decode step in a row. A capture costs
-    15-25 ms (an eager step plus the dispatch mode's per-op work) and a replay saves about 1 ms
-    (the default model, one thread), so batch sizes that last only a few steps (batches
-    shrinking as mixed-length requests finish) stay eager: capturing from the 4th step made a
-    fresh mixed-length run slower than eager (21 captures, 0.48 s)."""
+    CAPTURE_AFTER = 1
+    """A padded size is captured on its CAPTURE_AFTER-th decode step in a row. A capture costs
+    about 1.2 eager forwards and there are few padded sizes, so capturing at once pays back
+    within a few steps (fresh-run timings in docs/benchmarks.md). A size whose graph was
+    dropped for the memory budget is captured again when it comes back."""
 
     def __init__(self, model: nn.Module, max_blocks_per_seq: int):
         # A TorchDispatchMode imports torch._dynamo (about 2 s) on first use: pay it at engine
@@ -87,47 +103,54 @@ class DecodeGraphs:
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                md: AttentionMetadata) -> torch.Tensor | None:
-        """Logits [B, V] f32 of a decode-only step from its graph (captured now if new), or
-        None when this step must run eagerly."""
+        """Logits [B, V] f32 of a decode-only step of B sequences from the graph of
+        ``padded_size(B)`` (captured now if due), or None when this step must run eagerly."""
         B = input_ids.shape[0]
         if md.num_decodes != md.num_seqs or B != md.num_seqs or self.refused is not None \
                 or md.block_tables.shape[1] > self.max_blocks:
             return None
-        self._streak = self._streak + 1 if B == self._last_size else 1
-        self._last_size = B
-        entry = self._graphs.get(B)
+        P = padded_size(B)
+        self._streak = self._streak + 1 if P == self._last_size else 1
+        self._last_size = P
+        entry = self._graphs.get(P)
         if entry is None:
             if self._streak < self.CAPTURE_AFTER:
                 return None
-            return self._capture(input_ids, positions, md)
-        self._graphs.move_to_end(B)
+            return self._capture(P, input_ids, positions, md)
+        self._graphs.move_to_end(P)
         self._load(entry, input_ids, positions, md)
         entry.graph.replay()
         if entry.logits_graph is None:
-            return self.model.compute_logits(entry.hidden)
+            return self.model.compute_logits(entry.hidden[:B])
         entry.logits_graph.replay()
-        return entry.logits
+        return entry.logits[:B]
 
     @staticmethod
     def _load(e: _Entry, input_ids, positions, md: AttentionMetadata) -> None:
-        e.input_ids.copy_(input_ids)
-        e.positions.copy_(positions)
-        e.slot_mapping.copy_(md.slot_mapping)
-        e.block_tables[:, :md.block_tables.shape[1]].copy_(md.block_tables)
-        e.seq_lens.copy_(md.seq_lens)
+        """The step's B sequences into rows [:B]; rows [B:] become padding (their token,
+        position and block table rows keep earlier values, all valid)."""
+        B = input_ids.shape[0]
+        e.input_ids[:B].copy_(input_ids)
+        e.positions[:B].copy_(positions)
+        e.slot_mapping[:B].copy_(md.slot_mapping)
+        e.slot_mapping[B:].fill_(PAD_SLOT_ID)
+        e.block_tables[:B, :md.block_tables.shape[1]].copy_(md.block_tables)
+        e.seq_lens[:B].copy_(md.seq_lens)
+        e.seq_lens[B:].fill_(1)
 
-    def _capture(self, input_ids, positions, md: AttentionMetadata) -> torch.Tensor | None:
+    def _capture(self, P: int, input_ids, positions, md: AttentionMetadata) -> torch.Tensor | None:
         B = input_ids.shape[0]
         i64 = dict(dtype=torch.int64, device=input_ids.device)
         with torch.inference_mode(False):   # buffers written both inside and outside it
-            e = _Entry(CpuGraph(), CpuGraph(), torch.zeros(B, **i64), torch.zeros(B, **i64),
-                       torch.zeros(B, **i64), torch.zeros(B, self.max_blocks, **i64),
-                       torch.ones(B, **i64), hidden=None, logits=None)
+            e = _Entry(CpuGraph(), CpuGraph(), torch.zeros(P, **i64), torch.zeros(P, **i64),
+                       torch.zeros(P, **i64), torch.zeros(P, self.max_blocks, **i64),
+                       torch.ones(P, **i64), hidden=None, logits=None)
         self._load(e, input_ids, positions, md)
         static_md = AttentionMetadata(
             slot_mapping=e.slot_mapping, block_tables=e.block_tables, seq_lens=e.seq_lens,
-            query_start_loc=torch.arange(B + 1, **i64), seq_lens_cpu=md.seq_lens_cpu,
-            query_lens_cpu=[1] * B, num_decodes=B, block_size=md.block_size)
+            query_start_loc=torch.arange(P + 1, **i64),
+            seq_lens_cpu=list(md.seq_lens_cpu) + [1] * (P - B), query_lens_cpu=[1] * P,
+            num_decodes=P, block_size=md.block_size)
         try:
             with set_forward_context(static_md), capture(e.graph):
                 e.hidden = self.model(e.input_ids, e.positions)
@@ -148,9 +171,9 @@ class DecodeGraphs:
                 logger.info("logits are computed eagerly: %s", err)
         if self.logits_refused is not None:
             e.logits_graph, e.logits = None, self.model.compute_logits(e.hidden)
-        self._graphs[B] = e
+        self._graphs[P] = e
         while len(self._graphs) > 1 and sum(map(_nbytes, self._graphs.values())) > self.MAX_BYTES:
             self._graphs.popitem(last=False)
-        logger.debug("captured a CPU graph for decode batch size %d (%d nodes)", B,
+        logger.debug("captured a CPU graph for decode batch size %d (%d nodes)", P,
                      e.graph.num_nodes)
-        return e.logits
+        return e.logits[:B]

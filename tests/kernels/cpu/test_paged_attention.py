@@ -103,6 +103,21 @@ def test_cache_write_lands_in_its_slots_and_rejects_foreign_slots():
     assert attn.kv_cache[0].view(-1, 2, 16)[1].abs().sum() == 0          # nothing else written
     with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
         attn._write_cache(k, v, torch.tensor([1, NB * BS, 2]))
+    with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
+        attn._write_cache(k, v, torch.tensor([1, -2, 2]))
+
+
+def test_cache_write_skips_padding_rows():
+    """A row at PAD_SLOT_ID (a decode graph's padding) writes nothing; the others land."""
+    from vllm.model_executor.forward_context import PAD_SLOT_ID
+    attn = Attention(4, 16, 2, 0.25, prefix="layers.1.attn")
+    attn.kv_cache = torch.zeros(2, NB, BS, 2, 16)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    attn._write_cache(k, v, torch.tensor([7, PAD_SLOT_ID, 3]))
+    flat_k, flat_v = attn.kv_cache[0].view(-1, 2, 16), attn.kv_cache[1].view(-1, 2, 16)
+    assert torch.equal(flat_k[[7, 3]], k[[0, 2]]) and torch.equal(flat_v[[7, 3]], v[[0, 2]])
+    for flat in (flat_k, flat_v):                                        # nothing else written
+        assert flat.abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == [3, 7]
 
 
 def _prompt_case(lens, hq, hkv, d, dtype, seed, bs=BS):

@@ -161,7 +161,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                    kv_cache: torch.Tensor, prefix: str = "") -> None:
-    """kv_cache[0] / [1] at flat slot s <- k / v rows: k, v [T, Hkv, D]; slot_mapping [T]."""
+    """kv_cache[0] / [1] at flat slot s <- k / v rows: k, v [T, Hkv, D]; slot_mapping [T]. A
+    row whose slot is ``PAD_SLOT_ID`` (-1, a padding row of a decode graph) is not written."""
     if k.shape != v.shape or tuple(k.shape[1:]) != tuple(kv_cache.shape[3:]) or \
             slot_mapping.numel() != k.shape[0]:
         raise ValueError(f"{prefix}: write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)}, "

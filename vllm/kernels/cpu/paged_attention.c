@@ -246,13 +246,15 @@ int paged_attention(const void *q, const void *cache, const int64_t *block_table
 }
 
 /* cache[0][slots[t]] = k[t], cache[1][slots[t]] = v[t] for t < T: rows of row_bytes bytes (the
- * caller passes k, v already in the cache dtype). Returns -2 if a slot is outside the cache. */
+ * caller passes k, v already in the cache dtype). A slot of -1 (PAD_SLOT_ID, a padding row of a
+ * replayed decode graph) writes nothing. Returns -2 if another slot is outside the cache. */
 int write_kv_cache(const void *k, const void *v, const int64_t *slots, void *cache, int64_t T,
                    int64_t num_slots, int64_t row_bytes) {
     for (int64_t t = 0; t < T; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+        if (slots[t] < -1 || slots[t] >= num_slots) return -2;
     char *values = (char *)cache + num_slots * row_bytes;
     for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
         memcpy((char *)cache + slots[t] * row_bytes, (const char *)k + t * row_bytes, row_bytes);
         memcpy(values + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
     }
