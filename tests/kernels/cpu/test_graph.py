@@ -56,6 +56,30 @@ def test_add_convert_zero_nodes_match_torch(dtype, n):
         assert not buf.any()
 
 
+def test_bf16_rounding_of_special_sums_matches_torch():
+    """The add node rounds f32 sums to bf16 as torch does, vector lanes included: ties to
+    even, denormal results (the vector instruction would flush them, so a vector holding one
+    takes the integer path), infinities and overflow; NaN stays NaN (torch's own NaN bits
+    differ between its code paths, so only NaN-ness is compared)."""
+    tiny = 2.0 ** -133                                    # a bf16 denormal
+    nan, inf = float("nan"), float("inf")
+    a = [1.0, 1.0078125, -1.0, 3.0, 2.0 ** -126] * 3 + [1.5]              # vector 0: normal
+    b = [2.0 ** -8, 2.0 ** -8, -2.0 ** -8, 2.0 ** -7, 0.0] * 3 + [0.25]   # (ties to even)
+    a += [0.5] * 7 + [tiny] + [0.75] * 8                  # vector 1: one denormal sum
+    b += [0.25] * 7 + [tiny] + [2.0 ** -9] * 8
+    a += [nan, inf, -inf, 3.0e38, -3.0e38, 0.0, -0.0, 1.0] * 2
+    b += [1.0, 1.0, 2.0, 3.0e38, -3.0e38, -0.0, -0.0, nan] * 2
+    a += [tiny, -tiny, 0.0]                               # scalar tail
+    b += [tiny, 0.0, -tiny]
+    x = torch.tensor(a).to(torch.bfloat16)
+    y = torch.tensor(b).to(torch.bfloat16)
+    g, out = _captured(lambda u, v: u + v, x, y)
+    g.replay()
+    want = x + y
+    assert torch.equal(out.isnan(), want.isnan()) and int(want.isnan().sum()) == 4
+    assert torch.equal(out.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
 def test_embedding_node_matches_torch_and_reports_a_bad_id():
     weight = torch.randn(50, 24, dtype=torch.bfloat16)
     ids = torch.tensor([3, 0, 49, 3])

@@ -33,14 +33,33 @@ INLINE bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
-/* f32_to_bf16 lane-wise (the same bits). */
-INLINE vh f32_to_bf16v(vf f) {
+/* f32_to_bf16 lane-wise (the same bits), in integer ops. */
+INLINE vh f32_to_bf16v_int(vf f) {
     vu u;
     memcpy(&u, &f, sizeof(u));
     const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
     const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
     return __builtin_convertvector((nan & quiet) | (~nan & rounded), vh);
 }
+
+/* f32_to_bf16 lane-wise (the same bits). With AVX512-BF16, vcvtneps2bf16 rounds to nearest
+ * even and quiets NaNs as f32_to_bf16 does in one instruction (the integer ops cost more than a
+ * bf16 RMSNorm's arithmetic), but it flushes denormal inputs to zero: a vector holding one
+ * takes the integer path. */
+#if defined(__AVX512BF16__)
+INLINE vh f32_to_bf16v(vf f) {
+    const __m512i u = _mm512_castps_si512((__m512)f);
+    const __mmask16 denormal = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)) &
+                               _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
+    if (__builtin_expect(denormal != 0, 0)) return f32_to_bf16v_int(f);
+    const __m256bh h = _mm512_cvtneps_pbh((__m512)f);
+    vh out;
+    memcpy(&out, &h, sizeof(out));
+    return out;
+}
+#else
+#define f32_to_bf16v f32_to_bf16v_int
+#endif
 
 /* Element i of an f32 (bf16 == 0) or bf16 array, widened to f32. */
 INLINE float load1(const void *p, int bf16, int64_t i) {
