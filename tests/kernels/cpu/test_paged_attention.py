@@ -97,14 +97,14 @@ def test_cache_write_lands_in_its_slots_and_rejects_foreign_slots():
     attn.kv_cache = torch.zeros(2, NB, BS, 2, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([5, NB * BS - 1, 0])
-    attn._write_cache(k, v, slots)
+    attn._write_cache(k, v, slots, on_kernels=True)
     assert torch.equal(attn.kv_cache[0].view(-1, 2, 16)[slots], k)
     assert torch.equal(attn.kv_cache[1].view(-1, 2, 16)[slots], v)
     assert attn.kv_cache[0].view(-1, 2, 16)[1].abs().sum() == 0          # nothing else written
     with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
-        attn._write_cache(k, v, torch.tensor([1, NB * BS, 2]))
+        attn._write_cache(k, v, torch.tensor([1, NB * BS, 2]), on_kernels=True)
     with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
-        attn._write_cache(k, v, torch.tensor([1, -2, 2]))
+        attn._write_cache(k, v, torch.tensor([1, -2, 2]), on_kernels=True)
 
 
 def test_cache_write_skips_padding_rows():
@@ -113,7 +113,7 @@ def test_cache_write_skips_padding_rows():
     attn = Attention(4, 16, 2, 0.25, prefix="layers.1.attn")
     attn.kv_cache = torch.zeros(2, NB, BS, 2, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    attn._write_cache(k, v, torch.tensor([7, PAD_SLOT_ID, 3]))
+    attn._write_cache(k, v, torch.tensor([7, PAD_SLOT_ID, 3]), on_kernels=True)
     flat_k, flat_v = attn.kv_cache[0].view(-1, 2, 16), attn.kv_cache[1].view(-1, 2, 16)
     assert torch.equal(flat_k[[7, 3]], k[[0, 2]]) and torch.equal(flat_v[[7, 3]], v[[0, 2]])
     for flat in (flat_k, flat_v):                                        # nothing else written

@@ -71,13 +71,14 @@ def test_argmax_matches_torch_including_ties_and_nan():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,k,renorm", [(32, 4, True), (8, 2, False), (60, 8, True), (5, 5, True)])
-def test_topk_softmax_kernel_matches_torch_router(dtype, E, k, renorm):
+@pytest.mark.parametrize("T", [37, 700])         # 700 x 32: rows split across threads
+def test_topk_softmax_kernel_matches_torch_router(dtype, E, k, renorm, T):
     from vllm.model_executor.layers.fused_moe.router import (RouterConfig, select_experts,
                                                              select_experts_torch)
     g = torch.Generator().manual_seed(E + k)
     # Distinct logits (multiples of 1/8, exact in bf16 too): torch.topk's order among equal
     # scores is unspecified, the kernel's is the lower expert first (tested below).
-    logits = torch.stack([(torch.randperm(E, generator=g) - E / 2) / 8 for _ in range(37)])
+    logits = torch.stack([(torch.randperm(E, generator=g) - E / 2) / 8 for _ in range(T)])
     logits = logits.to(dtype)
     cfg = RouterConfig(top_k=k, renormalize=renorm, num_experts=E)
     weights, ids = select_experts(logits, cfg)              # the C kernel on CPU

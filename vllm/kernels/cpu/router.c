@@ -14,9 +14,10 @@
 int topk_softmax(const void *logits, int64_t T, int64_t E, int64_t k, int renorm, int bf16,
                  float *weights, int64_t *ids) {
     if (k < 1 || k > E) return -1;
-    float x[E], p[E];
+    /* Rows are independent (a prefill routes thousands of tokens). */
+    #pragma omp parallel for schedule(static) if (T * E > 16384)
     for (int64_t t = 0; t < T; t++) {
-        float mx = -INFINITY, sum = 0.0f;
+        float x[E], p[E], mx = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < E; e++) {
             x[e] = p[e] = load1(logits, bf16, t * E + e);
             mx = x[e] > mx ? x[e] : mx;

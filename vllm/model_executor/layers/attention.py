@@ -53,8 +53,9 @@ class Attention(nn.Module):
             for s, e in zip(starts[:-1], starts[1:]):
                 out[s:e] = self._causal(q[s:e], k[s:e], v[s:e])
             return out.view(T, -1)
-        self._write_cache(k, v, md.slot_mapping)
-        if self._cache_on_kernels():
+        on_kernels = self._cache_on_kernels()
+        self._write_cache(k, v, md.slot_mapping, on_kernels)
+        if on_kernels:
             rows, lens = md.token_rows_and_lens
             return paged_attention(q, self.kv_cache, md.block_tables, lens, self.scale,
                                    self.num_kv_heads, rows, self.prefix).view(T, -1)
@@ -83,8 +84,9 @@ class Attention(nn.Module):
         cache = self.kv_cache
         return cache.is_contiguous() and kernels_support(cache.dtype, cache.device)
 
-    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if self._cache_on_kernels():
+    def _write_cache(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     on_kernels: bool) -> None:
+        if on_kernels:
             write_kv_cache(k, v, slot_mapping, self.kv_cache, self.prefix)
             return
         # .view (not reshape) so a non-contiguous cache fails loudly instead of writing to a copy.
