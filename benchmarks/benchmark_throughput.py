@@ -39,7 +39,8 @@ def make_requests(vocab_size: int, num_prompts: int, input_len: int, output_len:
     return prompts, out_lens
 
 
-def run_engine(args, prompts, out_lens, repeat: int) -> tuple[list[float], int]:
+def run_engine(args, prompts, out_lens, repeat: int) -> tuple[list[float], int, torch.dtype]:
+    """-> (seconds of each timed pass, output tokens of a pass, the dtype the engine ran in)."""
     from vllm import LLM, SamplingParams
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
@@ -50,13 +51,16 @@ def run_engine(args, prompts, out_lens, repeat: int) -> tuple[list[float], int]:
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - start)
-    return times, sum(len(o.outputs[0].token_ids) for o in outs)
+    return (times, sum(len(o.outputs[0].token_ids) for o in outs),
+            llm.llm_engine.vllm_config.model_config.dtype)
 
 
-def run_hf(model_path: str, prompts, out_lens, dtype: str, repeat: int) -> tuple[list[float], int]:
+def run_hf(model_path: str, prompts, out_lens, dtype: torch.dtype,
+           repeat: int) -> tuple[list[float], int]:
+    """transformers in ``dtype``: the engine's resolved dtype, so ``--dtype auto`` compares the
+    checkpoint's dtype on both sides."""
     from transformers import AutoModelForCausalLM
-    torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])          # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -102,17 +106,17 @@ def main(argv=None) -> dict:
                                       args.random_range_ratio, args.seed)
     if args.repeat < 1:
         p.error(f"--repeat={args.repeat} is invalid: must be >= 1")
-    times, n_out = run_engine(args, prompts, out_lens, args.repeat)
+    times, n_out, dtype = run_engine(args, prompts, out_lens, args.repeat)
     elapsed = _median(times)
     result = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
               "output_len": args.output_len, "random_range_ratio": args.random_range_ratio,
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
               "moe_expert_cache_size": args.moe_expert_cache_size,
               "repeat": args.repeat,
               "engine": {"seconds": elapsed, "all_seconds": times, "requests_per_s": args.num_prompts / elapsed,
                          "output_tokens_per_s": n_out / elapsed}}
     if args.hf_baseline:
-        hf_times, hf_out = run_hf(args.model, prompts, out_lens, args.dtype, args.repeat)
+        hf_times, hf_out = run_hf(args.model, prompts, out_lens, dtype, args.repeat)
         hf_elapsed = _median(hf_times)
         result["hf"] = {"seconds": hf_elapsed, "all_seconds": hf_times, "requests_per_s": args.num_prompts / hf_elapsed,
                         "output_tokens_per_s": hf_out / hf_elapsed}
