@@ -36,7 +36,10 @@ def _generate(path, prompts, params, **kwargs):
 @pytest.mark.parametrize("arch,dtype", [("Qwen3MoeForCausalLM", "float32"),
                                         ("Qwen3MoeForCausalLM", "bfloat16"),
                                         ("MixtralForCausalLM", "float32"),
-                                        ("Qwen2MoeForCausalLM", "bfloat16")])
+                                        ("Qwen2MoeForCausalLM", "bfloat16"),
+                                        ("Qwen2MoeForCausalLM", "float32"),
+                                        ("Qwen3ForCausalLM", "bfloat16"),
+                                        ("LlamaForCausalLM", "float32")])
 def test_graph_decode_equals_eager(tiny_model_factory, arch, dtype):
     path = tiny_model_factory(arch)
     prompts, params = _requests(vocab=200)
@@ -44,12 +47,8 @@ def test_graph_decode_equals_eager(tiny_model_factory, arch, dtype):
     assert runner.decode_graphs is None
     got, runner = _generate(path, prompts, params, dtype=dtype)
     graphs = runner.decode_graphs
-    if arch == "Qwen2MoeForCausalLM":
-        # Its shared expert's sigmoid gate has no graph node: refused, every step eager.
-        assert "sigmoid" in graphs.refused and not graphs._graphs
-    else:
-        # Batches of 1-6 sequences replay (some of) the padded sizes 1, 2, 4 and 8.
-        assert graphs.refused is None and {4, 8} <= set(graphs._graphs) <= {1, 2, 4, 8}
+    # Batches of 1-6 sequences replay (some of) the padded sizes 1, 2, 4 and 8.
+    assert graphs.refused is None and {4, 8} <= set(graphs._graphs) <= {1, 2, 4, 8}
     assert got == eager
 
 

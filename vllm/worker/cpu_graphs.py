@@ -18,9 +18,9 @@ it before the next step). Prefill and mixed steps run eagerly.
 
 Used on CPU with the C kernels, unless ``enforce_eager``; not with the expert cache or a
 routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). When a
-capture is refused (a torch op without a graph node, e.g. Qwen2-MoE's sigmoid-gated shared
-expert), every decode step of the model runs eagerly from then on (the forward's ops do not
-depend on the batch size), logged once.
+capture is refused (a torch op without a graph node; every supported architecture's decode
+forward has none, tests/worker/test_cpu_graphs.py), every decode step of the model runs eagerly
+from then on (the forward's ops do not depend on the batch size), logged once.
 """
 from __future__ import annotations
 

@@ -50,6 +50,8 @@ SIGNATURES = {
     "argmax_rows": [_PTR, _I64, _I64, _PTR],
     "topk_softmax": [_PTR, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR],
     "moe_sum": [_PTR, _PTR, _I64, _I64, _I64, _INT],
+    "silu_and_mul": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
+    "sigmoid_gate_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT],
     "run_graph": [_PTR, _I64, _PTR],
 }
 

@@ -29,12 +29,15 @@ int write_kv_cache(const void *, const void *, const int64_t *, void *, int64_t,
                    int64_t);
 int topk_softmax(const void *, int64_t, int64_t, int64_t, int, int, float *, int64_t *);
 int moe_sum(const void *, void *, int64_t, int64_t, int64_t, int);
+int silu_and_mul(const void *, const void *, void *, int64_t, int64_t, int);
+int sigmoid_gate_add(const void *, const void *, const void *, void *, int64_t, int64_t, int);
 
 /* In opcode order; the argument counts are what each case below reads. */
 static const char GRAPH_OPS[] =
     "moe_expert_pairs,rms_norm,rope_cos_sin,rotary_embedding,dense_linear,paged_attention,"
-    "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding";
-static const int64_t NARGS[] = {13, 7, 6, 11, 8, 16, 7, 8, 6, 5, 5, 2, 6};
+    "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding,silu_and_mul,"
+    "sigmoid_gate_add";
+static const int64_t NARGS[] = {13, 7, 6, 11, 8, 16, 7, 8, 6, 5, 5, 2, 6, 6, 7};
 #define NUM_OPS ((int64_t)(sizeof(NARGS) / sizeof(NARGS[0])))
 
 const char *graph_op_names(void) { return GRAPH_OPS; }
@@ -105,6 +108,10 @@ static int run_node(int64_t op, const int64_t *a) {
         return 0;
     case 12:
         return embedding_op(P(0), P(1), P(2), a[3], a[4], a[5]);
+    case 13:
+        return silu_and_mul(P(0), P(1), P(2), a[3], a[4], (int)a[5]);
+    case 14:
+        return sigmoid_gate_add(P(0), P(1), P(2), P(3), a[4], a[5], (int)a[6]);
     }
     return -3;
 }

@@ -1,7 +1,7 @@
 """Python wrappers of the CPU C kernels (the expert kernel's is ``fused_moe/cpu_kernel.py``, a
 MoE backend): the packed weight layout, dense linear, paged decode attention and KV writes,
-RMSNorm, rotary, argmax, softmax top-k routing and the MoE combine. Each checks what the C side cannot and raises
-with the layer's name."""
+RMSNorm, rotary, argmax, softmax top-k routing, the MoE combine and the gated activations. Each
+checks what the C side cannot and raises with the layer's name."""
 from __future__ import annotations
 
 import torch
@@ -203,4 +203,33 @@ def moe_sum(pairs: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, H, dtype=pairs.dtype, device=pairs.device)
     launch("moe_sum", pairs.data_ptr(), out.data_ptr(), T, K, H,
                                KERNEL_DTYPES[pairs.dtype])
+    return out
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` with the model dtype's roundings (``activation.c``): gate, up
+    [..., N] -> [..., N]."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} {gate.dtype} and up "
+                         f"{tuple(up.shape)} {up.dtype} must match")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    N = gate.shape[-1]
+    launch("silu_and_mul", gate.data_ptr(), up.data_ptr(), out.data_ptr(),
+           gate.numel() // max(N, 1), N, KERNEL_DTYPES[gate.dtype])
+    return out
+
+
+def sigmoid_gate_add(x: torch.Tensor, gate_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + torch.sigmoid(gate_logits) * y`` with the model dtype's roundings
+    (``activation.c``): x, y [T, H], gate_logits [T, 1] -> [T, H]."""
+    if x.dim() != 2 or x.shape != y.shape or tuple(gate_logits.shape) != (x.shape[0], 1) \
+            or not x.dtype == y.dtype == gate_logits.dtype:
+        raise ValueError(f"sigmoid_gate_add: x {tuple(x.shape)}, y {tuple(y.shape)} must be one "
+                         f"[T, H] shape and gate_logits {tuple(gate_logits.shape)} [T, 1], "
+                         "all in one dtype")
+    x, gate_logits, y = x.contiguous(), gate_logits.contiguous(), y.contiguous()
+    out = torch.empty_like(x)
+    launch("sigmoid_gate_add", x.data_ptr(), gate_logits.data_ptr(), y.data_ptr(), out.data_ptr(),
+           x.shape[0], x.shape[1], KERNEL_DTYPES[x.dtype])
     return out

@@ -1,10 +1,13 @@
-"""Activation functions by Hugging Face ``hidden_act`` name."""
+"""Activation functions by Hugging Face ``hidden_act`` name, and the gated products built on
+them: C kernels on CPU (``vllm/kernels/cpu/activation.c``), torch elsewhere."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vllm.kernels.cpu import ops
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -20,3 +23,27 @@ def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTS:
         raise ValueError(f"hidden_act={name!r} is not supported: must be one of {sorted(_ACTS)}")
     return _ACTS[name]
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up``, [..., N] each."""
+    if ops.kernels_support(gate.dtype, gate.device):
+        return ops.silu_and_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def get_act_and_mul_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(gate, up) -> act(gate) * up`` for a ``hidden_act`` name (a gated MLP's middle)."""
+    act = get_act_fn(name)
+    if act is F.silu:
+        return silu_and_mul
+    return lambda gate, up: act(gate) * up
+
+
+def sigmoid_gated_add(x: torch.Tensor, gate_logits: torch.Tensor,
+                      y: torch.Tensor) -> torch.Tensor:
+    """``x + torch.sigmoid(gate_logits) * y``: x, y [T, H], gate_logits [T, 1] (Qwen2-MoE adds
+    its shared expert y to the routed output x this way)."""
+    if ops.kernels_support(x.dtype, x.device):
+        return ops.sigmoid_gate_add(x, gate_logits, y)
+    return x + torch.sigmoid(gate_logits) * y

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.logger import init_logger, log_once
-from vllm.model_executor.layers.activation import get_act_fn
+from vllm.model_executor.layers.activation import get_act_and_mul_fn, sigmoid_gated_add
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -48,10 +48,10 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = get_act_fn(hidden_act)
+        self.act_and_mul = get_act_and_mul_fn(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderAttention(nn.Module):
@@ -114,7 +114,7 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> [T, H]."""
         out = self.experts(x, self.gate(x))           # router logits [T, E]
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = sigmoid_gated_add(out, self.shared_expert_gate(x), self.shared_expert(x))
         return out
 
 
