@@ -14,8 +14,6 @@
 
 #include "vec.h"
 
-INLINE vf round_to(vf v, int bf16) { return bf16 ? bf16v_to_f32(f32_to_bf16v(v)) : v; }
-
 /* Elements [i, i + w) of an f32/bf16 array as a vector, lanes from w on zero. */
 INLINE vf load_part(const void *p, int bf16, int64_t i, int64_t w) {
     if (w == LANES) return loadv(p, bf16, i);

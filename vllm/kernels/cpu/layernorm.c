@@ -26,24 +26,24 @@ INLINE void norm_row(const void *x, const void *weight, void *out, int64_t r, in
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
     int64_t j = 0;
     for (; j + LANES <= n; j += LANES) {   /* norm1, lane-wise */
-        const vf y = loadv(x, bf16, r * n + j) * inv;
-        const vf yd = bf16 ? bf16v_to_f32(f32_to_bf16v(y)) : y;
-        storev(out, bf16, r * n + j, loadv(weight, bf16, j) * yd);
+        const vf y = round_to(loadv(x, bf16, r * n + j) * inv, bf16);
+        storev(out, bf16, r * n + j, loadv(weight, bf16, j) * y);
     }
     for (; j < n; j++)
         store1(out, bf16, r * n + j, norm1(load1(x, bf16, r * n + j), inv,
                                           load1(weight, bf16, j), bf16));
 }
 
-/* The dtype is fixed outside the parallel region: OpenMP outlines the loop body into its own
+/* The dtype is fixed outside each parallel loop: OpenMP outlines the loop body into its own
  * function, where a dtype flag passed in would be a runtime branch in every load. */
-#define NORM_ROWS(BF16)                                                                     \
-    _Pragma("omp parallel for schedule(static) if (rows * n > 65536)")                      \
-    for (int64_t r = 0; r < rows; r++) norm_row(x, weight, out, r, n, eps, BF16)
-
 int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t n, float eps,
              int bf16) {
-    if (bf16) NORM_ROWS(1);
-    else NORM_ROWS(0);
+    if (bf16) {
+        #pragma omp parallel for schedule(static) if (rows * n > 65536)
+        for (int64_t r = 0; r < rows; r++) norm_row(x, weight, out, r, n, eps, 1);
+    } else {
+        #pragma omp parallel for schedule(static) if (rows * n > 65536)
+        for (int64_t r = 0; r < rows; r++) norm_row(x, weight, out, r, n, eps, 0);
+    }
     return 0;
 }

@@ -80,6 +80,9 @@ INLINE vf bf16v_to_f32(vh h) {
     return f;
 }
 
+/* v rounded to bf16 and widened back (a store to and load from a bf16 tensor), or v in f32. */
+INLINE vf round_to(vf v, int bf16) { return bf16 ? bf16v_to_f32(f32_to_bf16v(v)) : v; }
+
 /* Elements i .. i + 15 of an f32 or bf16 array, widened to f32. */
 INLINE vf loadv(const void *p, int bf16, int64_t i) {
     if (!bf16) return *(const vf *)((const float *)p + i);
