@@ -79,7 +79,7 @@ class DecodeGraphs:
     """Memory the kept graphs may hold (their intermediate tensors, mostly the [B, vocab] f32
     logits: one graph per batch size up to max_num_seqs could hold gigabytes for a large
     vocabulary); the least recently used graph is dropped first, and captured again when its
-    batch size comes back (a capture costs about three eager steps)."""
+    padded size comes back (a capture costs about 1.2 eager forwards)."""
 
     CAPTURE_AFTER = 1
     """A padded size is captured on its CAPTURE_AFTER-th decode step in a row. A capture costs
