@@ -56,6 +56,19 @@ def test_greedy_matches_transformers(tiny_model_factory, arch):
         assert out.outputs[0].finish_reason == "length"
 
 
+def test_prompt_forms_give_the_same_tokens(tiny_model_factory):
+    """A string, a TextPrompt, a TokensPrompt and a bare id list of the same prompt."""
+    from vllm import TextPrompt, TokensPrompt
+    llm = LLM(tiny_model_factory("Qwen3MoeForCausalLM"))
+    text = "def fibonacci(n):"
+    ids = llm.get_tokenizer()(text)["input_ids"]
+    outs = llm.generate([text, TextPrompt(prompt=text), TokensPrompt(prompt_token_ids=ids), ids],
+                        _greedy(6))
+    assert [o.prompt_token_ids for o in outs] == [ids] * 4
+    assert [o.prompt for o in outs[:2]] == [text, text]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+
+
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
 def test_greedy_matches_transformers_on_torch_paths(tiny_model_factory, arch, torch_paths):
     path = tiny_model_factory(arch)
