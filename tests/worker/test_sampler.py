@@ -219,3 +219,40 @@ def test_logprobs_are_raw_log_softmax():
 def test_row_count_mismatch_is_an_error():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, V), meta([seq("a", SamplingParams())]))
+
+
+def test_metadata_is_reused_only_while_nothing_in_it_changes():
+    """A decode step of the same requests reuses the last step's metadata; a new row order, a
+    prefill (a new request, maybe with a reused id), penalties or pending min_tokens masks do
+    not."""
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3)
+    a, b = seq("a", greedy, outputs=[5]), seq("b", hot, outputs=[6, 7])
+    md = meta([a, b], eos=0)
+    assert md.reusable_for([a, b])
+    assert md.reusable_for([a, b, seq("c", greedy, outputs=[1], do_sample=False)])
+    assert not md.reusable_for([b, a]) and not md.reusable_for([a])
+    assert not md.reusable_for([a, seq("b", hot)])                     # "b" is a new prefill
+    pen = SamplingParams(temperature=0.0, presence_penalty=0.5)
+    assert not meta([seq("a", pen, outputs=[5])]).reusable_for([seq("a", pen, outputs=[5])])
+    mt = SamplingParams(temperature=0.0, min_tokens=4)
+    row = seq("a", mt, outputs=[5])
+    assert not meta([row], eos=0).reusable_for([row])                 # EOS masked until 4
+    assert meta([seq("a", mt, outputs=[5, 6, 7, 8])], eos=0).reusable_for(
+        [seq("a", mt, outputs=[5, 6, 7, 8, 9])])
+
+
+def test_engine_tokens_do_not_depend_on_reused_metadata(tiny_model_factory, monkeypatch):
+    """Greedy, seeded and min_tokens requests finishing at different steps: the same tokens
+    with every step's metadata built afresh."""
+    from vllm import LLM
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 200, (int(n),), generator=g).tolist()}
+               for n in torch.randint(2, 20, (6,), generator=g)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0 if i % 3 == 0 else 0.9,
+                             seed=i, min_tokens=2 * (i % 2), ignore_eos=i % 2 == 0)
+              for i in range(6)]
+    reused = LLM(path, max_num_seqs=4).generate(prompts, params)
+    monkeypatch.setattr(SamplingMetadata, "reusable_for", lambda self, seqs: False)
+    fresh = LLM(path, max_num_seqs=4).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in reused] == [o.outputs[0].token_ids for o in fresh]

@@ -40,6 +40,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_id: int | None = None
         """Masked while a request is below min_tokens; set by the engine from the tokenizer."""
+        self._sampling_metadata: SamplingMetadata | None = None
+        """The last step's, reused while it stays valid (``SamplingMetadata.reusable_for``):
+        building it costs more than a decode step's sampling."""
         self.num_blocks = self._allocate_kv_cache()
         self.routing_recorder = self._attach_routing_recorder()
         self._log_moe_cache_config()
@@ -106,8 +109,11 @@ class ModelRunner:
                 return RunnerOutput(sampled={})
             logits = self.model.compute_logits(hidden[logits_indices])
         # build() creates the generator of a seeded request on its first sampled step.
-        metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
-                                          eos_token_id=self.eos_token_id)
+        metadata = self._sampling_metadata
+        if metadata is None or not metadata.reusable_for(sampled_seqs):
+            metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
+                                              eos_token_id=self.eos_token_id)
+        self._sampling_metadata = metadata
         tokens = self.sampler(logits, metadata)
         return RunnerOutput(sampled={s.req_id: t for s, t in zip(sampled_seqs, tokens)})
 

@@ -55,6 +55,19 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]
     """Per row: the request's own generator when it has a seed, else None (global RNG)."""
 
+    def reusable_for(self, seqs: list[ScheduledSequence]) -> bool:
+        """Whether this metadata, built for an earlier step, is also the metadata of a step
+        sampling ``seqs``: the same requests in the same order, each decoding (a request id
+        reused by a new request arrives as a prefill), and nothing in it that changes from step
+        to step (penalties read the output tokens; min_tokens masks change as outputs grow,
+        and once a batch has none it never gets one back)."""
+        if self.output_token_ids is not None or self.min_tokens_rows is not None:
+            return False
+        rows = [s for s in seqs if s.do_sample]
+        return len(rows) == len(self.req_ids) and all(
+            s.req_id == r and s.num_tokens == 1 and s.output_token_ids
+            for s, r in zip(rows, self.req_ids))
+
     @property
     def max_num_logprobs(self) -> int | None:
         ks = [k for k in self.num_logprobs if k is not None]
