@@ -32,7 +32,7 @@ INLINE void store_part(void *p, int bf16, int64_t i, int64_t w, vf v) {
     for (int64_t j = 0; j < w; j++) store1(p, bf16, i + j, v[j]);
 }
 
-INLINE void silu_row(const void *gate, const void *up, void *out, int64_t t, int64_t N,
+INLINE void silu_row(const void *gate, const void *up, void *out, int64_t N, int64_t t,
                      int bf16) {
     for (int64_t j = 0; j < N; j += LANES) {
         const int64_t w = N - j < LANES ? N - j : LANES, i = t * N + j;
@@ -42,21 +42,14 @@ INLINE void silu_row(const void *gate, const void *up, void *out, int64_t t, int
     }
 }
 
-/* gate, up, out [T, N]. Returns 0. The dtype is fixed outside each parallel loop (OpenMP
- * outlines the body, where a dtype flag would be a runtime branch in every load). */
+/* gate, up, out [T, N]. Returns 0. */
 int silu_and_mul(const void *gate, const void *up, void *out, int64_t T, int64_t N, int bf16) {
-    if (bf16) {
-        #pragma omp parallel for schedule(static) if (T * N > 65536)
-        for (int64_t t = 0; t < T; t++) silu_row(gate, up, out, t, N, 1);
-    } else {
-        #pragma omp parallel for schedule(static) if (T * N > 65536)
-        for (int64_t t = 0; t < T; t++) silu_row(gate, up, out, t, N, 0);
-    }
+    FOR_ROWS_BY_DTYPE(bf16, T, T * N, silu_row, gate, up, out, N);
     return 0;
 }
 
-INLINE void gate_row(const void *x, const void *g, const void *y, void *out, int64_t t,
-                     int64_t H, int bf16) {
+INLINE void gate_row(const void *x, const void *g, const void *y, void *out, int64_t H,
+                     int64_t t, int bf16) {
     const vf gv = (vf){0} + load1(g, bf16, t);
     const float s = round_to(1.0f / (1.0f + vexp(-gv)), bf16)[0];
     for (int64_t j = 0; j < H; j += LANES) {
@@ -69,12 +62,6 @@ INLINE void gate_row(const void *x, const void *g, const void *y, void *out, int
 /* x, y, out [T, H], g [T] (the [T, 1] gate logits). Returns 0. */
 int sigmoid_gate_add(const void *x, const void *g, const void *y, void *out, int64_t T,
                      int64_t H, int bf16) {
-    if (bf16) {
-        #pragma omp parallel for schedule(static) if (T * H > 65536)
-        for (int64_t t = 0; t < T; t++) gate_row(x, g, y, out, t, H, 1);
-    } else {
-        #pragma omp parallel for schedule(static) if (T * H > 65536)
-        for (int64_t t = 0; t < T; t++) gate_row(x, g, y, out, t, H, 0);
-    }
+    FOR_ROWS_BY_DTYPE(bf16, T, T * H, gate_row, x, g, y, out, H);
     return 0;
 }

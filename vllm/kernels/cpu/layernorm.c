@@ -13,8 +13,8 @@ INLINE float norm1(float x, float inv, float w, int bf16) {
 }
 
 /* One row; bf16 is a constant at every call, so each dtype gets its own vectorised loop. */
-INLINE void norm_row(const void *x, const void *weight, void *out, int64_t r, int64_t n,
-                     float eps, int bf16) {
+INLINE void norm_row(const void *x, const void *weight, void *out, int64_t n, float eps,
+                     int64_t r, int bf16) {
     vf acc = (vf){0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
@@ -34,16 +34,8 @@ INLINE void norm_row(const void *x, const void *weight, void *out, int64_t r, in
                                           load1(weight, bf16, j), bf16));
 }
 
-/* The dtype is fixed outside each parallel loop: OpenMP outlines the loop body into its own
- * function, where a dtype flag passed in would be a runtime branch in every load. */
 int rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t n, float eps,
              int bf16) {
-    if (bf16) {
-        #pragma omp parallel for schedule(static) if (rows * n > 65536)
-        for (int64_t r = 0; r < rows; r++) norm_row(x, weight, out, r, n, eps, 1);
-    } else {
-        #pragma omp parallel for schedule(static) if (rows * n > 65536)
-        for (int64_t r = 0; r < rows; r++) norm_row(x, weight, out, r, n, eps, 0);
-    }
+    FOR_ROWS_BY_DTYPE(bf16, rows, rows * n, norm_row, x, weight, out, n, eps);
     return 0;
 }

@@ -61,6 +61,22 @@ INLINE vh f32_to_bf16v(vf f) {
 #define f32_to_bf16v f32_to_bf16v_int
 #endif
 
+/* fn(args..., r, BF16) for every row r < rows, BF16 a constant in each branch: OpenMP outlines
+ * a parallel loop's body into its own function, where a dtype flag passed in would be a runtime
+ * branch in every load. Threads share the rows when the call touches over 65536 elements. */
+#define FOR_ROWS_BY_DTYPE(bf16, rows, elements, fn, ...)                                      \
+    do {                                                                                     \
+        const int64_t rows_ = (rows);                                                        \
+        const int parallel_ = (elements) > 65536;                                            \
+        if (bf16) {                                                                          \
+            _Pragma("omp parallel for schedule(static) if (parallel_)")                      \
+            for (int64_t r_ = 0; r_ < rows_; r_++) fn(__VA_ARGS__, r_, 1);                   \
+        } else {                                                                             \
+            _Pragma("omp parallel for schedule(static) if (parallel_)")                      \
+            for (int64_t r_ = 0; r_ < rows_; r_++) fn(__VA_ARGS__, r_, 0);                   \
+        }                                                                                    \
+    } while (0)
+
 /* Element i of an f32 (bf16 == 0) or bf16 array, widened to f32. */
 INLINE float load1(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
