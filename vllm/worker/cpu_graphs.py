@@ -66,7 +66,7 @@ def _nbytes(e: _Entry) -> int:
     return e.graph.nbytes + (e.logits_graph.nbytes if e.logits_graph is not None else 0)
 
 
-def eligible(model: nn.Module, moe_layers: list, dtype: torch.dtype, device: torch.device,
+def eligible(moe_layers: list, dtype: torch.dtype, device: torch.device,
              enforce_eager: bool) -> bool:
     """Whether decode steps may replay graphs: CPU kernels on, no per-step Python state."""
     if enforce_eager or not kernels_support(dtype, device):

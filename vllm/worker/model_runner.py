@@ -80,7 +80,7 @@ class ModelRunner:
 
     def _make_decode_graphs(self) -> DecodeGraphs | None:
         """CPU graphs for decode-only steps where they apply (``worker/cpu_graphs.py``)."""
-        if not graphs_eligible(self.model, self.moe_layers, self.dtype, self.device,
+        if not graphs_eligible(self.moe_layers, self.dtype, self.device,
                                self.config.enforce_eager):
             return None
         max_len = self.config.model_config.max_model_len
