@@ -58,12 +58,12 @@ def _experts(T: int, layers: int, iters: int, dt: torch.dtype) -> tuple[float, f
 def _attention(layouts: int, iters: int, L: int, dt: torch.dtype) -> tuple[float, float]:
     from vllm.kernels.cpu.ops import paged_attention
     from vllm.model_executor.forward_context import AttentionMetadata
-    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
     B, HQ, HKV, D, BS = 32, 4, 2, 64, 16
     NB = max(4096, 32 * -(-L // BS))
     g = torch.Generator().manual_seed(1)
-    attn = Attention(HQ, D, HKV, D ** -0.5)
-    attn.kv_cache = torch.randn(2, NB, BS, HKV, D, generator=g).to(dt)
+    attn = TorchSdpaAttention(HQ, D, HKV, D ** -0.5)
+    cache = torch.randn(2, NB, BS, HKV, D, generator=g).to(dt)
     nblk = -(-L // BS)
     mds = [AttentionMetadata(
         slot_mapping=torch.zeros(B, dtype=torch.long),
@@ -72,18 +72,18 @@ def _attention(layouts: int, iters: int, L: int, dt: torch.dtype) -> tuple[float
         seq_lens_cpu=[L] * B, query_lens_cpu=[1] * B, num_decodes=B, block_size=BS)
         for _ in range(layouts)]
     q = torch.randn(B, HQ, D, generator=g).to(dt)
-    return (_median_ms(lambda i: attn._decode_torch(q, mds[i]), iters, layouts),
-            _median_ms(lambda i: paged_attention(q, attn.kv_cache, mds[i].block_tables,
+    return (_median_ms(lambda i: attn.decode(q, cache, mds[i]), iters, layouts),
+            _median_ms(lambda i: paged_attention(q, cache, mds[i].block_tables,
                                                  mds[i].seq_lens, attn.scale, HKV), iters,
                        layouts))
 
 
 def _prompt_attention(iters: int, dt: torch.dtype) -> tuple[float, float]:
     from vllm.kernels.cpu.ops import paged_attention
-    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.torch_sdpa import causal
     B, L, HQ, HKV, D, BS = 32, 64, 4, 2, 64, 16
+    scale = D ** -0.5
     g = torch.Generator().manual_seed(5)
-    attn = Attention(HQ, D, HKV, D ** -0.5)
     cache = torch.randn(2, 4096, BS, HKV, D, generator=g).to(dt)
     tables = torch.randperm(4096, generator=g)[:B * L // BS].view(B, L // BS)
     rows = torch.arange(B).repeat_interleave(L)
@@ -93,9 +93,9 @@ def _prompt_attention(iters: int, dt: torch.dtype) -> tuple[float, float]:
 
     def per_prompt(_):
         for s in range(0, B * L, L):
-            attn._causal(q[s:s + L], k[s:s + L], v[s:s + L])
+            causal(q[s:s + L], k[s:s + L], v[s:s + L], scale)
     return (_median_ms(per_prompt, iters),
-            _median_ms(lambda i: paged_attention(q, cache, tables, lens, attn.scale, HKV, rows),
+            _median_ms(lambda i: paged_attention(q, cache, tables, lens, scale, HKV, rows),
                        iters))
 
 

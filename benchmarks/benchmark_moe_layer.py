@@ -20,9 +20,10 @@ import time
 
 import torch
 
-from vllm.config import (MOE_BACKENDS, CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig,
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig,
                          SchedulerConfig, VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.registry import moe_backend_names
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -68,7 +69,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    p.add_argument("--moe-backend", choices=list(MOE_BACKENDS), default="auto")
+    p.add_argument("--moe-backend", choices=["auto", *moe_backend_names()], default="auto")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     n = args.slots if args.slots is not None else args.num_experts - 1

@@ -34,7 +34,7 @@ from vllm.model_executor.forward_context import (AttentionMetadata,  # noqa: E40
                                                  set_forward_context)
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
-from vllm.model_executor.layers.quantization.config import SCHEMES  # noqa: E402
+from vllm.config.quantization import SCHEMES  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 
 HELDOUT = "textwrap.py"   # first of tools/train_default_model.py's HELDOUT_MODULES

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm.model_executor.layers.quantization.config import SCHEMES  # noqa: E402
+from vllm.config.quantization import SCHEMES  # noqa: E402
 from vllm.model_executor.layers.quantization.fp8 import quantize_fp8  # noqa: E402
 from vllm.model_executor.layers.quantization.gptq import quantize_gptq  # noqa: E402
 from vllm.model_executor.layers.quantization.nvfp4 import quantize_nvfp4  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tools.quantize_checkpoint import main as quantize_main
-from vllm.model_executor.layers.quantization.config import quant_config_from_model_dir
+from vllm.config.quantization import quant_config_from_model_dir
 from tiny_models import build_tiny_model
 
 SUFFIXES = {"fp8-tensor": {"weight", "weight_scale"}, "fp8-channel": {"weight", "weight_scale"},

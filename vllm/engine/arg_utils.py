@@ -59,8 +59,10 @@ class EngineArgs:
     """Expected quantization method (e.g. fp8, gptq, compressed-tensors, modelopt); the
     checkpoint's quantization_config decides, and a mismatch is an error."""
     moe_backend: str = "auto"
-    """MoE expert kernel: auto, cpu_kernel (C, CPU f32/bf16), grouped_mm, or torch (per-expert
-    loop reference)."""
+    """MoE expert kernel: auto, cpu_kernel (C, CPU f32/bf16), grouped_mm (torch._grouped_mm),
+    or torch (per-expert loop reference; the only one for quantized experts today)."""
+    attention_backend: str = "auto"
+    """Attention kernel: auto, cpu_paged (C, CPU f32/bf16) or torch_sdpa."""
     moe_routing_trace_path: str | None = None
     """Record every MoE layer's routing to this .npz (the shared trace format) at shutdown."""
 
@@ -120,12 +122,29 @@ class EngineArgs:
                              routing_trace_path=self.moe_routing_trace_path)
         config = VllmConfig(model_config, cache_config, scheduler_config, moe,
                             DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
-                            kernel_config=KernelConfig(self.moe_backend))
+                            kernel_config=KernelConfig(self.moe_backend,
+                                                                      self.attention_backend))
+        _check_registered_names(config)
         found = config.quant_config.quant_method if config.quant_config else None
         if self.quantization is not None and self.quantization != found:
             raise ValueError(f"quantization={self.quantization!r} is invalid for this checkpoint: "
                              f"its quantization_config says {found!r}")
         return config
+
+
+def _check_registered_names(config: VllmConfig) -> None:
+    """Policy and backend names against their registries, before any model is built."""
+    from vllm.model_executor.layers.attention import attention_backend_names
+    from vllm.model_executor.layers.fused_moe.expert_cache.policy import policy_names
+    from vllm.model_executor.layers.fused_moe.registry import moe_backend_names
+    k = config.kernel_config
+    for what, value, names in (
+            ("moe_expert_cache_policy", config.moe_cache_config.policy, policy_names()),
+            ("moe_backend", k.moe_backend, moe_backend_names()),
+            ("attention_backend", k.attention_backend, attention_backend_names())):
+        if value != "auto" and value not in names:
+            raise ValueError(f"{what}={value!r} is invalid: must be 'auto' or one of "
+                             f"{list(names)}")
 
 
 def _field_docs(cls) -> dict[str, str]:

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from vllm.kernels.cpu.graph import CpuGraph, GraphCaptureError, capture
-from vllm.kernels.cpu.ops import kernels_support
 from vllm.logger import init_logger
 from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
                                                  set_forward_context)
+from vllm.platforms import native_kernels
 
 logger = init_logger(__name__)
 
@@ -69,7 +69,7 @@ def _nbytes(e: _Entry) -> int:
 def eligible(moe_layers: list, dtype: torch.dtype, device: torch.device,
              enforce_eager: bool) -> bool:
     """Whether decode steps may replay graphs: CPU kernels on, no per-step Python state."""
-    if enforce_eager or not kernels_support(dtype, device):
+    if enforce_eager or not native_kernels(dtype, device):
         return False
     return all(m.expert_cache is None and m.routing_observer is None for m in moe_layers)
 

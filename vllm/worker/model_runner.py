@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.platforms import platform_for
 from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
 from vllm.worker.sampler import Sampler, SamplingMetadata
@@ -72,9 +73,10 @@ class ModelRunner:
         return num_blocks
 
     def _default_kv_budget(self) -> int:
-        if self.device.type != "cuda":
+        info = platform_for(self.device).memory_info(self.device)
+        if info is None:
             return _CPU_KV_BUDGET
-        free, total = torch.cuda.mem_get_info(self.device)
+        free, total = info
         used = total - free
         return max(0, int(total * self.config.cache_config.gpu_memory_utilization) - used)
 

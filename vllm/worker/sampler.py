@@ -18,7 +18,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from vllm.core.sched_output import SampledToken, ScheduledSequence
-from vllm.kernels.cpu.ops import argmax_rows, kernels_support
+from vllm.kernels.cpu.ops import argmax_rows
+from vllm.platforms import native_kernels
 
 _PAD = -1  # padding id in the token tensors; mapped to an extra dropped column
 
@@ -242,7 +243,7 @@ class Sampler:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """[n, V] f32 -> [n] int64; the C kernel on CPU (torch's argmax is slow on wide rows)."""
-    if kernels_support(logits.dtype, logits.device) and logits.shape[1]:
+    if native_kernels(logits.dtype, logits.device) and logits.shape[1]:
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
 

@@ -260,8 +260,10 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client):
 
 def test_client_disconnect_while_waiting_for_a_full_response(server):
     aborted_before = server.metric("vllm:request_aborted_total")
+    # n=8 x 115 tokens: several times the client's 0.15 s (one sequence alone takes about
+    # 0.1 s on a 2-core machine, so it could finish before the client gives up).
     body = {"model": SERVED_NAME, "prompt": "class Stack:", "max_tokens": 115,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": 8}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.15)
     deadline = time.monotonic() + 60

@@ -40,7 +40,12 @@ def test_failed_build_falls_back_with_a_warning(fresh_loader, monkeypatch, tmp_p
 
 
 def test_backend_selection_falls_back_without_kernels(fresh_loader, monkeypatch):
-    from vllm.model_executor.layers.fused_moe.backend import select_expert_backend
     import torch
+    from vllm.model_executor.layers.fused_moe.modular_kernel import MoEKernelQuery
+    from vllm.model_executor.layers.fused_moe.registry import select_moe_backend
+    from vllm.platforms import platform_for
+    query = MoEKernelQuery("unquantized", "silu", torch.float32, 32, 16, platform_for("cpu"))
+    assert select_moe_backend(query).name == "cpu_kernel"
+    build.load_cpu_kernels.cache_clear()
     monkeypatch.setenv("VLLM_CPU_KERNELS", "0")
-    assert select_expert_backend(32, 16, torch.float32).name == "grouped_mm"
+    assert select_moe_backend(query).name == "grouped_mm"

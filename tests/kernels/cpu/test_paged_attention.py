@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.kernels.cpu.ops import paged_attention
+from vllm.kernels.cpu.ops import paged_attention, write_kv_cache
 from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
 
 BS, NB = 4, 64
 
@@ -64,8 +65,9 @@ def test_decode_kernel_matches_naive(hq, hkv, d, dtype, tol):
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), _naive(cache, tables, lens, q, d ** -0.5), atol=tol,
                                rtol=tol)
-    # The torch fallback agrees too (it is the path used off CPU or without a compiler).
-    torch.testing.assert_close(attn._decode_torch(q, md).float(), got.float(), atol=tol, rtol=tol)
+    # The torch backend agrees too (it is the path used off CPU or without a compiler).
+    torch_decode = TorchSdpaAttention(hq, d, hkv, d ** -0.5).decode(q, cache, md)
+    torch.testing.assert_close(torch_decode.float(), got.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 2, 128), (3, 1, 16)])
@@ -97,14 +99,14 @@ def test_cache_write_lands_in_its_slots_and_rejects_foreign_slots():
     attn.kv_cache = torch.zeros(2, NB, BS, 2, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([5, NB * BS - 1, 0])
-    attn._write_cache(k, v, slots, on_kernels=True)
+    write_kv_cache(k, v, slots, attn.kv_cache, attn.prefix)
     assert torch.equal(attn.kv_cache[0].view(-1, 2, 16)[slots], k)
     assert torch.equal(attn.kv_cache[1].view(-1, 2, 16)[slots], v)
     assert attn.kv_cache[0].view(-1, 2, 16)[1].abs().sum() == 0          # nothing else written
     with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
-        attn._write_cache(k, v, torch.tensor([1, NB * BS, 2]), on_kernels=True)
+        write_kv_cache(k, v, torch.tensor([1, NB * BS, 2]), attn.kv_cache, attn.prefix)
     with pytest.raises(RuntimeError, match="layers.1.attn.*outside the cache"):
-        attn._write_cache(k, v, torch.tensor([1, -2, 2]), on_kernels=True)
+        write_kv_cache(k, v, torch.tensor([1, -2, 2]), attn.kv_cache, attn.prefix)
 
 
 def test_cache_write_skips_padding_rows():
@@ -113,7 +115,7 @@ def test_cache_write_skips_padding_rows():
     attn = Attention(4, 16, 2, 0.25, prefix="layers.1.attn")
     attn.kv_cache = torch.zeros(2, NB, BS, 2, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    attn._write_cache(k, v, torch.tensor([7, PAD_SLOT_ID, 3]), on_kernels=True)
+    write_kv_cache(k, v, torch.tensor([7, PAD_SLOT_ID, 3]), attn.kv_cache, attn.prefix)
     flat_k, flat_v = attn.kv_cache[0].view(-1, 2, 16), attn.kv_cache[1].view(-1, 2, 16)
     assert torch.equal(flat_k[[7, 3]], k[[0, 2]]) and torch.equal(flat_v[[7, 3]], v[[0, 2]])
     for flat in (flat_k, flat_v):                                        # nothing else written

@@ -26,6 +26,7 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import failure_to_error
 from vllm.logger import init_logger
+from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
 
@@ -109,10 +110,8 @@ def startup_summary(engine, names: list[str]) -> list[str]:
 
 
 def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        import torch
-        return f" ({torch.cuda.get_device_name(torch.device(device))})"
-    return ""
+    platform = platform_for(device)
+    return f" ({platform.device_name(device)})" if platform.name == "cuda" else ""
 
 
 # ---- app --------------------------------------------------------------------------------------

@@ -13,14 +13,6 @@ KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Dtypes the C kernels take, and the code they pass for each."""
 
 
-def kernels_support(dtype: torch.dtype, device: torch.device) -> bool:
-    """CPU tensors in a kernel dtype, the library built (or loaded from its cache), and not
-    being traced by torch.compile (a ctypes call cannot be traced: layers take their torch
-    path there)."""
-    return (device.type == "cpu" and dtype in KERNEL_DTYPES
-            and not torch.compiler.is_compiling() and load_cpu_kernels() is not None)
-
-
 def prepack(w: torch.Tensor) -> torch.Tensor:
     """Linear weight(s) [..., cols, n] (out, in) -> packed [..., cols * n]: for each block of
     ``pack_block_width()`` output columns, that block's [n, width] transpose, row-major (f32),

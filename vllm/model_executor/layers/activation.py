@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm.kernels.cpu import ops
+from vllm.platforms import native_kernels
 
 _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -27,7 +28,7 @@ def get_act_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``F.silu(gate) * up``, [..., N] each."""
-    if ops.kernels_support(gate.dtype, gate.device):
+    if native_kernels(gate.dtype, gate.device):
         return ops.silu_and_mul(gate, up)
     return F.silu(gate) * up
 
@@ -44,6 +45,6 @@ def sigmoid_gated_add(x: torch.Tensor, gate_logits: torch.Tensor,
                       y: torch.Tensor) -> torch.Tensor:
     """``x + torch.sigmoid(gate_logits) * y``: x, y [T, H], gate_logits [T, 1] (Qwen2-MoE adds
     its shared expert y to the routed output x this way)."""
-    if ops.kernels_support(x.dtype, x.device):
+    if native_kernels(x.dtype, x.device):
         return ops.sigmoid_gate_add(x, gate_logits, y)
     return x + torch.sigmoid(gate_logits) * y

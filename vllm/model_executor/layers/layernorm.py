@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.kernels.cpu.ops import kernels_support, rms_norm
+from vllm.kernels.cpu.ops import rms_norm
+from vllm.platforms import native_kernels
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +19,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden_size] -> same shape and dtype."""
-        if x.dtype == self.weight.dtype and kernels_support(x.dtype, x.device):
+        if x.dtype == self.weight.dtype and native_kernels(x.dtype, x.device):
             return rms_norm(x, self.weight, self.variance_epsilon)
         return self.forward_torch(x)
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.kernels.cpu.ops import dense_linear, kernels_support, prepack
+from vllm.kernels.cpu.ops import dense_linear, prepack
+from vllm.platforms import native_kernels
 
 
 class Linear(nn.Linear):
@@ -23,7 +24,7 @@ class Linear(nn.Linear):
     def finish_loading(self, device: torch.device) -> None:
         """After the checkpoint is loaded: pack ``weight`` for the CPU kernel where it applies.
         The packed tensor replaces ``weight`` (no second copy), so ``weight`` is gone after."""
-        if "packed_weight" in self._buffers or not kernels_support(self.weight.dtype, device):
+        if "packed_weight" in self._buffers or not native_kernels(self.weight.dtype, device):
             return
         packed = prepack(self.weight.data)
         del self.weight

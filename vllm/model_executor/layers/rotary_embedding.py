@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.kernels.cpu.ops import kernels_support, rope_cos_sin, rotary_embedding
+from vllm.kernels.cpu.ops import rope_cos_sin, rotary_embedding
+from vllm.platforms import native_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -123,7 +124,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes.
         One C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch."""
-        if q.dtype == k.dtype and kernels_support(q.dtype, q.device):
+        if q.dtype == k.dtype and native_kernels(q.dtype, q.device):
             return rotary_embedding(self._cos_sin(positions), q, k, self.head_dim,
                                     self.rotary_dim)
         return self.forward_torch(positions, q, k)

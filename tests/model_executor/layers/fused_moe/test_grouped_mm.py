@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from vllm.model_executor.layers.fused_moe.grouped_mm import (expert_pairs_grouped,
-                                                             grouped_mm_supported)
+                                                             grouped_mm_refusal)
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
+from vllm.platforms import platform_for
 
 
 def _case(T, E=8, K=2, H=32, N=16, dtype=torch.float32, seed=0, skip_frac=0.0):
@@ -55,8 +56,11 @@ def test_gelu_activation():
 
 
 def test_support_check():
-    assert grouped_mm_supported(32, 16, torch.float32, torch.device("cpu"))
-    assert not grouped_mm_supported(30, 16, torch.float32, torch.device("cpu"))  # 120-byte rows
+    cpu, cuda = platform_for("cpu"), platform_for("cuda")
+    assert grouped_mm_refusal(32, 16, torch.float32, cpu) is None
+    assert "hidden_size=30" in grouped_mm_refusal(30, 16, torch.float32, cpu)  # 120-byte rows
+    assert "bfloat16" in grouped_mm_refusal(32, 16, torch.float32, cuda)
+    assert grouped_mm_refusal(32, 16, torch.bfloat16, cuda) is None   # the SM is the registry's
 
 
 def test_compiles_fullgraph():

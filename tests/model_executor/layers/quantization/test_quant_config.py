@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm.model_executor.layers.quantization.config import (parse_quant_config,
-                                                            quant_config_from_model_dir)
+from vllm.config.quantization import parse_quant_config, quant_config_from_model_dir
+from vllm.model_executor.layers.quantization import get_moe_quant_method
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
 from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod
@@ -25,20 +25,20 @@ def ct(strategy, **extra):
 def test_compressed_tensors_fp8(strategy):
     qc = parse_quant_config(ct(strategy))
     assert qc.scheme == f"fp8-{strategy}"
-    m = qc.get_moe_method(LAYER)
+    m = get_moe_quant_method(qc, LAYER)
     assert isinstance(m, Fp8MoEMethod) and m.strategy == strategy and m.scale_name == "weight_scale"
     assert qc.is_ignored("model.layers.0.mlp.gate") and not qc.is_ignored(LAYER.prefix)
 
 
 def test_compressed_tensors_block_uses_weight_scale():
-    m = parse_quant_config(ct("block", block_structure=[128, 128])).get_moe_method(LAYER)
+    m = get_moe_quant_method(parse_quant_config(ct("block", block_structure=[128, 128])), LAYER)
     assert m.block == (128, 128) and m.scale_name == "weight_scale"
 
 
 def test_hf_fp8_block_and_per_tensor():
     qc = parse_quant_config({"quant_method": "fp8", "activation_scheme": "dynamic",
                              "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})
-    m = qc.get_moe_method(LAYER)
+    m = get_moe_quant_method(qc, LAYER)
     assert qc.scheme == "fp8-block" and m.block == (128, 128) and m.scale_name == "weight_scale_inv"
     assert parse_quant_config({"quant_method": "fp8"}).scheme == "fp8-tensor"
 
@@ -46,7 +46,7 @@ def test_hf_fp8_block_and_per_tensor():
 def test_gptq():
     qc = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False,
                              "desc_act": True, "checkpoint_format": "gptq_v2"})
-    m = qc.get_moe_method(LAYER)
+    m = get_moe_quant_method(qc, LAYER)
     assert isinstance(m, GptqMoEMethod)
     assert (m.group_size, m.sym, m.desc_act, m.zero_offset) == (64, False, True, 0)
     assert [c.suffix for c in m.checkpoint_tensors if c.required] == ["qweight", "qzeros",
@@ -56,14 +56,14 @@ def test_gptq():
 def test_modelopt_nvfp4_in_config_and_hf_quant_config(tmp_path):
     qc = parse_quant_config({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                              "exclude_modules": ["lm_head"]})
-    assert isinstance(qc.get_moe_method(LAYER), Nvfp4MoEMethod)
+    assert isinstance(get_moe_quant_method(qc, LAYER), Nvfp4MoEMethod)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({
         "producer": {"name": "modelopt"},
         "quantization": {"quant_algo": "NVFP4", "group_size": 16,
                          "exclude_modules": ["model.layers.1.mlp.experts*"]}}))
     qc = quant_config_from_model_dir(str(tmp_path))
-    assert qc.scheme == "nvfp4" and qc.get_moe_method(LAYER) is None     # excluded experts
+    assert qc.scheme == "nvfp4" and get_moe_quant_method(qc, LAYER) is None     # excluded experts
 
 
 def test_unquantized_checkpoint_gives_none(tmp_path):

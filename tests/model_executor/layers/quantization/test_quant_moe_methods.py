@@ -134,8 +134,8 @@ def test_dequantize_matches_plain_reference(scheme):
     ck = checkpoint(quantize, w13, w2)
     layer = load_layer(make(), ck)
     for e in (0, E - 1):
-        got13, got2 = layer.quant_method.dequantize(layer.quant_method.expert_row(layer, e),
-                                                    torch.float32)
+        got13, got2 = layer.quant_method.dequantize(
+            layer.quant_method.expert_row(layer.weight_provider.slot_weights(), e), torch.float32)
         want13 = torch.cat([ref(ck[(e, "w1")]), ref(ck[(e, "w3")])])
         torch.testing.assert_close(got13, want13, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(got2, ref(ck[(e, "w2")]), rtol=1e-6, atol=1e-7)
@@ -240,6 +240,7 @@ def test_repacking_runs_per_expert_into_store_and_device_holds_only_slots(cache_
     assert _nbytes(slots) == cache_size * store.bytes_per_expert
     assert _nbytes(store.tensors.values()) == E * store.bytes_per_expert
     # What the layer holds (its "device" side): the slots plus a few scalars, never the store.
+    assert all(getattr(layer, n) is t for n, t in layer.weight_provider.slot_weights().items())
     assert _nbytes(layer.parameters()) - _nbytes(slots) <= 64
     # Same values as the packed method, cached or not.
     plain = load_layer(GptqMoEMethod(32, False, True), ck)
@@ -254,8 +255,8 @@ def test_fp8_block_128_with_shapes_not_multiple_of_128():
     assert ck[(0, "w1")]["weight_scale_inv"].shape == (2, 2)        # ceil(136/128), ceil(200/128)
     layer = load_layer(Fp8MoEMethod("block", (128, 128)), ck, e=e, h=h, n=n)
     assert layer.w13_weight_scale_inv.shape == (e, 4, 2)
-    got13, got2 = layer.quant_method.dequantize(layer.quant_method.expert_row(layer, 1),
-                                                torch.float32)
+    got13, got2 = layer.quant_method.dequantize(
+        layer.quant_method.expert_row(layer.weight_provider.slot_weights(), 1), torch.float32)
     want13 = torch.cat([ref_fp8(ck[(1, "w1")], (128, 128)), ref_fp8(ck[(1, "w3")], (128, 128))])
     torch.testing.assert_close(got13, want13, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got2, ref_fp8(ck[(1, "w2")], (128, 128)), rtol=1e-6, atol=1e-7)

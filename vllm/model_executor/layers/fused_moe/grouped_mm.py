@@ -12,18 +12,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm.platforms import Platform
 
-def grouped_mm_supported(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                         device: torch.device) -> bool:
-    """_grouped_mm needs 16-byte aligned row strides; on CUDA it needs sm90+ and bf16."""
+
+def grouped_mm_refusal(hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                       platform: Platform) -> str | None:
+    """Why ``_grouped_mm`` cannot run this layer (None: it can). It needs 16-byte aligned row
+    strides, and on CUDA bf16 (the platform's SM is checked by the registry)."""
     if not hasattr(torch, "_grouped_mm"):
-        return False
+        return f"torch {torch.__version__} has no torch._grouped_mm"
     elem = torch.finfo(dtype).bits // 8
-    if (hidden_size * elem) % 16 or (intermediate_size * elem) % 16:
-        return False
-    if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
-    return device.type == "cpu"
+    for what, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if (size * elem) % 16:
+            return f"{what}={size} rows are not 16-byte aligned in {dtype}"
+    if platform.name == "cuda" and dtype != torch.bfloat16:
+        return f"on cuda it takes bfloat16 only, not {dtype}"
+    return None
 
 
 def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

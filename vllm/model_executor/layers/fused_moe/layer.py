@@ -1,8 +1,10 @@
-"""FusedMoE: router -> (expert cache) -> quant_method.apply.
+"""FusedMoE: router -> weight provider -> quant_method.apply.
 
-The seam between routing and ``apply`` is where the expert cache plugs in: without a cache
-``apply`` receives the layer's expert tensors [E, ...] and global ``topk_ids``; with one, the
-layer's expert tensors *are* the device slots [N, ...] and ``apply`` receives slot ids.
+The layer knows two seams and nothing behind them. Its ``weight_provider`` says where the expert
+tensors live: ``prepare(topk_ids)`` gives the waves of ids the kernel runs on and
+``slot_weights()`` the tensors they index (all E experts without a cache; N device slots with
+``moe_expert_cache_size`` N, ``expert_cache/provider.py``). Its ``quant_method`` owns the
+scheme and, through the backend the registry chose for it, computes the pairs.
 """
 from __future__ import annotations
 
@@ -14,9 +16,14 @@ from torch import nn
 
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.expert_cache import (CachedWeightProvider,
+                                                               WeightProvider, cache_enabled,
+                                                               make_weight_provider)
 from vllm.model_executor.layers.fused_moe.router import RouterConfig, select_experts
+from vllm.model_executor.layers.quantization import get_moe_quant_method
 from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase, MoEShape
 from vllm.model_executor.layers.quantization.unquantized import UnquantizedFusedMoEMethod
+from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
 
@@ -38,7 +45,7 @@ class FusedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.prefix = prefix
         self.activation = activation
-        """Expert activation; quant methods read it in get_moe_method."""
+        """Expert activation; quant methods read it in get_moe_quant_method."""
         m = re.search(r"layers\.(\d+)\.", prefix + ".")
         self.layer_index = int(m.group(1)) if m else 0
         if activation not in ("silu", "gelu"):
@@ -49,20 +56,29 @@ class FusedMoE(nn.Module):
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False)
                                         if use_correction_bias else None)
         if quant_method is None and cfg is not None and getattr(cfg, "quant_config", None):
-            quant_method = cfg.quant_config.get_moe_method(self)
+            quant_method = get_moe_quant_method(cfg.quant_config, self)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod(activation)
-        params_dtype = params_dtype or torch.get_default_dtype()
-        moe_cfg = cfg.moe_cache_config if cfg is not None else None
-        self.cache_size = (moe_cfg.cache_size if moe_cfg is not None and
-                           0 < moe_cfg.cache_size < num_experts else 0)
-        # Cached experts are created in host memory: they become the store, never touching the device.
-        device = torch.device("cpu") if self.cache_size else None
-        self.quant_method.create_weights(
-            self, MoEShape(num_experts, hidden_size, intermediate_size, params_dtype), device)
-        self.expert_cache = None
-        """Set by ``finish_loading`` when ``cache_size > 0`` (an ``ExpertCache``)."""
+        shape = MoEShape(num_experts, hidden_size, intermediate_size,
+                         params_dtype or torch.get_default_dtype())
+        self._moe_cache_config = cfg.moe_cache_config if cfg is not None else None
+        # Cached experts are created in host memory: they become the store, never touching the
+        # device. Uncached ones are created on the ambient (compute) device.
+        cached = cache_enabled(self._moe_cache_config, num_experts)
+        self.quant_method.create_weights(self, shape, torch.device("cpu") if cached else None)
+        compute_device = cfg.device_config.torch_device if cfg is not None else torch.device("cpu")
+        self.quant_method.select_kernel(shape, platform_for(compute_device),
+                                        cfg.kernel_config.moe_backend if cfg is not None
+                                        else "auto")
+        self.weight_provider: WeightProvider | None = None
+        """Set by ``finish_loading``."""
         self.routing_observer: Callable[[int, torch.Tensor], None] | None = None
         """Called with (layer_index, topk_ids [T, top_k]) every forward (routing-trace recorder)."""
+
+    @property
+    def expert_cache(self) -> CachedWeightProvider | None:
+        """The layer's CachedWeightProvider, or None when every expert is resident."""
+        p = self.weight_provider
+        return p if p is not None and p.cached else None
 
     # ---- loading -------------------------------------------------------------------------
     def load_expert_weight(self, name: str, loaded: torch.Tensor, expert_id: int | None,
@@ -90,22 +106,44 @@ class FusedMoE(nn.Module):
         dst.copy_(loaded)
 
     def finish_loading(self, device: torch.device) -> None:
-        """Run post-load processing; with a cache, build store (host) and slots (``device``)."""
-        if self.cache_size:
-            from vllm.model_executor.layers.fused_moe.expert_cache.cache import ExpertCache
-            cfg = get_current_vllm_config()
-            self.expert_cache = ExpertCache.from_layer(self, cfg.moe_cache_config, device)
+        """Hand the loaded expert tensors to the weight provider (which processes them, and with a
+        cache builds its host store and ``device`` slots); the layer then holds what the kernels
+        read under the same names."""
+        names = self.quant_method.expert_tensor_names()
+        loaded = {n: getattr(self, n) for n in names}
+        self.weight_provider = make_weight_provider(loaded, self.quant_method,
+                                                    self._moe_cache_config, device, self.prefix)
+        for name, t in self.weight_provider.slot_weights().items():
+            self._hold(name, t)
+
+    def _hold(self, name: str, t: torch.Tensor) -> None:
+        """Register ``t`` under ``name`` (replacing the loading target): ``state_dict`` and
+        ``module.to`` see what the kernels read; the provider keeps the same tensor object."""
+        if name in self._buffers:  # e.g. an integer g_idx registered as a buffer stays one
+            self.register_buffer(name, t)
+        elif not isinstance(t, nn.Parameter):
+            raise TypeError(f"{self.prefix}.{name}: expert tensors must be nn.Parameters")
         else:
-            self.quant_method.process_weights_after_loading(self)
+            setattr(self, name, t)
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], router_logits [T, E] -> [T, H]."""
         topk_weights, topk_ids = select_experts(router_logits, self.router_config,
                                                 self.e_score_correction_bias)
-        topk_weights = topk_weights.to(hidden_states.dtype)
         if self.routing_observer is not None:
             self.routing_observer(self.layer_index, topk_ids)
-        if self.expert_cache is None:
-            return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
-        return self.expert_cache.forward(self, hidden_states, topk_weights, topk_ids)
+        return self.forward_experts(hidden_states, topk_weights, topk_ids)
+
+    def forward_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts for a given routing: x [T, H], topk_weights [T, K], topk_ids [T, K] global
+        expert ids (-1 = skip the pair) -> [T, H]."""
+        if hidden_states.shape[0] != topk_ids.shape[0] or topk_weights.shape != topk_ids.shape:
+            raise ValueError(f"{self.prefix}: shape mismatch: x {tuple(hidden_states.shape)}, "
+                             f"topk_weights {tuple(topk_weights.shape)}, topk_ids "
+                             f"{tuple(topk_ids.shape)}; need x [T, H] and topk_* [T, K]")
+        provider = self.weight_provider
+        waves = provider.prepare(topk_ids)
+        return self.quant_method.apply(provider.slot_weights(), hidden_states,
+                                       topk_weights.to(hidden_states.dtype), waves)

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.kernels.cpu.ops import kernels_support, topk_softmax
+from vllm.kernels.cpu.ops import topk_softmax
+from vllm.platforms import native_kernels
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     """
     if cfg.scoring_func == "softmax" and not cfg.num_expert_group and correction_bias is None \
             and cfg.routed_scaling_factor == 1.0 \
-            and kernels_support(router_logits.dtype, router_logits.device):
+            and native_kernels(router_logits.dtype, router_logits.device):
         return topk_softmax(router_logits, cfg.top_k, cfg.renormalize)
     return select_experts_torch(router_logits, cfg, correction_bias)
 

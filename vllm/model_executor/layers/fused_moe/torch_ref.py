@@ -6,6 +6,8 @@ into waves of experts (the expert cache) reduces in exactly the same order as an
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -29,13 +31,24 @@ def expert_pairs_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Each expert sees its tokens in ascending token order, so a pair's value does not depend on
     which other experts are computed in the same call.
     """
+    expert_pairs_loop(x, w13.shape[0], lambda e: (w13[e], w2[e]), topk_weights, topk_ids, out,
+                      activation)
+
+
+def expert_pairs_loop(x: torch.Tensor, num_rows: int,
+                      expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                      activation: str = "silu") -> None:
+    """``expert_pairs_ref`` with each present row's (w13 [2N, K_h], w2 [K_h, N]) given by
+    ``expert_weights(row)`` (quantized formats dequantize the row there); rows in [0, num_rows)."""
     T, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)                      # [T * top_k]
     flat_w = topk_weights.reshape(-1).to(x.dtype)
     out_flat = out.view(T * top_k, out.shape[-1])  # explicit: T may be 0
-    for e in _present_experts(flat_ids, w13.shape[0]):
+    for e in _present_experts(flat_ids, num_rows):
         pair = (flat_ids == e).nonzero().squeeze(1)      # [P] ascending pair indices
-        y = expert_mlp(x[pair // top_k], w13[e], w2[e], activation)
+        w13, w2 = expert_weights(e)
+        y = expert_mlp(x[pair // top_k], w13, w2, activation)
         out_flat.index_copy_(0, pair, y * flat_w[pair, None])
 
 

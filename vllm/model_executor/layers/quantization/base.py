@@ -1,18 +1,25 @@
 """The quant-method contract for MoE experts.
 
-A method owns the layout of a layer's expert tensors. It *declares* which of them are
-expert-indexed (leading dimension E): the expert cache builds its host store and device
-slots from that declaration alone, so every scale, zero point and g_idx moves with its expert.
+A method owns its *scheme*: the layout of a layer's expert tensors, which of them are
+expert-indexed (leading dimension E) and their post-load processing. The expert cache builds its
+host store and device slots from that declaration alone, so every scale, zero point and g_idx
+moves with its expert. The method does not compute: its ``kernel``, the expert backend that
+``fused_moe/registry.py`` chooses for the scheme, dtype and platform, runs on whatever tensors
+it is handed (the experts, or the cache's slots with slot ids).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.fused_moe.backend import combine_pairs
+from vllm.model_executor.layers.fused_moe.modular_kernel import (MoEExperts, MoEKernelQuery,
+                                                                 combine_pairs)
+from vllm.model_executor.layers.fused_moe.registry import Dequantize, select_moe_backend
 from vllm.model_executor.layers.scratch import scratch
+from vllm.platforms import Platform
 
 
 @dataclass(frozen=True)
@@ -24,46 +31,74 @@ class MoEShape:
 
 
 class FusedMoEMethodBase:
-    def create_weights(self, layer: nn.Module, shape: MoEShape, device: torch.device) -> None:
-        """Register the layer's expert parameters (on ``device``) with a ``weight_loader`` each."""
+    scheme: str = ""
+    """The scheme's name as backends declare it ("unquantized", "fp8-block", ...)."""
+
+    def __init__(self, activation: str = "silu"):
+        self.activation = activation
+        self.kernel: MoEExperts | None = None
+        """Set by ``select_kernel``."""
+
+    @property
+    def backend_name(self) -> str:
+        return self.kernel.name if self.kernel is not None else ""
+
+    def create_weights(self, layer: nn.Module, shape: MoEShape,
+                       device: torch.device | None) -> None:
+        """Register the layer's expert parameters (on ``device``) as loading targets."""
         raise NotImplementedError
 
     def expert_tensor_names(self) -> tuple[str, ...]:
         """Names of the layer's tensors with a leading expert dimension. Each moves with its expert."""
         raise NotImplementedError
 
+    def dequantizer(self) -> Dequantize | None:
+        """How a reference backend turns one expert's tensors into (w13, w2); None: unquantized."""
+        return None
+
+    def select_kernel(self, shape: MoEShape, platform: Platform, requested: str = "auto") -> None:
+        """Choose the expert backend for this layer through the registry (once, at build)."""
+        query = MoEKernelQuery(self.scheme, self.activation, shape.params_dtype,
+                               shape.hidden_size, shape.intermediate_size, platform)
+        self.kernel = select_moe_backend(query, requested).make(self.activation,
+                                                                self.dequantizer())
+
+    # ---- post-load processing ------------------------------------------------------------------
     def process_expert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Post-load processing (repacking, scale reshaping) of one expert's tensors, each without the
-        leading expert dim. Runs per expert, so the cache can run it into its host store.
-        Must return the same names; shapes may change (but identically for every expert)."""
+        """The scheme's post-load processing (repacking, checks) of one expert's tensors, each
+        without the leading expert dim. Must return the same names; shapes may change (but
+        identically for every expert)."""
         return tensors
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Uncached layers: apply ``process_expert`` to every expert in place."""
-        if type(self).process_expert is FusedMoEMethodBase.process_expert:
-            return  # identity: no per-expert copies, no transient [E, ...] tensors
-        names = self.expert_tensor_names()
-        num_experts = getattr(layer, names[0]).shape[0]
-        per_expert = [self.process_expert({n: getattr(layer, n)[e] for n in names})
-                      for e in range(num_experts)]
-        for n in names:
-            new = torch.stack([p[n] for p in per_expert])
-            old = getattr(layer, n)
-            if new.shape != old.shape or new.dtype != old.dtype:
-                setattr(layer, n, nn.Parameter(new, requires_grad=False))
-            elif new.data_ptr() != old.data_ptr():
-                old.data.copy_(new)
+    def prepare_expert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One expert as the kernel reads it: the scheme's processing, then the backend's layout.
+        The expert cache runs this per expert into its host store."""
+        return self.kernel.pack(self.process_expert(tensors))
 
-    def apply_pairs(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """out[t, k] = w[t, k] * expert(x[t]) for pairs with topk_ids >= 0 (ids index the layer's
-        expert tensors, which hold experts or cache slots). Other pairs are untouched."""
-        raise NotImplementedError
+    def process_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Uncached layers: ``prepare_expert`` over the stacked [E, ...] tensors."""
+        if type(self).process_expert is not FusedMoEMethodBase.process_expert:
+            num_experts = next(iter(weights.values())).shape[0]
+            per_expert = [self.process_expert({n: t[e] for n, t in weights.items()})
+                          for e in range(num_experts)]
+            weights = {n: torch.stack([p[n] for p in per_expert]) for n in weights}
+        # The backend's layout is per expert, so it applies to the stack in one go.
+        return self.kernel.pack(weights)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, K]: every pair computed, then reduced over top_k in k order."""
-        # [T, top_k, K] pairs, skipped ones 0; dead after the combine, so a reused buffer.
-        out = scratch("moe.pairs", (*topk_ids.shape, x.shape[-1]), x.dtype, x.device).zero_()
-        self.apply_pairs(layer, x, topk_weights, topk_ids, out)
+    # ---- compute ---------------------------------------------------------------------------------
+    def apply_pairs(self, weights: dict[str, torch.Tensor], x: torch.Tensor,
+                    topk_weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out[t, k] = w[t, k] * expert(x[t]) for pairs with ids >= 0 (ids index ``weights``,
+        which hold experts or cache slots). Other pairs are untouched."""
+        self.kernel.apply_pairs(weights, x, topk_weights, ids, out)
+
+    def apply(self, weights: dict[str, torch.Tensor], x: torch.Tensor,
+              topk_weights: torch.Tensor, waves: Iterable[torch.Tensor]) -> torch.Tensor:
+        """x [T, H] -> [T, H]. ``waves``: the ids [T, top_k] of each wave (one wave of expert ids
+        without a cache); every pair is computed in exactly one wave, then all are reduced over
+        top_k in k order, the same reduction however the step was split."""
+        # [T, top_k, H] pairs, skipped ones 0; dead after the combine, so a reused buffer.
+        out = scratch("moe.pairs", (*topk_weights.shape, x.shape[-1]), x.dtype, x.device).zero_()
+        for ids in waves:
+            self.apply_pairs(weights, x, topk_weights, ids, out)
         return combine_pairs(out)

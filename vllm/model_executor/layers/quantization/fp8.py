@@ -39,6 +39,7 @@ class Fp8MoEMethod(QuantizedFusedMoEMethod):
         if (strategy == "block") != (block is not None):
             raise ValueError(f"fp8: block={block!r} must be given exactly for strategy 'block'")
         self.strategy, self.block = strategy, block
+        self.scheme = f"fp8-{strategy}"
         # compressed-tensors block checkpoints say weight_scale; HF/DeepSeek say weight_scale_inv.
         self.scale_name = scale_name or ("weight_scale_inv" if strategy == "block"
                                          else "weight_scale")

@@ -30,6 +30,8 @@ GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
 
 
 class GptqMoEMethod(QuantizedFusedMoEMethod):
+    scheme = "w4a16-gptq"
+
     def __init__(self, group_size: int, sym: bool, desc_act: bool,
                  checkpoint_format: str = "gptq", activation: str = "silu"):
         super().__init__(activation)

@@ -1,16 +1,16 @@
 """Shared base of the quantized MoE methods: parameter creation from a per-expert layout, checkpoint
-tensor declarations, and the torch reference ``apply_pairs``.
+tensor declarations, and the dequantization the reference backend computes with.
 
 Layer layout: every expert-indexed tensor is ``w13_<name>`` ([E, ...], gate rows then up rows
 along dim 0 of one expert's tensor, so ``FusedMoE.load_expert_weight`` fuses shards as halves of
 dim 0) or ``w2_<name>``. Checkpoint tensors are per expert and per projection
 (``...experts.{e}.gate_proj.<suffix>``); ``load_transform`` turns one into the layer's layout.
 
-Reference compute (CPU, and the GPU fallback): for each expert row present in ``topk_ids``, read
-that row of every expert tensor (slot tensors when cached), dequantize w13/w2 to the activation
-dtype, run ``expert_mlp``. The same row bits give the same result with or without the cache.
-KERNEL SEAM: a GPU kernel replaces ``apply_pairs`` and receives the same slot tensors (weights and
-every scale, zero point and g_idx), indexed by the same slot ids.
+Compute: the ``torch`` backend (``fused_moe/registry.py``) dequantizes, for each expert row
+present in the ids, that row of every expert tensor (slot rows when cached) with ``dequantize``
+and runs the plain expert MLP; the same row bits give the same result with or without the
+cache. A quantized kernel registers as another backend for the scheme and receives the same
+tensors (weights and every scale, zero point and g_idx), indexed by the same slot ids.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.fused_moe.torch_ref import _present_experts, expert_mlp
 from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase, MoEShape
 
 
@@ -48,7 +47,7 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
     checkpoint_tensors: tuple[CheckpointTensor, ...] = ()
 
     def __init__(self, activation: str = "silu"):
-        self.activation = activation
+        super().__init__(activation)
         self._names: tuple[str, ...] = ()
 
     # ---- layout ------------------------------------------------------------------------------
@@ -70,7 +69,6 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
                     # host for the cache; shared tensors never go through the store.
                     layer.register_parameter(f"{proj}_{ct.suffix}", nn.Parameter(
                         torch.zeros((), dtype=torch.float32), requires_grad=False))
-        layer.moe_shape = shape
 
     def expert_tensor_names(self) -> tuple[str, ...]:
         if not self._names:
@@ -101,21 +99,14 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
         """One expert's tensors (row e of every expert tensor) -> (w13 [2N, K], w2 [K, N])."""
         raise NotImplementedError
 
-    def expert_row(self, layer: nn.Module, e: int) -> dict[str, torch.Tensor]:
-        """Row ``e`` of every expert tensor of the layer (slot row when cached): views, no copy."""
-        return {n: getattr(layer, n)[e] for n in self._names}
+    def dequantizer(self):
+        # Late-bound: the backend calls whatever ``dequantize`` the method has at call time.
+        return lambda tensors, dtype: self.dequantize(tensors, dtype)
 
-    def apply_pairs(self, layer, x, topk_weights, topk_ids, out) -> None:
-        T, top_k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)                                  # [T * top_k]
-        flat_w = topk_weights.reshape(-1).to(x.dtype)
-        out_flat = out.view(T * top_k, out.shape[-1])  # explicit: T may be 0
-        rows = getattr(layer, self._names[0]).shape[0]                   # E or N slots
-        for e in _present_experts(flat_ids, rows):
-            pair = (flat_ids == e).nonzero().squeeze(1)                  # [P] ascending
-            w13, w2 = self.dequantize(self.expert_row(layer, e), x.dtype)
-            y = expert_mlp(x[pair // top_k], w13, w2, self.activation)
-            out_flat.index_copy_(0, pair, y * flat_w[pair, None])
+    def expert_row(self, weights: dict[str, torch.Tensor], e: int) -> dict[str, torch.Tensor]:
+        """Row ``e`` of every expert tensor in ``weights`` (experts, or slots when cached):
+        views, no copy."""
+        return {n: weights[n][e] for n in self._names}
 
 
 def require_multiple(what: str, value: int, of: int, fmt: str) -> None:

@@ -30,6 +30,7 @@ NVFP4_GROUP = 16
 
 
 class Nvfp4MoEMethod(QuantizedFusedMoEMethod):
+    scheme = "nvfp4"
     checkpoint_tensors = (CheckpointTensor("weight"), CheckpointTensor("weight_scale"),
                           CheckpointTensor("weight_scale_2"),
                           CheckpointTensor("input_scale", required=False, shared=True))

@@ -1,4 +1,4 @@
-"""ExpertCache on one FusedMoE: cached == uncached bitwise, waves, eviction safety, stats,
+"""CachedWeightProvider on one FusedMoE: cached == uncached bitwise, waves, eviction safety, stats,
 pinning fallback, compile (no host sync), and device allocations while loading."""
 import math
 
@@ -10,7 +10,8 @@ from torch.utils._pytree import tree_leaves
 from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
                          VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.expert_cache import policy as policy_mod
-from vllm.model_executor.layers.fused_moe.expert_cache.cache import CPU_NO_SAVING_MSG, ExpertCache
+from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CPU_NO_SAVING_MSG,
+                                                                        CachedWeightProvider)
 from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 
@@ -53,7 +54,7 @@ def expect_waves(T, top_k, n):
 
 def slot_holds(layer, s, w, e):
     """Slot s holds exactly expert e's weights, as the backend lays them out after loading."""
-    want = layer.quant_method.process_expert({"w13_weight": w[0][e], "w2_weight": w[1][e]})
+    want = layer.quant_method.prepare_expert({"w13_weight": w[0][e], "w2_weight": w[1][e]})
     return (torch.equal(layer.w13_weight[s], want["w13_weight"])
             and torch.equal(layer.w2_weight[s], want["w2_weight"]))
 
@@ -127,7 +128,7 @@ class ApplySpy:
     def start(self, ids):
         self.ids, self.covered, self.calls = ids, torch.zeros_like(ids), 0
 
-    def __call__(self, layer, x, topk_weights, slot_ids, out):
+    def __call__(self, weights, x, topk_weights, slot_ids, out):
         self.calls += 1
         valid = slot_ids >= 0
         self.covered += valid.long()
@@ -135,8 +136,8 @@ class ApplySpy:
         slots_used = [s for s, _ in pairs]
         assert len(slots_used) == len(set(slots_used)), f"a slot serves two experts: {pairs}"
         for s, e in pairs:
-            assert slot_holds(layer, s, self.w, e), f"slot {s} is not expert {e}"
-        self.inner(layer, x, topk_weights, slot_ids, out)
+            assert slot_holds(self.layer, s, self.w, e), f"slot {s} is not expert {e}"
+        self.inner(weights, x, topk_weights, slot_ids, out)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "test_mru"])
@@ -152,8 +153,8 @@ def test_wave_never_reads_an_evicted_or_foreign_slot(policy, n, mru_policy, monk
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])  # distinct per row
         tw = torch.rand(T, 2, generator=g)
         spy.start(ids)
-        got = cached.expert_cache.forward(cached, x, tw, ids)
-        assert torch.equal(got, ref.quant_method.apply(ref, x, tw, ids))
+        got = cached.forward_experts(x, tw, ids)
+        assert torch.equal(got, ref.forward_experts(x, tw, ids))
         assert torch.equal(spy.covered, torch.ones_like(ids)), "each pair exactly once"
         assert spy.calls == expect_waves(T, 2, n)
 
@@ -168,8 +169,8 @@ def test_waves_when_batch_needs_every_expert(monkeypatch):
                         lambda needed: plans.append(needed.clone()) or real_plan(needed))
     ids = torch.tensor([[e, (e + 1) % E] for e in range(E)])            # all E experts needed
     x, tw = torch.randn(E, H), torch.rand(E, 2)
-    got = cached.expert_cache.forward(cached, x, tw, ids)
-    assert torch.equal(got, ref.quant_method.apply(ref, x, tw, ids))
+    got = cached.forward_experts(x, tw, ids)
+    assert torch.equal(got, ref.forward_experts(x, tw, ids))
     assert len(plans) == math.ceil(E / n)
     waves = torch.stack(plans)                                            # [W, E]
     assert (waves.sum(1) <= n).all() and torch.equal(waves.sum(0), torch.ones(E, dtype=torch.long))
@@ -204,8 +205,9 @@ def test_pin_failure_falls_back_warns_once_and_stays_exact(vllm_log, monkeypatch
     caches = []
     for _ in range(2):
         layer = build(2, w, finish=False)
-        with set_current_vllm_config(vllm_config(2)):
-            layer.expert_cache = ExpertCache.from_layer(layer, MoECacheConfig(2), "cpu", pin=True)
+        loaded = {n: getattr(layer, n) for n in layer.quant_method.expert_tensor_names()}
+        layer.weight_provider = CachedWeightProvider.from_experts(
+            loaded, layer.quant_method.prepare_expert, MoECacheConfig(2), "cpu", pin=True)
         caches.append(layer)
         x, logits = routing(9, 1, torch.float32)
         assert torch.equal(layer(x, logits), ref(x, logits))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm.config import MoECacheConfig
+from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import (
     DEFAULT_POLICY, EvictionPolicy, get_policy, policy_names)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
@@ -101,8 +102,11 @@ def test_registry_and_auto():
     with pytest.raises(ValueError, match=r"'nope' is invalid: must be one of"):
         get_policy("nope")
     assert MoECacheConfig(cache_size=4, policy="lrfu").policy == "lrfu"
+    # A name the registry lacks is rejected before any model is built, naming what is allowed.
+    with pytest.raises(ValueError, match=r"moe_expert_cache_policy='belady' is invalid.*'lrfu'"):
+        EngineArgs(moe_expert_cache_size=4, moe_expert_cache_policy="belady").create_engine_config()
     with pytest.raises(ValueError, match="moe_expert_cache_policy"):
-        MoECacheConfig(cache_size=4, policy="belady")
+        MoECacheConfig(cache_size=4, policy=3)
 
 
 def test_lrfu_keeps_frequent_over_once_used():

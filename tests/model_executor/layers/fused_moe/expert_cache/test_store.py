@@ -8,7 +8,7 @@ from torch import nn
 from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
                          set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, install_slots
+from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
 from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG, HostStore
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
 from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase
@@ -22,6 +22,7 @@ class Int8ScaledMethod(FusedMoEMethodBase):
     transposes it to [H, I] per expert and folds ``input_scale`` nowhere (it must stay put)."""
 
     def __init__(self):
+        super().__init__()
         self.processed: list[tuple[str, torch.device]] = []
 
     def create_weights(self, layer, shape, device):
@@ -34,6 +35,7 @@ class Int8ScaledMethod(FusedMoEMethodBase):
                                                         requires_grad=False))
         layer.register_buffer("perm", torch.zeros(e, h, dtype=torch.int32, device=device))
         layer.register_buffer("input_scale", torch.ones((), device=device))
+        self.input_scale = layer.input_scale    # shared by all experts: never in the store
 
     def expert_tensor_names(self):
         return ("w13_qweight", "w13_scale", "w2_qweight", "w2_scale", "perm")
@@ -44,12 +46,12 @@ class Int8ScaledMethod(FusedMoEMethodBase):
         out["w2_qweight"] = tensors["w2_qweight"].t().contiguous()       # [I, H] -> [H, I]
         return out
 
-    def apply_pairs(self, layer, x, topk_weights, topk_ids, out):
+    def apply_pairs(self, weights, x, topk_weights, topk_ids, out):
         # perm permutes the input features per expert; undo it through the expert's weights.
-        xs = x * layer.input_scale
-        w13 = layer.w13_qweight.float() * layer.w13_scale[..., None]      # [n, 2I, H]
-        w2 = layer.w2_qweight.float() * layer.w2_scale[..., None]         # [n, H, I]
-        inv = torch.argsort(layer.perm.long(), dim=-1)                    # [n, H]
+        xs = x * self.input_scale
+        w13 = weights["w13_qweight"].float() * weights["w13_scale"][..., None]   # [n, 2I, H]
+        w2 = weights["w2_qweight"].float() * weights["w2_scale"][..., None]      # [n, H, I]
+        inv = torch.argsort(weights["perm"].long(), dim=-1)                      # [n, H]
         w13 = torch.gather(w13, 2, inv[:, None, :].expand_as(w13))
         expert_pairs_ref(xs, w13.to(x.dtype), w2.to(x.dtype), topk_weights, topk_ids, out)
 
@@ -61,6 +63,10 @@ def fill(layer, g):
     layer.w2_scale.data.copy_(torch.rand(E, H, generator=g) * 0.01)
     layer.perm.copy_(torch.stack([torch.randperm(H, generator=g) for _ in range(E)]))
     return layer
+
+
+def experts_of(layer, names):
+    return {n: getattr(layer, n) for n in names}
 
 
 def make_layer(method, seed=0):
@@ -75,8 +81,8 @@ def test_store_holds_every_declared_tensor_processed_per_expert_on_host():
     method = Int8ScaledMethod()
     layer = make_layer(method)
     loaded = {n: getattr(layer, n).clone() for n in method.expert_tensor_names()}
-    store = HostStore.from_layer(layer, method.expert_tensor_names(), method.process_expert,
-                                 pin=False)
+    store = HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
+                                   method.process_expert, pin=False)
     assert list(store.tensors) == list(method.expert_tensor_names())
     assert "input_scale" not in store.tensors
     assert len(method.processed) == E                       # once per expert, never batched
@@ -96,23 +102,30 @@ def test_store_holds_every_declared_tensor_processed_per_expert_on_host():
 def test_slots_take_the_declared_names_and_kinds():
     method = Int8ScaledMethod()
     layer = make_layer(method)
-    store = HostStore.from_layer(layer, method.expert_tensor_names(), method.process_expert,
-                                 pin=False)
-    install_slots(layer, allocate_slots(store, 3, torch.device("cpu")))
-    for n in method.expert_tensor_names():
-        t = getattr(layer, n)
+    store = HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
+                                   method.process_expert, pin=False)
+    slots = allocate_slots(store, 3, torch.device("cpu"))
+    assert list(slots) == list(method.expert_tensor_names())
+    for n, t in slots.items():
         assert t.shape == (3, *store.tensors[n].shape[1:]) and t.dtype == store.tensors[n].dtype
         assert t.data_ptr() != store.tensors[n].data_ptr()
-    assert "perm" in layer._buffers and "w13_scale" in layer._parameters
     assert layer.input_scale.shape == ()                    # non-expert tensor untouched
+
+
+def test_layer_holds_its_providers_slots_under_the_declared_names_and_kinds():
+    layer = _moe(3)
+    for n, t in layer.weight_provider.slot_weights().items():
+        assert getattr(layer, n) is t and t.shape[0] == 3
+    assert "perm" in layer._buffers and "w13_scale" in layer._parameters
+    assert layer.input_scale.shape == ()
 
 
 @pytest.mark.parametrize("bad", [0, E + 1])
 def test_slot_count_out_of_range_is_rejected(bad):
     method = Int8ScaledMethod()
     layer = make_layer(method)
-    store = HostStore.from_layer(layer, method.expert_tensor_names(), method.process_expert,
-                                 pin=False)
+    store = HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
+                                   method.process_expert, pin=False)
     with pytest.raises(ValueError, match=f"moe_expert_cache_size={bad}"):
         allocate_slots(store, bad, torch.device("cpu"))
 
@@ -120,20 +133,20 @@ def test_slot_count_out_of_range_is_rejected(bad):
 def test_bad_process_expert_is_rejected():
     method = Int8ScaledMethod()
     layer = make_layer(method)
-    names = method.expert_tensor_names()
+    experts = experts_of(layer, method.expert_tensor_names())
     with pytest.raises(ValueError, match="exactly the declared names"):
-        HostStore.from_layer(layer, names, lambda t: {"w13_qweight": t["w13_qweight"]}, pin=False)
+        HostStore.from_experts(experts, lambda t: {"w13_qweight": t["w13_qweight"]}, pin=False)
     calls = []
 
     def ragged(t):  # expert-dependent shape: not storable as one [E, ...] tensor
         calls.append(1)
         return {**t, "perm": t["perm"][: len(calls)]}
     with pytest.raises(ValueError, match="same for all"):
-        HostStore.from_layer(layer, names, ragged, pin=False)
+        HostStore.from_experts(experts, ragged, pin=False)
     with pytest.raises(ValueError, match="declares no expert-indexed tensors"):
-        HostStore.from_layer(layer, (), method.process_expert, pin=False)
+        HostStore.from_experts({}, method.process_expert, pin=False)
     with pytest.raises(ValueError, match="is not a tensor"):
-        HostStore.from_layer(layer, ("nope",), method.process_expert, pin=False)
+        HostStore.from_experts({"nope": None}, method.process_expert, pin=False)
 
 
 def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log, monkeypatch):
@@ -141,8 +154,9 @@ def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log, monkeypatch
         raise RuntimeError("simulated: cannot pin (e.g. WSL)")
     monkeypatch.setattr(torch.Tensor, "pin_memory", fail)
     method = Int8ScaledMethod()
-    stores = [HostStore.from_layer(make_layer(method, s), method.expert_tensor_names(),
-                                   method.process_expert, pin=True) for s in range(3)]
+    names = method.expert_tensor_names()
+    stores = [HostStore.from_experts(experts_of(make_layer(method, s), names),
+                                     method.process_expert, pin=True) for s in range(3)]
     assert not any(s.pinned for s in stores)
     warnings = [r for r in vllm_log.records if r.getMessage() == PIN_FAILED_MSG]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
@@ -157,8 +171,8 @@ def test_pin_success_pins_every_tensor(monkeypatch):
         return copy
     monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
     method = Int8ScaledMethod()
-    store = HostStore.from_layer(make_layer(method), method.expert_tensor_names(),
-                                 method.process_expert, pin=True)
+    store = HostStore.from_experts(experts_of(make_layer(method), method.expert_tensor_names()),
+                                   method.process_expert, pin=True)
     assert store.pinned
     assert sorted(t.data_ptr() for t in pinned) == sorted(
         t.data_ptr() for t in store.tensors.values())

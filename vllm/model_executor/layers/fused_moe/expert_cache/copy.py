@@ -4,7 +4,7 @@ Only misses move: entry i of the plan copies expert ``experts[i]`` into slot ``s
 ``valid[i]``, for every expert-indexed tensor of the store (weights and their scales, zeros,
 g_idx... together, so a slot never holds one expert's weights with another's scales).
 
-Paths, chosen by the slots' device:
+Paths, chosen once per provider from the slots' device (``select_copy``):
   * same device as the store (CPU): masked ``index_copy_`` over ``nonzero(valid)``; no host
     sync, traceable with ``torch.compile(fullgraph=True)`` given
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True`` (nonzero's length is data
@@ -16,7 +16,7 @@ Paths, chosen by the slots' device:
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -48,21 +48,26 @@ def register_cuda_copy_kernel(kernel: UvaCopyKernel | None) -> None:
 # ==== END SEAM ==================================================================================
 
 
-def copy_misses(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan,
-                non_blocking: bool) -> None:
-    """Copy every valid plan entry's expert from ``store`` into ``slots``, all tensors.
+CopyMisses = Callable[[dict[str, torch.Tensor], LoadPlan], None]
+"""(slots name -> [N, ...], plan) -> None: copy every valid plan entry's expert into its slot."""
 
-    slots: name -> [N, ...] on the device; plan fields [N]. ``non_blocking`` only when the
-    store is pinned (asynchronous copies from pageable memory are unsafe on some platforms).
-    """
-    device = next(iter(slots.values())).device
+
+def select_copy(store: HostStore, device: torch.device) -> CopyMisses:
+    """The copy engine for slots on ``device``, chosen once per provider (paths above)."""
     if device == next(iter(store.tensors.values())).device:
-        _copy_same_device(store, slots, plan)
-    elif device.type == "cuda" and _cuda_copy_kernel is not None and store.pinned:
-        for name, src in store.tensors.items():
-            _cuda_copy_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
-    else:
-        _copy_torch_fallback(store, slots, plan, non_blocking)
+        return lambda slots, plan: _copy_same_device(store, slots, plan)
+    if device.type == "cuda" and store.pinned:
+        # Looked up per call: a kernel may be registered after the provider is built.
+        return lambda slots, plan: _copy_cuda(store, slots, plan)
+    return lambda slots, plan: _copy_torch_fallback(store, slots, plan, store.pinned)
+
+
+def _copy_cuda(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
+    if _cuda_copy_kernel is None:
+        _copy_torch_fallback(store, slots, plan, non_blocking=True)
+        return
+    for name, src in store.tensors.items():
+        _cuda_copy_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
 
 
 def _copy_same_device(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:

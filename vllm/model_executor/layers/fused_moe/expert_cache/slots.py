@@ -1,13 +1,12 @@
-"""Device slots: N expert-sized rows per expert-indexed tensor, installed as the layer's params.
+"""Device slots: N expert-sized rows per expert-indexed tensor, owned by the provider.
 
-The slot tensors take the names of the layer's expert parameters, so the quant method's
-``apply_pairs`` reads them unchanged, with slot ids in place of expert ids.
+The slot tensors keep the names of the layer's expert tensors, so the quant method's kernel
+reads them unchanged, with slot ids in place of expert ids.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
 
 
@@ -21,15 +20,12 @@ def allocate_slots(store: HostStore, num_slots: int,
     if not 1 <= num_slots <= store.num_experts:
         raise ValueError(f"moe_expert_cache_size={num_slots} is invalid for a layer with "
                          f"{store.num_experts} experts: must be in [1, {store.num_experts}]")
-    return {n: torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device)
+    return {n: as_parameter(torch.zeros((num_slots, *t.shape[1:]), dtype=t.dtype, device=device))
             for n, t in store.tensors.items()}
 
 
-def install_slots(layer: nn.Module, slots: dict[str, torch.Tensor]) -> None:
-    """Replace the layer's expert params (host, [E, ...]) by the slot tensors ([N, ...])."""
-    for name, t in slots.items():
-        if name in layer._buffers:  # e.g. an integer g_idx registered as a buffer stays one
-            layer.register_buffer(name, t)
-        else:
-            # A Parameter under an existing name replaces the [E, ...] one in _parameters.
-            setattr(layer, name, nn.Parameter(t, requires_grad=False))
+def as_parameter(t: torch.Tensor) -> nn.Parameter:
+    """``t`` as a frozen Parameter (itself if it is one). Providers hand the layer Parameter
+    objects, so the layer can register the very objects they own (``module.to`` then updates
+    both in place)."""
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)

@@ -3,7 +3,7 @@
 The set of tensors is whatever the quant method declares expert-indexed
 (``expert_tensor_names()``): weights, scales, zero points, g_idx, biases all move with their
 expert, and nothing here knows their names. Each expert is run through
-``quant_method.process_expert`` on the host, one at a time, straight into the store, so
+``quant_method.prepare_expert`` on the host, one at a time, straight into the store, so
 post-load processing never materialises all experts on the compute device.
 """
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
 
 from vllm.logger import init_logger, log_once
 
@@ -42,14 +41,16 @@ class HostStore:
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values())
 
     @classmethod
-    def from_layer(cls, layer: nn.Module, names: tuple[str, ...], process_expert: ProcessExpert,
-                   pin: bool) -> "HostStore":
-        """Build the store from the layer's loaded expert tensors ``names`` ([E, ...] each, in host
-        memory), processing one expert at a time. ``pin``: try page-locked memory."""
-        if not names:
-            raise ValueError(f"{getattr(layer, 'prefix', '')}: quant method declares no "
-                             "expert-indexed tensors (expert_tensor_names() is empty)")
-        loaded = {n: _expert_param(layer, n) for n in names}
+    def from_experts(cls, weights: dict[str, torch.Tensor], process_expert: ProcessExpert,
+                     pin: bool, name: str = "") -> "HostStore":
+        """Build the store from a layer's loaded expert tensors (name -> [E, ...], ideally in host
+        memory), processing one expert at a time. ``pin``: try page-locked memory. ``name``
+        (the layer's) prefixes errors."""
+        if not weights:
+            raise ValueError(f"{name}: quant method declares no expert-indexed tensors "
+                             "(expert_tensor_names() is empty)")
+        loaded = {n: _host_tensor(t, n, name) for n, t in weights.items()}
+        names = tuple(loaded)
         num_experts = _common_num_experts(loaded)
         tensors: dict[str, torch.Tensor] = {}
         for e in range(num_experts):
@@ -64,15 +65,15 @@ class HostStore:
         return cls(*_maybe_pin(tensors, pin))
 
 
-def _expert_param(layer: nn.Module, name: str) -> torch.Tensor:
-    t = getattr(layer, name, None)
+def _host_tensor(t: torch.Tensor, tensor_name: str, layer_name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{getattr(layer, 'prefix', '')}: declared expert tensor {name!r} is not "
-                         f"a tensor of the layer (got {type(t).__name__})")
+        raise ValueError(f"{layer_name}: declared expert tensor {tensor_name!r} is not a tensor "
+                         f"of the layer (got {type(t).__name__})")
     if t.device.type != "cpu":
         # Still correct, but the full expert set was already materialised on the device.
-        log_once(logger, logging.WARNING, f"Expert cache: {name} was loaded on {t.device}, not in "
-                 "host memory; the device already held every expert while loading.")
+        log_once(logger, logging.WARNING, f"Expert cache: {tensor_name} was loaded on "
+                 f"{t.device}, not in host memory; the device already held every expert while "
+                 "loading.")
     return t.detach()
 
 

@@ -1,4 +1,5 @@
-"""Checkpoint ``quantization_config`` -> ``QuantConfig`` -> the MoE quant method of each layer.
+"""Checkpoint ``quantization_config`` -> ``QuantConfig`` (configuration data only: the quant
+method of each layer is chosen above this, in ``model_executor/layers/quantization``).
 
 Understood (expert weights only; everything else in the model stays unquantized):
   * compressed-tensors (llm-compressor): one config group of 8-bit float weights, strategy
@@ -19,8 +20,6 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any
-
-from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase
 
 SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4")
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -57,23 +56,11 @@ class QuantConfig:
                 return True
         return False
 
-    def get_moe_method(self, layer: Any) -> FusedMoEMethodBase | None:
-        """The method for one FusedMoE (by its ``prefix``); None = unquantized experts."""
-        prefix = getattr(layer, "prefix", "")
+    def ignores_layer(self, prefix: str) -> bool:
+        """Whether the FusedMoE named ``prefix`` keeps unquantized experts."""
         names = [prefix] + [f"{prefix}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj",
                                                          "w1", "w3", "w2")]
-        if any(self.is_ignored(n) for n in names):
-            return None
-        activation = getattr(layer, "activation", "silu")
-        if self.scheme.startswith("fp8"):
-            from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
-            return Fp8MoEMethod(self.scheme[4:], self.block, activation, self.scale_name)
-        if self.scheme == "w4a16-gptq":
-            from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
-            return GptqMoEMethod(self.group_size, self.sym, self.desc_act,
-                                 self.checkpoint_format, activation)
-        from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod
-        return Nvfp4MoEMethod(activation)
+        return any(self.is_ignored(n) for n in names)
 
     def describe(self) -> str:
         extra = {"fp8-block": f" block={self.block}",

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from vllm.config.quantization import QuantConfig, quant_config_from_model_dir
+from vllm.platforms import resolve_device
+
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -137,11 +140,11 @@ class MoECacheConfig:
         if self.cache_size is None:
             self.cache_size = 0
         _check_int("moe_expert_cache_size", self.cache_size, 0)
-        from vllm.model_executor.layers.fused_moe.expert_cache.policy import policy_names
-        names = policy_names() + ("auto",)
-        if not isinstance(self.policy, str) or self.policy not in names:
-            raise ValueError(f"moe_expert_cache_policy={self.policy!r} is invalid: must be one of "
-                             f"{list(names)}")
+        # The name is checked against the policy registry where it is used (config sits below
+        # it): EngineArgs.create_engine_config and the cache's get_policy.
+        if not isinstance(self.policy, str) or not self.policy:
+            raise ValueError(f"moe_expert_cache_policy={self.policy!r} is invalid: must be 'auto' "
+                             "or a policy name")
 
     @property
     def enabled(self) -> bool:
@@ -154,32 +157,28 @@ class DeviceConfig:
     """"auto" (cuda when available, else cpu), "cpu" or "cuda[:N]"."""
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r} is invalid: must be 'auto', 'cpu' or 'cuda'")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r}: CUDA is not available on this machine")
+        self.device = resolve_device(self.device)
 
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
 
 
-MOE_BACKENDS = ("auto", "cpu_kernel", "grouped_mm", "torch")
-
-
 @dataclass
 class KernelConfig:
     moe_backend: str = "auto"
-    """Expert computation: "cpu_kernel" (the C kernel, CPU f32/bf16), "grouped_mm"
-    (torch._grouped_mm, sync-free), "torch" (the per-expert loop reference), or "auto" (the first
-    of those that supports the device, dtype and shape)."""
+    """MoE expert backend by registered name, or "auto": the first the platform offers that
+    supports the layer (``model_executor/layers/fused_moe/registry.py`` explains refusals)."""
+    attention_backend: str = "auto"
+    """Attention backend by registered name, or "auto" (``model_executor/layers/attention/
+    registry.py``)."""
 
     def __post_init__(self) -> None:
-        if self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(f"moe_backend={self.moe_backend!r} is invalid: must be one of "
-                             f"{list(MOE_BACKENDS)}")
+        # Names are checked against the registries where they are used (config sits below them).
+        for name in ("moe_backend", "attention_backend"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}={value!r} is invalid: must be 'auto' or a backend name")
 
 
 @dataclass
@@ -192,16 +191,15 @@ class VllmConfig:
     enforce_eager: bool = False
     """No CPU graphs for decode steps (``vllm/worker/cpu_graphs.py``); CUDA runs eagerly either
     way (no CUDA graphs are built)."""
-    quant_config: Any = None
+    quant_config: QuantConfig | None = None
     """A ``QuantConfig`` (quantized experts) parsed from the checkpoint's ``quantization_config``
     (or ``hf_quant_config.json``) when left None; stays None for unquantized checkpoints."""
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         if self.quant_config is None and self.model_config is not None:
-            from vllm.model_executor.layers.quantization.config import quant_config_from_model_dir
             self.quant_config = quant_config_from_model_dir(self.model_config.model,
                                                             self.model_config.hf_config)
-    kernel_config: KernelConfig = field(default_factory=KernelConfig)
 
     def summary(self) -> str:
         m = self.model_config

@@ -1,0 +1,104 @@
+"""The weight-provider seam: the layer's one call path with and without a cache, and what the
+CachedWeightProvider owns."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
+                         set_current_vllm_config)
+from vllm.model_executor.layers.fused_moe.expert_cache import (CachedWeightProvider,
+                                                               IdentityProvider)
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+E, H, I, K = 8, 32, 16, 2
+
+
+def build(cache_size: int) -> FusedMoE:
+    g = torch.Generator().manual_seed(0)
+    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
+                     DeviceConfig("cpu"))
+    with set_current_vllm_config(cfg):
+        layer = FusedMoE(E, K, H, I, params_dtype=torch.float32)
+    layer.load_expert_weight("w13_weight", torch.randn(E, 2 * I, H, generator=g), None, None)
+    layer.load_expert_weight("w2_weight", torch.randn(E, H, I, generator=g), None, None)
+    layer.finish_loading(torch.device("cpu"))
+    return layer
+
+
+@pytest.mark.parametrize("cache_size,kind", [(0, IdentityProvider), (E, IdentityProvider),
+                                             (3, CachedWeightProvider)])
+def test_one_call_path_for_every_provider(cache_size, kind, monkeypatch):
+    """forward = route -> provider.prepare -> quant_method.apply(provider.slot_weights(), waves):
+    the same calls whatever the provider (no branch in the layer)."""
+    layer = build(cache_size)
+    provider = layer.weight_provider
+    assert type(provider) is kind and (layer.expert_cache is provider) == provider.cached
+    calls = []
+    real_prepare, real_apply = provider.prepare, layer.quant_method.apply
+
+    def prepare(ids):
+        calls.append(("prepare", ids))
+        return real_prepare(ids)
+
+    def apply(weights, x, topk_weights, waves):
+        calls.append(("apply", weights))
+        return real_apply(weights, x, topk_weights, waves)
+    monkeypatch.setattr(provider, "prepare", prepare)
+    monkeypatch.setattr(layer.quant_method, "apply", apply)
+    layer(torch.randn(4, H), torch.randn(4, E))
+    assert [c[0] for c in calls] == ["prepare", "apply"]
+    assert calls[1][1] is provider.slot_weights()
+
+
+def test_identity_provider_passes_ids_through():
+    layer = build(0)
+    ids = torch.tensor([[0, 7], [3, -1]])
+    waves = layer.weight_provider.prepare(ids)
+    assert len(waves) == 1 and waves[0] is ids
+    weights = layer.weight_provider.slot_weights()
+    assert weights["w13_weight"].shape[0] == E and layer.w13_weight is weights["w13_weight"]
+
+
+@pytest.mark.parametrize("n,T", [(3, 1), (3, 4), (1, 3), (7, 8)])
+def test_cached_plan_waves_cover_every_pair_once_with_slot_ids(n, T):
+    layer = build(n)
+    provider = layer.expert_cache
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[0, 1] = -1                                                     # a skipped pair stays -1
+    plan = provider.prepare(ids)
+    assert len(plan) == math.ceil(min(E, T * K) / n)
+    covered = torch.zeros_like(ids)
+    for slot_ids in plan:
+        assert ((slot_ids >= -1) & (slot_ids < n)).all()
+        hit = slot_ids >= 0
+        covered += hit.long()
+        # each slot the wave names holds the expert its pairs were routed to, right now
+        held = provider.residency.expert_of_slot[slot_ids[hit]]
+        assert torch.equal(held, ids[hit])
+    assert torch.equal(covered, (ids >= 0).long())
+
+
+def test_cached_provider_owns_store_slots_and_state_not_the_layer():
+    layer = build(3)
+    provider = layer.expert_cache
+    assert isinstance(provider, CachedWeightProvider) and not isinstance(provider, nn.Module)
+    assert not any(isinstance(v, nn.Module) for v in vars(provider).values())
+    assert provider.names == ("w13_weight", "w2_weight")
+    for name, slot in provider.slot_weights().items():
+        assert getattr(layer, name) is slot and slot.shape[0] == 3
+        assert provider.store.tensors[name].shape[0] == E
+    assert provider.num_slots == 3 and provider.num_experts == E
+
+
+def test_unknown_policy_rejected_when_the_layer_is_built():
+    with pytest.raises(ValueError, match=r"moe_expert_cache_policy='belady' is invalid"):
+        cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(),
+                         MoECacheConfig(cache_size=3, policy="belady"), DeviceConfig("cpu"))
+        with set_current_vllm_config(cfg):
+            layer = FusedMoE(E, K, H, I, params_dtype=torch.float32)
+        layer.finish_loading(torch.device("cpu"))

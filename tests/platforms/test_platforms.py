@@ -1,0 +1,64 @@
+"""Platforms: the one place that answers what the machine has."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vllm.platforms as platforms
+from vllm.platforms import DeviceCapability, native_kernels, platform_for, resolve_device
+from vllm.platforms.cuda import CudaPlatform, _in_wsl
+
+
+def test_platform_for_device_types():
+    assert platform_for("cpu").name == "cpu" and platform_for(torch.device("cpu")).name == "cpu"
+    assert platform_for("cuda:1") is platform_for(torch.device("cuda", 0))
+    meta = platform_for("meta")               # a torch device type without a platform
+    assert meta.name == "meta" and not meta.is_available() and meta.moe_backends == ()
+    assert not meta.has_native_kernels(torch.float32) and not meta.is_pin_memory_available()
+
+
+def test_cpu_platform_answers():
+    cpu = platform_for("cpu")
+    assert cpu.get_device_capability() is None and cpu.memory_info(torch.device("cpu")) is None
+    assert not cpu.is_pin_memory_available()
+    assert cpu.has_native_kernels(torch.float32) and cpu.has_native_kernels(torch.bfloat16)
+    assert not cpu.has_native_kernels(torch.float16)          # the C kernels take f32/bf16
+    assert cpu.moe_backends[0] == "cpu_kernel" and cpu.attention_backends[0] == "cpu_paged"
+
+
+def test_without_c_kernels_nothing_native(torch_paths):
+    assert not platform_for("cpu").has_native_kernels(torch.float32)
+    assert not native_kernels(torch.float32, torch.device("cpu"))
+
+
+def test_native_kernels_never_while_compiling(monkeypatch):
+    assert native_kernels(torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not native_kernels(torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_resolve_device_without_a_gpu():
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    assert platforms.current_platform.name == "cpu"
+    with pytest.raises(ValueError, match=r"device='cuda': cuda is not available"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"device='tpu' is invalid: must be 'auto' or one of"):
+        resolve_device("tpu")
+
+
+def test_capability_numbers():
+    assert DeviceCapability(9, 0).to_int() == 90 and DeviceCapability(12, 0).to_int() == 120
+    assert str(DeviceCapability(8, 9)) == "8.9"
+
+
+def test_cuda_pinning_refused_in_wsl(monkeypatch):
+    class Uname:
+        release = "5.15.153.1-microsoft-standard-WSL2"
+    _in_wsl.cache_clear()
+    monkeypatch.setattr("platform.uname", lambda: Uname())
+    try:
+        assert not CudaPlatform().is_pin_memory_available()
+    finally:
+        _in_wsl.cache_clear()
+    assert CudaPlatform().is_pin_memory_available() == (not _in_wsl())

@@ -1,0 +1,161 @@
+"""MoE expert backends: what each supports, and the one function that picks one.
+
+A backend declares the quantization schemes, activations, platforms, compute capabilities and
+dtypes it handles (``MoEBackend``); ``select_moe_backend`` matches a layer's ``MoEKernelQuery``
+against them. "auto" tries the platform's preference order (``Platform.moe_backends``), then
+any other registered backend; a forced name that cannot run the layer is an error that names
+the reason and the backends that would. The choice is logged once per distinct decision.
+
+Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16, unquantized), ``grouped_mm``
+(``torch._grouped_mm``, unquantized; CUDA needs SM 9.0 and bf16) and ``torch`` (the per-expert
+loop reference: every scheme, every platform; quantized experts are dequantized per expert).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vllm.kernels.cpu.ops import prepack
+from vllm.model_executor.layers.backend_registry import BackendRegistry
+from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
+from vllm.model_executor.layers.fused_moe.grouped_mm import (expert_pairs_grouped,
+                                                             grouped_mm_refusal)
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts, MoEKernelQuery
+from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop, expert_pairs_ref
+
+Dequantize = Callable[[dict[str, torch.Tensor], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+"""One expert's tensors (row e of each), dtype -> (w13 [2N, K], w2 [K, N]) in that dtype."""
+
+
+@dataclass(frozen=True)
+class MoEBackend:
+    name: str
+    make: Callable[[str, Dequantize | None], MoEExperts]
+    """(activation, dequantize or None for unquantized) -> the layer's experts computation."""
+    schemes: tuple[str, ...] | None = None
+    """Schemes handled; None = every scheme."""
+    platforms: tuple[str, ...] | None = None
+    """Platform names; None = every platform."""
+    dtypes: tuple[torch.dtype, ...] | None = None
+    """Activation dtypes; None = any."""
+    activations: tuple[str, ...] = ("silu", "gelu")
+    min_capability: int | None = None
+    """Lowest compute capability as an SM number (90 = 9.0), where the platform has one."""
+    max_capability: int | None = None
+    needs_native_kernels: bool = False
+    """The platform's compiled kernels must be loaded and take the dtype."""
+    check: Callable[[MoEKernelQuery], str | None] | None = None
+    """Further requirement (shapes, alignment): the reason it fails, or None."""
+
+    def refusal(self, q: MoEKernelQuery) -> str | None:
+        """Why this backend cannot run the query (the first requirement that fails), or None."""
+        if self.schemes is not None and q.scheme not in self.schemes:
+            return f"it handles schemes {list(self.schemes)}, not {q.scheme!r}"
+        if self.platforms is not None and q.platform.name not in self.platforms:
+            return f"it runs on {list(self.platforms)}, not {q.platform.name!r}"
+        if self.dtypes is not None and q.dtype not in self.dtypes:
+            return f"it takes dtypes {[str(d) for d in self.dtypes]}, not {q.dtype}"
+        if q.activation not in self.activations:
+            return f"it implements activations {list(self.activations)}, not {q.activation!r}"
+        reason = self._capability_refusal(q)
+        if reason is None and self.needs_native_kernels and \
+                not q.platform.has_native_kernels(q.dtype):
+            reason = (f"the {q.platform.name} kernels are not built or do not take {q.dtype} "
+                      "(no C compiler, or VLLM_CPU_KERNELS=0)")
+        if reason is None and self.check is not None:
+            reason = self.check(q)
+        return reason
+
+    def _capability_refusal(self, q: MoEKernelQuery) -> str | None:
+        cap = q.platform.get_device_capability()
+        if cap is None:
+            return None
+        sm = cap.to_int()
+        if self.min_capability is not None and sm < self.min_capability:
+            return f"it needs SM >= {self.min_capability}, the device is SM {sm}"
+        if self.max_capability is not None and sm > self.max_capability:
+            return f"it needs SM <= {self.max_capability}, the device is SM {sm}"
+        return None
+
+
+_REGISTRY: BackendRegistry[MoEBackend] = BackendRegistry("MoE", "moe_backend")
+
+
+def register_moe_backend(backend: MoEBackend) -> MoEBackend:
+    return _REGISTRY.register(backend)
+
+
+def moe_backend_names() -> tuple[str, ...]:
+    return _REGISTRY.names()
+
+
+def get_moe_backend(name: str) -> MoEBackend:
+    return _REGISTRY.get(name)
+
+
+def select_moe_backend(q: MoEKernelQuery, requested: str = "auto") -> MoEBackend:
+    """The backend for ``q``: ``requested`` if it can run it (else ValueError with the reason and
+    the backends that would), or for "auto" the first in the platform's order that can."""
+    return _REGISTRY.select(q, requested, q.platform.moe_backends)
+
+
+# ---- built-in backends ---------------------------------------------------------------------
+class CpuKernelExperts(MoEExperts):
+    """The C kernel (``cpu_kernel.py``) over weights prepacked for its register tiles."""
+    name = "cpu_kernel"
+
+    def __init__(self, activation: str):
+        self.activation = activation
+
+    def pack(self, tensors):
+        return {n: prepack(t) for n, t in tensors.items()}
+
+    def apply_pairs(self, weights, x, topk_weights, ids, out):
+        expert_pairs_cpu(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids, out,
+                         self.activation)
+
+
+class GroupedMMExperts(MoEExperts):
+    """``torch._grouped_mm`` over the loaded layout (``grouped_mm.py``)."""
+    name = "grouped_mm"
+
+    def __init__(self, activation: str):
+        self.activation = activation
+
+    def apply_pairs(self, weights, x, topk_weights, ids, out):
+        expert_pairs_grouped(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
+                             out, self.activation)
+
+
+class TorchExperts(MoEExperts):
+    """The per-expert loop reference (``torch_ref.py``); quantized rows are dequantized to the
+    activation dtype first, reading only the rows ``ids`` name (slot rows when cached)."""
+    name = "torch"
+
+    def __init__(self, activation: str, dequantize: Dequantize | None = None):
+        self.activation, self.dequantize = activation, dequantize
+
+    def apply_pairs(self, weights, x, topk_weights, ids, out):
+        if self.dequantize is None:
+            expert_pairs_ref(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
+                             out, self.activation)
+            return
+        rows = next(iter(weights.values())).shape[0]                  # E experts or N slots
+        deq = self.dequantize
+        expert_pairs_loop(x, rows, lambda e: deq({n: t[e] for n, t in weights.items()}, x.dtype),
+                          topk_weights, ids, out, self.activation)
+
+
+def _grouped_mm_check(q: MoEKernelQuery) -> str | None:
+    return grouped_mm_refusal(q.hidden_size, q.intermediate_size, q.dtype, q.platform)
+
+
+register_moe_backend(MoEBackend(
+    "cpu_kernel", lambda act, deq: CpuKernelExperts(act), schemes=("unquantized",),
+    platforms=("cpu",), dtypes=(torch.float32, torch.bfloat16), needs_native_kernels=True))
+register_moe_backend(MoEBackend(
+    "grouped_mm", lambda act, deq: GroupedMMExperts(act), schemes=("unquantized",),
+    platforms=("cpu", "cuda"), min_capability=90, check=_grouped_mm_check))
+register_moe_backend(MoEBackend("torch", TorchExperts))

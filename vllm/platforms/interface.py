@@ -1,0 +1,80 @@
+"""The Platform contract: what the engine may ask about the device it runs on.
+
+One instance per device type, made once (``vllm.platforms.platform_for``). Every question about
+the machine (is CUDA there, which SM, can host memory be pinned, are the compiled kernels
+built) is answered here and nowhere else; layers and selection functions ask the platform.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceCapability:
+    major: int
+    minor: int
+
+    def to_int(self) -> int:
+        """SM number as vLLM spells it: 9.0 -> 90, 12.0 -> 120."""
+        return self.major * 10 + self.minor
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+
+class Platform:
+    name: str = ""
+    """Platform name, as registries name the platforms a backend supports."""
+    device_type: str = ""
+    """torch device type of the platform's tensors."""
+    moe_backends: tuple[str, ...] = ()
+    """MoE expert backends in the order ``moe_backend="auto"`` tries them
+    (``model_executor/layers/fused_moe/registry.py`` says what each supports)."""
+    attention_backends: tuple[str, ...] = ()
+    """Attention backends in the order ``attention_backend="auto"`` tries them."""
+
+    def is_available(self) -> bool:
+        raise NotImplementedError
+
+    def device_name(self, device: torch.device | None = None) -> str:
+        raise NotImplementedError
+
+    def get_device_capability(self, device: torch.device | None = None
+                              ) -> DeviceCapability | None:
+        """Compute capability (CUDA SM); None where the notion does not apply."""
+        return None
+
+    def is_pin_memory_available(self) -> bool:
+        """Whether page-locked host memory can back asynchronous copies to this device."""
+        return False
+
+    def has_native_kernels(self, dtype: torch.dtype) -> bool:
+        """Whether this platform's compiled kernels (on CPU: ``vllm/kernels/cpu``) are loaded and
+        take ``dtype``. Where they do not, each op runs its torch implementation."""
+        return False
+
+    def memory_info(self, device: torch.device) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory; None where the engine uses a fixed budget."""
+        return None
+
+    def describe(self, device: torch.device | None = None) -> str:
+        cap = self.get_device_capability(device)
+        sm = f", SM {cap}" if cap is not None else ""
+        return f"{self.name} ({self.device_name(device)}{sm})"
+
+
+class UnspecifiedPlatform(Platform):
+    """A device type without a platform of its own (e.g. "meta" in tests): nothing compiled, no
+    pinning, not a device the engine can be asked to run on; backends that run anywhere (the
+    torch references) still work."""
+
+    def __init__(self, device_type: str):
+        self.name = self.device_type = device_type
+
+    def is_available(self) -> bool:
+        return False
+
+    def device_name(self, device: torch.device | None = None) -> str:
+        return self.device_type
