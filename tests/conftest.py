@@ -14,6 +14,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: elsewhere they skip with the reason."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu; run with `pytest -m gpu` on "
+                                   "a machine that has one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """Returns build(arch, **overrides) -> path of a tiny random model with a real tokenizer;

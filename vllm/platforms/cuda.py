@@ -1,12 +1,15 @@
-"""The CUDA platform (NVIDIA GPUs). No compiled kernels of our own yet: every op runs its torch
+"""The CUDA platform (NVIDIA GPUs). Compiled ops of our own (``csrc/`` -> ``vllm._C``) only where a
+CUDA build made them: today the expert cache's gather copy. Every other op runs its torch
 implementation, and ``grouped_mm`` (torch._grouped_mm, SM 9.0+) is the fast MoE backend."""
 from __future__ import annotations
 
 import functools
 import platform as _py_platform
+from typing import Callable
 
 import torch
 
+from vllm.kernels.cuda import ops as cuda_ops
 from vllm.platforms.interface import DeviceCapability, Platform
 
 
@@ -36,6 +39,9 @@ class CudaPlatform(Platform):
 
     def is_pin_memory_available(self) -> bool:
         return not _in_wsl()
+
+    def expert_copy_kernel(self) -> Callable[..., None] | None:
+        return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else None
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)

@@ -7,6 +7,7 @@ built) is answered here and nowhere else; layers and selection functions ask the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -54,6 +55,12 @@ class Platform:
         """Whether this platform's compiled kernels (on CPU: ``vllm/kernels/cpu``) are loaded and
         take ``dtype``. Where they do not, each op runs its torch implementation."""
         return False
+
+    def expert_copy_kernel(self) -> Callable[..., None] | None:
+        """The compiled kernel that copies experts from the pinned host store into device slots
+        (``kernels/cuda/ops.expert_gather``'s contract), or None: the expert cache then copies
+        with torch ops (``expert_cache/copy.py``)."""
+        return None
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         """(free, total) bytes of device memory; None where the engine uses a fixed budget."""

@@ -9,7 +9,10 @@ Paths, chosen once per provider from the slots' device (``select_copy``):
     sync, traceable with ``torch.compile(fullgraph=True)`` given
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True`` (nonzero's length is data
     dependent).
-  * CUDA with a registered kernel (see the seam below): no host sync.
+  * CUDA with a copy kernel: one launch per tensor reading the pinned store in place, no host
+    sync (``vllm._C``'s ``expert_gather`` where a CUDA build made it, from
+    ``Platform.expert_copy_kernel``; or one installed with ``register_cuda_copy_kernel``).
+    NOT YET RUN ON A GPU: tests/kernels/cuda/test_expert_gather.py (marked gpu) checks it.
   * otherwise (CUDA without a kernel, other accelerators): a plain torch fallback that reads the
     plan on the host (ONE sync per wave) and issues one copy per (miss, tensor), asynchronous
     when the store is pinned.
@@ -22,9 +25,10 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
+from vllm.platforms import platform_for
 
 
-# ==== SEAM: device kernel reading pinned host memory (UNTESTED ON GPU: no kernel ships yet) ====
+# ==== SEAM: device kernel reading pinned host memory =============================================
 class UvaCopyKernel(Protocol):
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
                  slots: torch.Tensor, valid: torch.Tensor) -> None:
@@ -63,11 +67,12 @@ def select_copy(store: HostStore, device: torch.device) -> CopyMisses:
 
 
 def _copy_cuda(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
-    if _cuda_copy_kernel is None:
+    kernel = _cuda_copy_kernel or platform_for("cuda").expert_copy_kernel()
+    if kernel is None:
         _copy_torch_fallback(store, slots, plan, non_blocking=True)
         return
     for name, src in store.tensors.items():
-        _cuda_copy_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
+        kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
 
 
 def _copy_same_device(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:

@@ -1,0 +1,82 @@
+"""CMakeLists.txt builds vllm._C (the CUDA kernels plus the torch binding) against the installed
+torch, and loading it registers the ops under torch.ops._C. The binding uses only
+device-generic torch headers, so this runs even where torch is a CPU build; the ops can only be
+called on a GPU (tests/kernels/cuda)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("cmake") is None,
+                                reason="needs nvcc and cmake")
+
+
+def _cmake(build: Path, *args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build),
+                           f"-DVLLM_PYTHON_EXECUTABLE={sys.executable}", *args],
+                          capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, str]:
+    build = tmp_path_factory.mktemp("cmake")
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": ""}
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = _cmake(build, *gen, env=env)
+    assert configure.returncode == 0, configure.stdout + configure.stderr
+    proc = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return build, configure.stdout
+
+
+def test_default_archs_are_sm90a_and_sm120a(built):
+    _, log = built
+    assert "CUDA architectures: 90a;120a" in log
+
+
+def test_torch_cuda_arch_list_overrides(tmp_path):
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0a"}
+    proc = _cmake(tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA architectures: 90a\n" in proc.stdout
+
+
+def test_cpu_target_builds_nothing(tmp_path):
+    proc = _cmake(tmp_path, "-DVLLM_TARGET_DEVICE=cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "VLLM_TARGET_DEVICE=cpu: nothing to build" in proc.stdout
+    assert "CUDA architectures" not in proc.stdout
+
+
+def test_module_registers_the_ops(built):
+    build, _ = built
+    [lib] = build.glob("_C*.so")
+    code = ("import torch, sys; torch.ops.load_library(sys.argv[1]); "
+            "print(torch.ops._C.expert_gather.default._schema)")
+    proc = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("_C::expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, "
+                                   "Tensor slots, Tensor valid) -> ()")
+
+
+def test_module_imports_as_vllm_C(built, tmp_path):
+    """`import vllm._C` (what kernels/cuda/ops.py does) finds the module's init function."""
+    build, _ = built
+    [lib] = build.glob("_C*.so")
+    pkg = tmp_path / "pkg" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(lib, pkg / lib.name)
+    code = "import torch, vllm._C; print(hasattr(torch.ops._C, 'expert_gather'))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path / "pkg", env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"

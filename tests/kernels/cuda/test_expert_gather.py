@@ -1,0 +1,102 @@
+"""The CUDA expert gather (csrc/moe/expert_gather.cu) against a plain torch loop: for each valid
+plan entry, dst[slot] = src[expert]. Needs a CUDA GPU and a CUDA build (vllm._C)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from vllm.kernels.cuda import ops
+    if not ops.load_cuda_ops():
+        pytest.skip("vllm._C is not built: VLLM_TARGET_DEVICE=cuda pip install "
+                    "--no-build-isolation -e .")
+    return ops
+
+
+def reference(src, dst, experts, slots, valid):
+    out = dst.cpu().clone()
+    for e, s, ok in zip(experts.tolist(), slots.tolist(), valid.tolist()):
+        if ok:
+            out[s] = src[e].cpu()
+    return out
+
+
+def plan(E, N, n_valid, g, device):
+    experts = torch.randperm(E, generator=g)[:N].clone()
+    slots = torch.randperm(N, generator=g)
+    valid = torch.zeros(N, dtype=torch.bool)
+    valid[:n_valid] = True
+    experts[~valid] = -1                       # garbage ids where not valid: must not be read
+    return experts.to(device), slots.to(device), valid.to(device)
+
+
+@pytest.mark.parametrize("dtype,row", [(torch.bfloat16, (64, 48)), (torch.float32, (3, 5)),
+                                       (torch.uint8, (7, 13)), (torch.float8_e4m3fn, (32, 64))])
+@pytest.mark.parametrize("pinned_host", [True, False])
+def test_matches_reference(ops, dtype, row, pinned_host):
+    g = torch.Generator().manual_seed(0)
+    E, N = 11, 6
+    src = torch.randn(E, *row, generator=g).to(dtype)
+    src = src.pin_memory() if pinned_host else src.cuda()
+    dst = torch.randn(N, *row, generator=g).to(dtype).cuda()
+    experts, slots, valid = plan(E, N, 4, g, "cuda")
+    expected = reference(src, dst, experts, slots, valid)
+    ops.expert_gather(src, dst, experts, slots, valid)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu().view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_large_rows_span_many_blocks(ops):
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 255, (5, 3 * 65536 + 48), dtype=torch.uint8, generator=g).pin_memory()
+    dst = torch.zeros(3, src.shape[1], dtype=torch.uint8, device="cuda")
+    experts, slots, valid = (torch.tensor([4, 0, -1], device="cuda"),
+                             torch.tensor([2, 0, 1], device="cuda"),
+                             torch.tensor([True, True, False], device="cuda"))
+    ops.expert_gather(src, dst, experts, slots, valid)
+    assert torch.equal(dst.cpu(), reference(src, torch.zeros_like(dst), experts, slots, valid))
+
+
+def test_no_host_sync_and_graph_capturable(ops):
+    g = torch.Generator().manual_seed(2)
+    src = torch.randn(8, 4, 16, generator=g).pin_memory()
+    dst = torch.zeros(4, 4, 16, device="cuda")
+    experts, slots, valid = plan(8, 4, 3, g, "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.expert_gather(src, dst, experts, slots, valid)     # warm-up, no sync allowed
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.expert_gather(src, dst, experts, slots, valid)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    dst.zero_()
+    new = plan(8, 4, 4, torch.Generator().manual_seed(3), "cuda")
+    for t, v in zip((experts, slots, valid), new):
+        t.copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), reference(src, torch.zeros(4, 4, 16), *new))
+
+
+def test_bad_arguments_name_the_problem(ops):
+    src = torch.zeros(4, 8)                                    # not pinned
+    dst = torch.zeros(2, 8, device="cuda")
+    ids = torch.zeros(2, dtype=torch.long, device="cuda")
+    ok = torch.ones(2, dtype=torch.bool, device="cuda")
+    with pytest.raises(RuntimeError, match="host src must be pinned"):
+        ops.expert_gather(src, dst, ids, ids, ok)
+    with pytest.raises(RuntimeError, match="same row shape"):
+        ops.expert_gather(src.pin_memory(), torch.zeros(2, 9, device="cuda"), ids, ids, ok)
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.expert_gather(src.pin_memory(), dst, ids.int(), ids, ok)
+
+
+def test_cuda_platform_hands_it_to_the_expert_cache(ops):
+    """The CUDA platform hands the kernel to the expert cache's copy engine."""
+    from vllm.platforms import platform_for
+    assert platform_for("cuda").expert_copy_kernel() is ops.expert_gather
