@@ -5,7 +5,10 @@ the expert cache off and at several capacities.
 
 ``pinned_default_model.json`` was written once from that commit's code (the values are not
 computed by the code under test); regenerate it only for an intended change of outputs, and say
-so in the commit. Logit bits depend on the CPU's vector extensions and torch's kernels, so the
+so in the commit. One such change: the three float32 logit digests were re-recorded from that
+commit's kernel sources with a single change, the f32 (G=2, D=64) attention specialisation
+disabled, because GCC had contracted one of its expressions differently from the generic path;
+with rounding now explicit (-ffp-contract=off, vec.h) both paths give those bits. Logit bits depend on the CPU's vector extensions and torch's kernels, so the
 bit pin applies only where the recorded machine signature matches; the token pin applies
 everywhere.
 """

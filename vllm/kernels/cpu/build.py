@@ -9,6 +9,9 @@ flags, the compiler and the CPU, so a changed source or a different machine rebu
 Linked with ``-fopenmp``, it uses the OpenMP runtime torch has already loaded (same soname), so
 ``torch.set_num_threads`` governs its threads too.
 
+``-ffp-contract=off``: the compiler never fuses a * b + c on its own (whether it would depends on
+its tuning for the CPU); the sources write every fma they want (vec.h), so the bits do not
+depend on -march/-mtune.
 ``VLLM_CPU_KERNEL_CFLAGS`` adds compiler flags (part of the cache key), for example
 ``-mno-avx512bf16`` to build the portable bf16 chain on a machine that has the instruction.
 ``VLLM_CPU_KERNELS=0`` disables the kernels; without a compiler, or when the build fails, callers
@@ -31,7 +34,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _SRC_DIR = Path(__file__).parent
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
           "-std=gnu11"]
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # Exported functions -> ctypes argument types (restype is int: 0 = ok). Public: the step

@@ -49,8 +49,8 @@ INLINE void tile_f32(const float *a, int TM, const float *wt, int CV, int64_t n,
             wv[v] = *(const vf *)(wt + i * ldw + c + v * LANES);
         }
         for (int m = 0; m < TM; m++) {
-            const vf av = (vf){0} + a[m * n + i];
-            for (int v = 0; v < CV; v++) acc[m][v] += av * wv[v];
+            const vf av = splat(a[m * n + i]);
+            for (int v = 0; v < CV; v++) acc[m][v] = vfma(av, wv[v], acc[m][v]);
         }
     }
     for (int m = 0; m < TM; m++)
@@ -80,7 +80,8 @@ INLINE void tile_bf16(const bf16_t *a, int TM, const bf16_t *wt, int CV, int64_t
     if (n & 1)
         for (int v = 0; v < CV; v++) {
             const vf wl = loadv(wt, 1, (n - 1) * ldw + c + v * LANES);
-            for (int m = 0; m < TM; m++) acc[m][v] += bf16_to_f32(a[m * n + n - 1]) * wl;
+            for (int m = 0; m < TM; m++)
+                acc[m][v] = vfma(splat(bf16_to_f32(a[m * n + n - 1])), wl, acc[m][v]);
         }
     for (int m = 0; m < TM; m++)
         for (int v = 0; v < CV; v++) memcpy(y + m * ldy + v * LANES, &acc[m][v], sizeof(vf));
@@ -93,15 +94,15 @@ INLINE void column_tail(const void *a, int64_t M, const void *wt, int bf16, int6
         float s = 0.0f;
         if (!bf16) {
             for (int64_t i = 0; i < n; i++)
-                s = __builtin_fmaf(((const float *)a)[m * n + i], ((const float *)wt)[i * ldw + c], s);
+                s = sfma(((const float *)a)[m * n + i], ((const float *)wt)[i * ldw + c], s);
         } else {
             const bf16_t *ab = (const bf16_t *)a + m * n, *w = wt;
             for (int64_t p = 0; p < n / 2; p++) {
                 const bf16_t *wp = w + p * 2 * ldw + 2 * c;
-                s = __builtin_fmaf(bf16_to_f32(ab[2 * p + 1]), bf16_to_f32(wp[1]), s);
-                s = __builtin_fmaf(bf16_to_f32(ab[2 * p]), bf16_to_f32(wp[0]), s);
+                s = sfma(bf16_to_f32(ab[2 * p + 1]), bf16_to_f32(wp[1]), s);
+                s = sfma(bf16_to_f32(ab[2 * p]), bf16_to_f32(wp[0]), s);
             }
-            if (n & 1) s = __builtin_fmaf(bf16_to_f32(ab[n - 1]), bf16_to_f32(w[(n - 1) * ldw + c]), s);
+            if (n & 1) s = sfma(bf16_to_f32(ab[n - 1]), bf16_to_f32(w[(n - 1) * ldw + c]), s);
         }
         y[m * ldy] = s;
     }

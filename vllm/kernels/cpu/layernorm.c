@@ -19,10 +19,10 @@ INLINE void norm_row(const void *x, const void *weight, void *out, int64_t n, fl
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
         const vf v = loadv(x, bf16, r * n + i);
-        acc += v * v;
+        acc = vfma(v, v, acc);
     }
     float ss = lane_sum(acc);
-    for (; i < n; i++) ss += load1(x, bf16, r * n + i) * load1(x, bf16, r * n + i);
+    for (; i < n; i++) ss = sfma(load1(x, bf16, r * n + i), load1(x, bf16, r * n + i), ss);
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
     int64_t j = 0;
     for (; j + LANES <= n; j += LANES) {   /* norm1, lane-wise */

@@ -99,11 +99,11 @@ INLINE void group_chunk(const float *q, const void *qraw, float *acc, float *m, 
         } else if (o < nc) {
             for (int64_t d = 0; d < dv; d += LANES) {
                 const vf k = loadv(kb, bf16, o * row + d);
-                for (int64_t g = 0; g < G; g++) s[g] += *(const vf *)(q + g * D + d) * k;
+                for (int64_t g = 0; g < G; g++) s[g] = vfma(*(const vf *)(q + g * D + d), k, s[g]);
             }
             for (int64_t d = dv; d < D; d++) {
                 const float k = load1(kb, bf16, o * row + d);
-                for (int64_t g = 0; g < G; g++) tail[g][o] += q[g * D + d] * k;
+                for (int64_t g = 0; g < G; g++) tail[g][o] = sfma(q[g * D + d], k, tail[g][o]);
             }
         }
         for (int64_t g = 0; g < G; g++) part[g][BITREV[o]] = s[g];
@@ -117,7 +117,7 @@ INLINE void group_chunk(const float *q, const void *qraw, float *acc, float *m, 
         const vf e = vselect(lane < (int32_t)nc, vexp(sc - m_new), (vf){0});
         alpha[g] = vexp((vf){0} + (m[g] - m_new))[0];         /* 0-ish on the first chunk */
         m[g] = m_new;
-        l[g] = l[g] * alpha[g] + lane_sum(e);
+        l[g] = sfma(l[g], alpha[g], lane_sum(e));
         memcpy(p[g], &e, sizeof(e));
     }
     for (int64_t d = 0; d < dv; d += LANES) {
@@ -125,14 +125,14 @@ INLINE void group_chunk(const float *q, const void *qraw, float *acc, float *m, 
         for (int64_t g = 0; g < G; g++) a[g] = *(vf *)(acc + g * D + d) * alpha[g];
         for (int64_t o = 0; o < nc; o++) {
             const vf v = loadv(vb, bf16, o * row + d);
-            for (int64_t g = 0; g < G; g++) a[g] += p[g][o] * v;
+            for (int64_t g = 0; g < G; g++) a[g] = vfma(splat(p[g][o]), v, a[g]);
         }
         for (int64_t g = 0; g < G; g++) memcpy(acc + g * D + d, &a[g], sizeof(vf));
     }
     for (int64_t d = dv; d < D; d++)
         for (int64_t g = 0; g < G; g++) {
             float a = acc[g * D + d] * alpha[g];
-            for (int64_t o = 0; o < nc; o++) a += p[g][o] * load1(vb, bf16, o * row + d);
+            for (int64_t o = 0; o < nc; o++) a = sfma(p[g][o], load1(vb, bf16, o * row + d), a);
             acc[g * D + d] = a;
         }
 }

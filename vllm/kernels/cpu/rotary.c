@@ -2,6 +2,8 @@
  *   for each head and i < rd/2, with a = pos * inv_freq[i] (f32, as HF computes it):
  *   out[i]        = x[i] * c - x[i + rd/2] * s
  *   out[i + rd/2] = x[i + rd/2] * c + x[i] * s,   c = cos(a) * scaling, s = sin(a) * scaling
+ * each as one fma over the other product: fma(x[i], c, -(x[i + rd/2] * s)) and
+ * fma(x[i + rd/2], c, x[i] * s), vector and scalar columns alike.
  * Dims past rd are copied. q [T, Hq*D], k [T, Hkv*D]; q, k and outputs share one dtype.
  * rope_cos_sin makes the [T, rd] (c then s) rows once per step; every layer's rotary_embedding
  * reads them. */
@@ -35,13 +37,13 @@ INLINE void rotate_heads(const void *x, void *out, int64_t heads, int64_t D, int
         for (; i + LANES <= h; i += LANES) {
             const vf x1 = loadv(x, bf16, b + i), x2 = loadv(x, bf16, b + i + h);
             const vf cv = *(const vf *)(c + i), sv = *(const vf *)(s + i);
-            storev(out, bf16, b + i, x1 * cv - x2 * sv);
-            storev(out, bf16, b + i + h, x2 * cv + x1 * sv);
+            storev(out, bf16, b + i, vfma(x1, cv, -(x2 * sv)));
+            storev(out, bf16, b + i + h, vfma(x2, cv, x1 * sv));
         }
         for (; i < h; i++) {
             const float x1 = load1(x, bf16, b + i), x2 = load1(x, bf16, b + i + h);
-            store1(out, bf16, b + i, x1 * c[i] - x2 * s[i]);
-            store1(out, bf16, b + i + h, x2 * c[i] + x1 * s[i]);
+            store1(out, bf16, b + i, sfma(x1, c[i], -(x2 * s[i])));
+            store1(out, bf16, b + i + h, sfma(x2, c[i], x1 * s[i]));
         }
         const size_t esz = bf16 ? 2 : 4;       /* dims past rd: copied bit for bit */
         memcpy((char *)out + (b + rd) * esz, (const char *)x + (b + rd) * esz, (D - rd) * esz);

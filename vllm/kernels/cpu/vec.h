@@ -1,9 +1,15 @@
 /* Shared by the CPU kernels: 16-lane f32 vectors (GCC vector extensions, lowered to whatever the
- * build's -march offers), bf16 <-> f32, and a vector exp. */
+ * build's -march offers), bf16 <-> f32, fused multiply-add, and a vector exp.
+ *
+ * Rounding is written out, never left to the compiler: the library is built with
+ * -ffp-contract=off (build.py), and every a * b + c that should round once is an explicit
+ * fma (vfma, fmaf). Whether GCC contracts a * b + c on its own depends on its tuning for the
+ * CPU (e.g. Sapphire Rapids tuning avoids 512-bit FMAs), which would make one register tile
+ * round differently from another and break the batch invariance the kernels promise. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -17,6 +23,33 @@ typedef uint16_t vh __attribute__((vector_size(LANES * 2), aligned(2)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef uint16_t bf16_t;
+
+/* a * b + c lane-wise, rounded once. */
+INLINE vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    const vf8 lo = (vf8)_mm256_fmadd_ps(
+        (__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+        (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+        (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+    const vf8 hi = (vf8)_mm256_fmadd_ps(
+        (__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+        (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+        (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vf r;
+    for (int l = 0; l < LANES; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
+/* a * b + c in f32, rounded once (one instruction where the build has FMA). */
+INLINE float sfma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+
+/* v in every lane. */
+INLINE vf splat(float v) { return (vf){0} + v; }
 
 INLINE float bf16_to_f32(bf16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -141,12 +174,12 @@ INLINE wpair load_pair(const bf16_t *w) {
     return p;
 }
 INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
-    acc += ((vf){0} + bf16_to_f32((bf16_t)(a_pair >> 16))) * w.odd;
-    return acc + ((vf){0} + bf16_to_f32((bf16_t)a_pair)) * w.even;
+    acc = vfma(splat(bf16_to_f32((bf16_t)(a_pair >> 16))), w.odd, acc);
+    return vfma(splat(bf16_to_f32((bf16_t)a_pair)), w.even, acc);
 }
 INLINE vf dot_pairs(vf acc, wpair a, wpair b) {
-    acc += a.odd * b.odd;
-    return acc + a.even * b.even;
+    acc = vfma(a.odd, b.odd, acc);
+    return vfma(a.even, b.even, acc);
 }
 #endif
 
@@ -175,17 +208,18 @@ INLINE vf vexp(vf x) {
     const vf hi = (vf){0} + 88.7f, lo = (vf){0} - 87.3f;
     x = vselect(x > hi, hi, x);
     x = vselect(x < lo, lo, x);
-    vf fx = x * 1.44269504088896341f + 0.5f;
+    vf fx = vfma(x, splat(1.44269504088896341f), splat(0.5f));
     vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);   /* trunc */
     fl = vselect(fl > fx, fl - 1.0f, fl);                                  /* floor */
-    x = x - fl * 0.693359375f - fl * -2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * x + 1.3981999507e-3f;
-    p = p * x + 8.3334519073e-3f;
-    p = p * x + 4.1665795894e-2f;
-    p = p * x + 1.6666665459e-1f;
-    p = p * x + 5.0000001201e-1f;
-    p = p * x * x + x + 1.0f;
+    x = vfma(-fl, splat(0.693359375f), x);
+    x = vfma(-fl, splat(-2.12194440e-4f), x);
+    vf p = splat(1.9875691500e-4f);
+    p = vfma(p, x, splat(1.3981999507e-3f));
+    p = vfma(p, x, splat(8.3334519073e-3f));
+    p = vfma(p, x, splat(4.1665795894e-2f));
+    p = vfma(p, x, splat(1.6666665459e-1f));
+    p = vfma(p, x, splat(5.0000001201e-1f));
+    p = vfma(p * x, x, x) + 1.0f;
     vi e = (__builtin_convertvector(fl, vi) + 127) << 23;
     vf scale;
     memcpy(&scale, &e, sizeof(scale));
