@@ -6,6 +6,7 @@ A bad value exits non-zero with one clear line.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from vllm.engine.arg_utils import EngineArgs
@@ -34,14 +35,33 @@ def _generate_parser(sub) -> None:
 
 
 def _serve_parser(sub) -> None:
-    try:
-        from vllm.entrypoints.openai.api_server import add_serve_args, run_serve
-    except ImportError:
-        return
+    from vllm.entrypoints.openai.cli_args import add_serve_args
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Serve the OpenAI-compatible HTTP API.")
     add_serve_args(p)
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=_run_serve)
+
+
+# The server's own dependencies (import name -> pip package), checked before it is imported.
+SERVER_PACKAGES = {"fastapi": "fastapi", "starlette": "starlette", "uvicorn": "uvicorn[standard]",
+                   "prometheus_client": "prometheus-client"}
+
+
+class MissingDependency(RuntimeError):
+    pass
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    for module, package in SERVER_PACKAGES.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise MissingDependency(
+                f"`vllm serve` needs the package {package!r}, which is not installed ({e}): "
+                f"pip install '{package}', or reinstall the engine with its dependencies: "
+                "pip install -e .") from e
+    from vllm.entrypoints.openai.api_server import run_serve
+    return run_serve(args)
 
 
 DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:"]
@@ -86,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, MissingDependency) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
