@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
 def _time_steps(args, totals: dict) -> float:
     """ms per decode step of the full batch, after the prefill and warm-up (``totals`` reset)."""
     from vllm import LLM, SamplingParams
-    kwargs = dict(dtype=args.dtype, moe_expert_cache_size=args.moe_expert_cache_size,
+    kwargs = dict(device="cpu", dtype=args.dtype, moe_expert_cache_size=args.moe_expert_cache_size,
                   enforce_eager=args.enforce_eager)
     llm = LLM(args.model, **kwargs) if args.model else LLM(**kwargs)
     engine = llm.llm_engine

@@ -73,7 +73,7 @@ def test_prompt_forms_give_the_same_tokens(tiny_model_factory):
 def test_greedy_matches_transformers_on_torch_paths(tiny_model_factory, arch, torch_paths):
     path = tiny_model_factory(arch)
     prompts = _prompts(4, seed=3)
-    llm = LLM(path, max_num_seqs=8)
+    llm = LLM(path, device="cpu", max_num_seqs=8)
     runner = llm.llm_engine.runner
     assert runner.moe_layers[0].quant_method.backend_name == "grouped_mm"   # not the C kernel
     assert not any(n.endswith("packed_weight") for n, _ in runner.model.named_buffers())

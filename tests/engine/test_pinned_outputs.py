@@ -64,7 +64,7 @@ def _generate(model: str, monkeypatch, **kw) -> tuple[list[list[int]], list[torc
         return call(self, logits, md)
     monkeypatch.setattr(sampler_mod.Sampler, "__call__", recording)
     params = SamplingParams(temperature=0, max_tokens=PINNED["max_tokens"], ignore_eos=True)
-    outs = LLM(model, **kw).generate(PINNED["prompts"], params)
+    outs = LLM(model, device="cpu", **kw).generate(PINNED["prompts"], params)    # recorded on CPU
     monkeypatch.setattr(sampler_mod.Sampler, "__call__", call)
     return [o.outputs[0].token_ids for o in outs], seen
 

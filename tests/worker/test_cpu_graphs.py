@@ -28,7 +28,7 @@ def _requests(vocab: int, n: int = 12):
 
 
 def _generate(path, prompts, params, **kwargs):
-    llm = LLM(path, max_num_seqs=6, **kwargs)
+    llm = LLM(path, device="cpu", max_num_seqs=6, **kwargs)
     outs = llm.generate(prompts, params)
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs], llm.llm_engine.runner
 
@@ -66,7 +66,7 @@ def test_padding_rows_leave_the_kv_cache_alone(tiny_model_factory):
                {"prompt_token_ids": [10, 11, 12, 13]}]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     eager, _ = _generate(path, prompts, params, enforce_eager=True)
-    llm = LLM(path, max_num_seqs=6)
+    llm = LLM(path, device="cpu", max_num_seqs=6)
     runner = llm.llm_engine.runner
     used: set[int] = set()
     orig = runner._prepare_inputs
@@ -87,7 +87,7 @@ def test_graphs_are_off_where_per_step_python_state_lives(tiny_model_factory, tm
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     for kwargs in ({"moe_expert_cache_size": 2},
                    {"moe_routing_trace_path": str(tmp_path / "trace.json")}):
-        assert LLM(path, **kwargs).llm_engine.runner.decode_graphs is None, kwargs
+        assert LLM(path, device="cpu", **kwargs).llm_engine.runner.decode_graphs is None, kwargs
 
 
 def test_a_refused_capture_runs_that_batch_size_eagerly(tiny_model_factory, monkeypatch,
@@ -162,7 +162,7 @@ def test_replayed_logits_equal_eager_logits_bitwise(tiny_model_factory, dtype):
     """Each replay (padded or not) against the eager forward of the same step's inputs."""
     from vllm.model_executor.forward_context import set_forward_context
     path = tiny_model_factory("Qwen3MoeForCausalLM")
-    llm = LLM(path, max_num_seqs=6, dtype=dtype)
+    llm = LLM(path, device="cpu", max_num_seqs=6, dtype=dtype)
     runner = llm.llm_engine.runner
     graphs, checked = runner.decode_graphs, []
     orig = graphs.logits
