@@ -3,6 +3,7 @@ the dtype the engine resolved (``--dtype auto`` means the checkpoint's dtype on 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -38,5 +39,15 @@ def test_both_sides_run_in_the_engines_dtype(tmp_path, monkeypatch, capsys, save
                             "--output-len", "4", "--random-range-ratio", "0.5", "--repeat", "1",
                             "--hf-baseline", "--dtype", flag, "--json"])
     assert result["dtype"] == str(want).removeprefix("torch.") and seen == [want]
-    assert result["engine"]["output_tokens_per_s"] > 0 and result["speedup_vs_hf"] > 0
-    assert '"speedup_vs_hf"' in capsys.readouterr().out
+    assert json.loads(capsys.readouterr().out) == result
+    eng, hf = result["engine"], result["hf"]
+    for side in (eng, hf):
+        assert len(side["all_seconds"]) == 1 and side["seconds"] == side["all_seconds"][0] > 0
+        assert side["requests_per_s"] == pytest.approx(3 / side["seconds"])
+    # Both sides generate the same tokens: 3 requests of 4 +- 50% output tokens each.
+    n_eng = eng["output_tokens_per_s"] * eng["seconds"]
+    n_hf = hf["output_tokens_per_s"] * hf["seconds"]
+    assert n_eng == pytest.approx(round(n_eng)) and n_hf == pytest.approx(n_eng)
+    assert 3 * 2 <= round(n_eng) <= 3 * 6
+    assert result["speedup_vs_hf"] == pytest.approx(eng["output_tokens_per_s"]
+                                                    / hf["output_tokens_per_s"])

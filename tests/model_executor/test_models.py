@@ -121,5 +121,15 @@ def test_bf16_checkpoint(tmp_path, tokens):
     assert model16.model.embed_tokens.weight.dtype == torch.bfloat16
     out = PagedDriver(model16, dtype=torch.bfloat16).step([("s", ids)])["s"]
     assert out.dtype == torch.float32
-    # bf16 compute: loose bound relative to the logit scale.
-    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+    # bf16 compute cannot match fp32; it may be no less accurate than transformers computing in
+    # bf16 from the same files: our error against the fp32 reference stays within 1.5x of its
+    # error (max and mean; measured ratios 0.75-0.87). A 2% error in one norm weight gives
+    # 2.3-2.7x, and the old bound (10% of the logit scale) let it through. (A token whose
+    # top-k router scores nearly tie can pick another expert in bf16 and exceed any such
+    # bound; the fixture's tokens have none.)
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.bfloat16, attn_implementation="eager").eval()
+    hf_err = (hf_logits(hf16, ids).float() - ref).abs()
+    err = (out - ref).abs()
+    assert err.max() <= 1.5 * hf_err.max(), (err.max(), hf_err.max())
+    assert err.mean() <= 1.5 * hf_err.mean(), (err.mean(), hf_err.mean())

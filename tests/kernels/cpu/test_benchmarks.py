@@ -19,8 +19,15 @@ def _load(name: str):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_benchmark_cpu_kernels_rows(capsys, dtype):
     rows = _load("benchmark_cpu_kernels").main(["--iters", "3", "--dtype", dtype])
-    assert len(rows) == 8 and all(t > 0 and c > 0 for _, t, c in rows)
-    assert "speedup" in capsys.readouterr().out
+    assert len(rows) == 8 and len({name for name, _, _ in rows}) == 8
+    assert all(t > 0 and c > 0 for _, t, c in rows)
+    out = capsys.readouterr().out
+    assert f"dtype={dtype}, medians of 3 calls" in out
+    for name, t, c in rows:            # the table prints each row's own times and their ratio
+        [line] = [ln for ln in out.splitlines() if ln.startswith(name)]
+        torch_ms, c_ms, speedup = line[len(name):].split()
+        assert (float(torch_ms), float(c_ms)) == (round(t, 3), round(c, 3))
+        assert speedup == f"{t / c:.1f}x"
 
 
 def test_profile_decode_step_splits_the_step(capsys):

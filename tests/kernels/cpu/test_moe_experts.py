@@ -99,10 +99,20 @@ def test_pair_value_independent_of_batch_and_waves(dtype):
     assert torch.equal(waves, whole)
 
 
-def test_empty_batch():
+def test_empty_batch_and_no_valid_pair_leave_out_untouched():
     x, w13, w2, w, ids = _case(0)
     out = torch.zeros(0, 2, 32)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, out)   # no pairs: no error
+    assert out.shape == (0, 2, 32)
+    x, w13, w2, w, ids = _case(3)
+    out = torch.full((3, 2, 32), 7.0)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, torch.full_like(ids, -1), out)
+    assert torch.equal(out, torch.full((3, 2, 32), 7.0))           # -1 ids: pairs not written
+    ids[1, 0] = -1
+    out = torch.full((3, 2, 32), 7.0)
     expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, out)
+    assert torch.equal(out[1, 0], torch.full((32,), 7.0))
+    assert not torch.equal(out[1, 1], torch.full((32,), 7.0))       # its other pair was
 
 
 def test_prepack_layout():
