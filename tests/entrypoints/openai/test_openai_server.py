@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import httpx
@@ -259,13 +260,23 @@ def test_client_disconnect_mid_stream_frees_blocks(server, client):
 
 
 def test_client_disconnect_while_waiting_for_a_full_response(server):
+    """A non-streaming client that hangs up while its request runs: the request is aborted.
+    The client closes its socket once /metrics shows the request running (a timeout would
+    race the server's speed)."""
     aborted_before = server.metric("vllm:request_aborted_total")
-    # n=8 x 115 tokens: several times the client's 0.15 s (one sequence alone takes about
-    # 0.1 s on a 2-core machine, so it could finish before the client gives up).
-    body = {"model": SERVED_NAME, "prompt": "class Stack:", "max_tokens": 115,
-            "ignore_eos": True, "n": 8}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.15)
+    body = json.dumps({"model": SERVED_NAME, "prompt": "class Stack:", "max_tokens": 115,
+                       "ignore_eos": True, "n": 64}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            f"{API_KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+            "\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while server.metric("vllm:num_requests_running") == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):       # no response yet: it is still running
+            sock.recv(1)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.metric("vllm:request_aborted_total") == \
             aborted_before:
