@@ -85,9 +85,42 @@ def test_padding_rows_leave_the_kv_cache_alone(tiny_model_factory):
 
 def test_graphs_are_off_where_per_step_python_state_lives(tiny_model_factory, tmp_path):
     path = tiny_model_factory("Qwen3MoeForCausalLM")
-    for kwargs in ({"moe_expert_cache_size": 2},
-                   {"moe_routing_trace_path": str(tmp_path / "trace.json")}):
-        assert LLM(path, device="cpu", **kwargs).llm_engine.runner.decode_graphs is None, kwargs
+    kwargs = {"moe_routing_trace_path": str(tmp_path / "trace.json")}
+    assert LLM(path, device="cpu", **kwargs).llm_engine.runner.decode_graphs is None
+
+
+def _cache_state(runner):
+    return [(m.expert_cache.stats(), m.expert_cache.residency.slot_of_expert.tolist(),
+             {k: v.tolist() for k, v in m.expert_cache.residency.policy_state.items()})
+            for m in runner.moe_layers]
+
+
+# (arch, experts of its tiny config, dtype, slots, policy): N = 1, top_k, E/2, E - 1.
+CACHED = [("Qwen3MoeForCausalLM", "float32", 1, "lrfu"), ("Qwen3MoeForCausalLM", "bfloat16", 2,
+          "lru"), ("Qwen3MoeForCausalLM", "float32", 5, "lfru"),
+          ("MixtralForCausalLM", "float32", 2, "lfu"), ("Qwen2MoeForCausalLM", "bfloat16", 4,
+                                                        "auto")]
+
+
+@pytest.mark.parametrize("arch,dtype,n,policy", CACHED)
+def test_cached_graph_decode_equals_eager_and_uncached(tiny_model_factory, arch, dtype, n,
+                                                       policy):
+    """The expert cache inside the graphs: the residency step and copies are graph nodes, the
+    tokens equal the eager cached run's and the uncached run's, and the cache reaches the same
+    state (counters, residency, policy) as eagerly: padding rows route nowhere."""
+    path = tiny_model_factory(arch)
+    prompts, params = _requests(vocab=200)
+    uncached, _ = _generate(path, prompts, params, dtype=dtype, enforce_eager=True)
+    kw = dict(dtype=dtype, moe_expert_cache_size=n, moe_expert_cache_policy=policy)
+    eager, eager_runner = _generate(path, prompts, params, enforce_eager=True, **kw)
+    got, runner = _generate(path, prompts, params, **kw)
+    graphs = runner.decode_graphs
+    assert graphs.refused is None and {4, 8} <= set(graphs._graphs)
+    nodes = graphs._graphs[8].graph._names
+    assert nodes.count("moe_residency_step") >= len(runner.moe_layers)
+    assert "expert_copy" in nodes
+    assert got == eager == uncached
+    assert _cache_state(runner) == _cache_state(eager_runner)
 
 
 def test_a_refused_capture_runs_that_batch_size_eagerly(tiny_model_factory, monkeypatch,

@@ -57,9 +57,15 @@ class Platform:
         return False
 
     def expert_copy_kernel(self) -> Callable[..., None] | None:
-        """The compiled kernel that copies experts from the pinned host store into device slots
+        """The compiled kernel that copies experts from the host store into device slots
         (``kernels/cuda/ops.expert_gather``'s contract), or None: the expert cache then copies
         with torch ops (``expert_cache/copy.py``)."""
+        return None
+
+    def residency_step_kernel(self) -> Callable[..., None] | None:
+        """The expert cache's fused residency step on this platform
+        (``vllm.kernels.cpu.moe_cache.residency_step``'s contract), or None: the cache then runs
+        the tensor-op reference (``expert_cache/residency_step.py``)."""
         return None
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:

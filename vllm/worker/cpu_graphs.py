@@ -68,10 +68,12 @@ def _nbytes(e: _Entry) -> int:
 
 def eligible(moe_layers: list, dtype: torch.dtype, device: torch.device,
              enforce_eager: bool) -> bool:
-    """Whether decode steps may replay graphs: CPU kernels on, no per-step Python state."""
+    """Whether decode steps may replay graphs: CPU kernels on, no per-step Python state (an
+    expert cache takes part when its residency step and copies are C kernels)."""
     if enforce_eager or not native_kernels(dtype, device):
         return False
-    return all(m.expert_cache is None and m.routing_observer is None for m in moe_layers)
+    return all((m.expert_cache is None or m.expert_cache.cpu_graph_safe)
+               and m.routing_observer is None for m in moe_layers)
 
 
 class DecodeGraphs:

@@ -33,8 +33,9 @@ def test_vllm_cuda_ops_0_turns_them_off(fresh_loader, monkeypatch):
     assert platform_for("cuda").expert_copy_kernel() is None
 
 
-def test_cpu_platform_has_no_copy_kernel():
-    assert platform_for("cpu").expert_copy_kernel() is None
+def test_cpu_platform_copies_with_its_c_kernel():
+    from vllm.kernels.cpu import moe_cache
+    assert platform_for("cpu").expert_copy_kernel() is moe_cache.expert_copy
 
 
 def _store_slots_plan():
@@ -43,7 +44,7 @@ def _store_slots_plan():
     store = HostStore.from_experts(weights, lambda t: t, pin=False)
     slots = {n: torch.zeros(2, *t.shape[1:]) for n, t in weights.items()}
     plan = LoadPlan(slots=torch.tensor([1, 0]), experts=torch.tensor([3, -1]),
-                    valid=torch.tensor([True, False]), num_loads=torch.tensor(1))
+                    valid=torch.tensor([True, False]))
     return store, slots, plan
 
 

@@ -31,13 +31,19 @@ int topk_softmax(const void *, int64_t, int64_t, int64_t, int, int, float *, int
 int moe_sum(const void *, void *, int64_t, int64_t, int64_t, int);
 int silu_and_mul(const void *, const void *, void *, int64_t, int64_t, int);
 int sigmoid_gate_add(const void *, const void *, const void *, void *, int64_t, int64_t, int);
+int moe_residency_step(const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, int64_t *, int64_t *, int64_t *, int64_t *, int, int64_t *,
+                       int64_t *, double *, const double *, const double *, int64_t, int64_t *,
+                       int64_t *, uint8_t *, int64_t *);
+int expert_copy(const void *, void *, int64_t, const int64_t *, const int64_t *, const uint8_t *,
+                int64_t, int64_t, int64_t);
 
 /* In opcode order; the argument counts are what each case below reads. */
 static const char GRAPH_OPS[] =
     "moe_expert_pairs,rms_norm,rope_cos_sin,rotary_embedding,dense_linear,paged_attention,"
     "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding,silu_and_mul,"
-    "sigmoid_gate_add";
-static const int64_t NARGS[] = {13, 7, 6, 11, 8, 16, 7, 8, 6, 5, 5, 2, 6, 6, 7};
+    "sigmoid_gate_add,moe_residency_step,expert_copy";
+static const int64_t NARGS[] = {13, 7, 6, 11, 8, 16, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9};
 #define NUM_OPS ((int64_t)(sizeof(NARGS) / sizeof(NARGS[0])))
 
 const char *graph_op_names(void) { return GRAPH_OPS; }
@@ -112,6 +118,12 @@ static int run_node(int64_t op, const int64_t *a) {
         return silu_and_mul(P(0), P(1), P(2), a[3], a[4], (int)a[5]);
     case 14:
         return sigmoid_gate_add(P(0), P(1), P(2), P(3), a[4], a[5], (int)a[6]);
+    case 15:
+        return moe_residency_step(P(0), P(1), a[2], a[3], a[4], a[5], a[6], P(7), P(8), P(9),
+                                  P(10), (int)a[11], P(12), P(13), P(14), P(15), P(16), a[17],
+                                  P(18), P(19), P(20), P(21));
+    case 16:
+        return expert_copy(P(0), P(1), a[2], P(3), P(4), P(5), a[6], a[7], a[8]);
     }
     return -3;
 }

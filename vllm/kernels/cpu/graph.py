@@ -43,6 +43,12 @@ class GraphCaptureError(RuntimeError):
     """The forward did something a replay would not repeat; it must run eagerly."""
 
 
+def capturing() -> bool:
+    """Whether a CPU graph capture is running (code whose Python decides what runs, e.g. how many
+    expert-cache waves, must then take its static path)."""
+    return _ACTIVE is not None
+
+
 def launch(name: str, *args) -> int:
     """Call kernel ``name`` (the ctypes function, so a profiler that wraps it still sees the
     call) and, during a capture, append the call to the graph."""

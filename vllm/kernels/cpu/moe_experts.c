@@ -87,6 +87,11 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
     for (int64_t p = 0; p < P; p++)
         if (ids[p] >= 0 && ids[p] < G) start[ids[p] + 1]++;
     for (int64_t e = 0; e < G; e++) start[e + 1] += start[e];
+    if (start[G] == 0) {        /* no pair (an empty expert-cache wave): no parallel region */
+        free(start);
+        free(order);
+        return 0;
+    }
     {
         int64_t *fill = malloc((size_t)G * sizeof(int64_t) + 1);
         if (!fill) { free(start); free(order); return -1; }

@@ -16,6 +16,7 @@ from torch import nn
 
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
+from vllm.model_executor.forward_context import get_attn_metadata
 from vllm.model_executor.layers.fused_moe.expert_cache import (CachedWeightProvider,
                                                                WeightProvider, cache_enabled,
                                                                make_weight_provider)
@@ -144,6 +145,11 @@ class FusedMoE(nn.Module):
                              f"topk_weights {tuple(topk_weights.shape)}, topk_ids "
                              f"{tuple(topk_ids.shape)}; need x [T, H] and topk_* [T, K]")
         provider = self.weight_provider
-        waves = provider.prepare(topk_ids)
+        md = get_attn_metadata()
+        # The step's KV slots mark CPU-graph padding rows (PAD_SLOT_ID): a cache routes them
+        # nowhere, so a padded replay plans what the eager step would.
+        row_slots = md.slot_mapping if md is not None and \
+            md.slot_mapping.shape[0] == topk_ids.shape[0] else None
+        waves = provider.prepare(topk_ids, row_slots)
         return self.quant_method.apply(provider.slot_weights(), hidden_states,
                                        topk_weights.to(hidden_states.dtype), waves)

@@ -89,7 +89,7 @@ def test_cached_equals_uncached_bitwise(dtype, top_k, n, seed, moe_backend):
         d = {k: st[k] - prev[k] for k in ("hits", "misses", "experts_copied", "waves")}
         assert d["hits"] + d["misses"] == ids.unique().numel()
         assert d["experts_copied"] == d["misses"]
-        assert d["waves"] == expect_waves(T, top_k, n)
+        assert d["waves"] == math.ceil(ids.unique().numel() / n)     # the non-empty ones
         check_slots_hold_their_experts(cached, w)
         prev = st
 
@@ -156,7 +156,8 @@ def test_wave_never_reads_an_evicted_or_foreign_slot(policy, n, mru_policy, monk
         got = cached.forward_experts(x, tw, ids)
         assert torch.equal(got, ref.forward_experts(x, tw, ids))
         assert torch.equal(spy.covered, torch.ones_like(ids)), "each pair exactly once"
-        assert spy.calls == expect_waves(T, 2, n)
+        # Eager CPU steps stop after the last non-empty wave (of the static expect_waves).
+        assert spy.calls == max(1, math.ceil(ids.unique().numel() / n)) <= expect_waves(T, 2, n)
 
 
 def test_waves_when_batch_needs_every_expert(monkeypatch):
@@ -164,9 +165,18 @@ def test_waves_when_batch_needs_every_expert(monkeypatch):
     w = weights(torch.float32, 9)
     ref, cached = build(0, w, 2), build(n, w, 2)
     plans = []
-    real_plan = cached.expert_cache.residency.plan
-    monkeypatch.setattr(cached.expert_cache.residency, "plan",
-                        lambda needed: plans.append(needed.clone()) or real_plan(needed))
+    provider = cached.expert_cache
+    real_step = provider.step
+
+    class Spy(type(real_step)):
+        def __init__(self):
+            self.__dict__.update(real_step.__dict__)
+
+        def __call__(self, res, topk_ids, row_slots, wave):
+            out = real_step(res, topk_ids, row_slots, wave)
+            plans.append(res.wave_of_expert == wave)
+            return out
+    monkeypatch.setattr(provider, "step", Spy())
     ids = torch.tensor([[e, (e + 1) % E] for e in range(E)])            # all E experts needed
     x, tw = torch.randn(E, H), torch.rand(E, 2)
     got = cached.forward_experts(x, tw, ids)

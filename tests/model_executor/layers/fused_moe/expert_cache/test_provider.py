@@ -40,9 +40,9 @@ def test_one_call_path_for_every_provider(cache_size, kind, monkeypatch):
     calls = []
     real_prepare, real_apply = provider.prepare, layer.quant_method.apply
 
-    def prepare(ids):
+    def prepare(ids, row_slots=None):
         calls.append(("prepare", ids))
-        return real_prepare(ids)
+        return real_prepare(ids, row_slots)
 
     def apply(weights, x, topk_weights, waves):
         calls.append(("apply", weights))

@@ -5,7 +5,10 @@ Only misses move: entry i of the plan copies expert ``experts[i]`` into slot ``s
 g_idx... together, so a slot never holds one expert's weights with another's scales).
 
 Paths, chosen once per provider from the slots' device (``select_copy``):
-  * same device as the store (CPU): masked ``index_copy_`` over ``nonzero(valid)``; no host
+  * CPU slots with the C kernels: ``expert_copy`` (``vllm/kernels/cpu/moe_cache.c``), one
+    memcpy per miss and tensor from one call per tensor; CPU graphs record it. Under
+    ``torch.compile`` (which cannot trace a C call) the torch path below runs instead.
+  * same device as the store otherwise: masked ``index_copy_`` over ``nonzero(valid)``; no host
     sync, traceable with ``torch.compile(fullgraph=True)`` given
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True`` (nonzero's length is data
     dependent).
@@ -56,9 +59,28 @@ CopyMisses = Callable[[dict[str, torch.Tensor], LoadPlan], None]
 """(slots name -> [N, ...], plan) -> None: copy every valid plan entry's expert into its slot."""
 
 
+class CpuKernelCopy:
+    """The C copy kernel per tensor (the torch path while torch.compile traces)."""
+    cpu_graph_node = True
+    """CPU graphs record it (``graph.launch``)."""
+
+    def __init__(self, store: HostStore, kernel: UvaCopyKernel):
+        self.store, self.kernel = store, kernel
+
+    def __call__(self, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
+        if torch.compiler.is_compiling():
+            _copy_same_device(self.store, slots, plan)
+            return
+        for name, src in self.store.tensors.items():
+            self.kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
+
+
 def select_copy(store: HostStore, device: torch.device) -> CopyMisses:
     """The copy engine for slots on ``device``, chosen once per provider (paths above)."""
     if device == next(iter(store.tensors.values())).device:
+        kernel = platform_for(device).expert_copy_kernel() if device.type == "cpu" else None
+        if kernel is not None:
+            return CpuKernelCopy(store, kernel)
         return lambda slots, plan: _copy_same_device(store, slots, plan)
     if device.type == "cuda" and store.pinned:
         # Looked up per call: a kernel may be registered after the provider is built.

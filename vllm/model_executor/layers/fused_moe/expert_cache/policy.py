@@ -2,14 +2,32 @@
 
 A policy is stateless code over a small per-layer state dict of device tensors, so it runs
 with no host synchronisation and under torch.compile(fullgraph=True).
+
+The built-in policies also run inside the fused residency step (``residency_step.py``: a C kernel
+on CPU, a Triton kernel on CUDA), which must reach the same decisions bit for bit. So their
+arithmetic is written with IEEE-exact operations only (+, -, *, / and integer ops, no fused
+multiply-add; ``pow`` is a lookup in a table made once on the host), in the order the kernels
+repeat, and their state uses the names the kernels take: ``freq`` and ``last_use`` (int64 [E]),
+``crf`` (float64 [E]). ``kernel_code`` names the policy to the kernels (None: the policy has no
+kernel and its layers run the torch reference step).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 
 class EvictionPolicy:
     name: str = ""
+    kernel_code: int | None = None
+    """The fused residency step's code for this policy (0 lru, 1 lfu, 2 lfru, 3 lrfu); None when
+    no kernel implements it."""
+
+    def kernel_params(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(params float64 [2] = [recency_weight, 1 - decay], decay_pow float64 [D]) for the
+        kernels; policies without those constants give zeros and a one-entry table."""
+        return _constants(device, (0.0, 0.0), 0.5, 1)
 
     def init_state(self, num_experts: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Per-layer policy state; tensors indexed by expert id ([E]) and/or scalars."""
@@ -32,6 +50,7 @@ class EvictionPolicy:
 class LRUPolicy(EvictionPolicy):
     """Least recently used: keep the experts used last."""
     name = "lru"
+    kernel_code = 0
 
     def init_state(self, num_experts, device):
         return {"last_use": torch.full((num_experts,), -1, dtype=torch.int64, device=device)}
@@ -46,6 +65,7 @@ class LRUPolicy(EvictionPolicy):
 class LFUPolicy(EvictionPolicy):
     """Least frequently used (all-time counts)."""
     name = "lfu"
+    kernel_code = 1
 
     def init_state(self, num_experts, device):
         return {"freq": torch.zeros(num_experts, dtype=torch.int64, device=device)}
@@ -60,6 +80,7 @@ class LFUPolicy(EvictionPolicy):
 class LFRUPolicy(EvictionPolicy):
     """The upstream seed's LFRU: score = freq / (clock - last_use + 1)."""
     name = "lfru"
+    kernel_code = 2
 
     def init_state(self, num_experts, device):
         return {"freq": torch.zeros(num_experts, dtype=torch.int64, device=device),
@@ -82,14 +103,31 @@ class LRFUPolicy(EvictionPolicy):
     recency bonus. Decay is lazy (stored at last_use) so plans with no accesses change nothing.
     Tuned on the even-indexed sequences of the DeepSeek-V2-Lite trace (half_life 30, w 0.2);
     see docs/expert-cache-policies.md for held-out numbers.
+
+    g**dt is ``decay_pow[min(dt, D - 1)]``, a table of torch.pow(g, i) made once per device:
+    every device then uses the same bits (a pow kernel differs between CPU vector code, CUDA
+    and C libraries in the last place). D - 1 = floor(1075 * half_life) + 1, where g**(D-1) <
+    2**-1075 already rounds to 0.0, so the clamp changes nothing. The bonus is
+    ``reciprocal(dt + 1) * w`` (two roundings, as torch computes ``w / tensor``).
     """
     name = "lrfu"
+    kernel_code = 3
 
     def __init__(self, half_life: float = 30.0, recency_weight: float = 0.2):
         if half_life <= 0 or recency_weight < 0:
             raise ValueError(f"lrfu half_life={half_life}, recency_weight={recency_weight} are "
                              f"invalid: need half_life > 0 and recency_weight >= 0")
         self.decay, self.recency_weight = 0.5 ** (1.0 / half_life), recency_weight
+        self.table_len = math.floor(1075 * half_life) + 2
+
+    def kernel_params(self, device):
+        return _constants(device, (self.recency_weight, 1.0 - self.decay), self.decay,
+                          self.table_len)
+
+    def _decay_pow(self, dt: torch.Tensor) -> torch.Tensor:
+        """g ** dt for int64 dt >= 0 (same shape, float64)."""
+        table = self.kernel_params(dt.device)[1]
+        return table[dt.clamp(max=self.table_len - 1)]
 
     def init_state(self, num_experts, device):
         # float64: scores of rarely-tied experts must order the same on every device.
@@ -97,15 +135,28 @@ class LRFUPolicy(EvictionPolicy):
                 "last_use": torch.zeros(num_experts, dtype=torch.int64, device=device)}
 
     def on_access(self, state, used, clock):
-        dt = (clock - state["last_use"]).double()
-        decayed = state["crf"] * torch.pow(self.decay, dt)
+        decayed = state["crf"] * self._decay_pow(clock - state["last_use"])
         state["crf"].copy_(torch.where(used, decayed + 1.0, state["crf"]))
         state["last_use"].copy_(torch.where(used, clock, state["last_use"]))
 
     def keep_score(self, state, clock):
-        dt = (clock - state["last_use"]).double()
-        rate = state["crf"] * torch.pow(self.decay, dt) * (1.0 - self.decay)
-        return rate + self.recency_weight / (dt + 1.0)
+        dt = clock - state["last_use"]
+        rate = state["crf"] * self._decay_pow(dt) * (1.0 - self.decay)
+        return rate + torch.reciprocal(dt.double() + 1.0) * self.recency_weight
+
+
+_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(device: torch.device, params: tuple[float, float], decay: float,
+               table_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(params, decay_pow) on ``device``, made once per (device, values) and shared by every
+    layer (their pointers are recorded in CPU graphs, so they must stay alive and unchanged)."""
+    key = (str(torch.device(device)), params, decay, table_len)
+    if key not in _CONSTANTS:
+        table = torch.pow(decay, torch.arange(table_len, dtype=torch.float64))
+        _CONSTANTS[key] = (torch.tensor(params, dtype=torch.float64).to(device), table.to(device))
+    return _CONSTANTS[key]
 
 
 _REGISTRY: dict[str, EvictionPolicy] = {}

@@ -9,18 +9,22 @@ unchanged as one wave.
 
 ``CachedWeightProvider`` (``moe_expert_cache_size`` N < E): the one owner of the layer's host
 store (every expert-indexed tensor the quant method declares, run through its
-``prepare_expert``), the N device slots of each, the residency and policy state, the copy engine
-and the counters. Its plan contract (bitwise equal to the uncached ``apply``):
-  needed experts = those in topk_ids, split into W = ceil(min(E, T*K) / N) waves of at most N
-  (static in the shapes); iterating the plan runs, per wave: ``Residency.plan`` -> copy the
-  misses -> remap topk_ids to slot ids with pairs of other waves set to -1, and yields them.
-  Every pair is computed exactly once, by the same expert weights, over the same tokens in the
-  same order, and the layer reduces all waves with the uncached reduction.
-No host synchronisation on CPU (or on CUDA with a registered copy kernel): all bookkeeping is
-fixed-shape device tensor code, and counters are read only by ``stats()``. Compiling it with
-``torch.compile(fullgraph=True)`` needs ``torch._dynamo.config.capture_dynamic_output_shape_ops
-= True`` (the CPU copy uses ``nonzero``, and so does the torch reference kernel); the compiling
-caller sets it, since it is process-global.
+``prepare_expert``), the N device slots of each, the residency and policy state, the residency
+step, the copy engine and the counters. Its plan contract (bitwise equal to the uncached
+``apply``): needed experts = those in topk_ids (minus padding rows of a CPU-graph replay), split
+into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterating the plan runs,
+per wave, the residency step (``residency_step.py``: one fused kernel call where the platform
+has one) -> copy the misses -> yield the wave's slot ids (pairs of other waves -1). Every pair is
+computed exactly once, by the same expert weights, over the same tokens in the same order, and
+the layer reduces all waves with the uncached reduction. A wave with no expert changes nothing;
+where the state is host memory (CPU) an eager step stops after its last non-empty wave, while a
+CPU graph records all W (an empty wave's nodes return at once).
+No host synchronisation on CPU (or on CUDA with the fused step and a copy kernel): all
+bookkeeping is fixed-shape device code, and counters are read only by ``stats()``. Under
+``torch.compile`` the reference step and torch copy run (a C call cannot be traced); compiling
+with ``fullgraph=True`` needs ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``
+(the CPU copy uses ``nonzero``, and so does the torch reference kernel); the compiling caller
+sets it, since it is process-global.
 
 Providers are deliberately not ``nn.Module``s: ``model.to(...)`` must never move the host store
 onto the device.
@@ -36,7 +40,10 @@ from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
-from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, split_waves
+from vllm.kernels.cpu.graph import capturing
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
+from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
+    ReferenceStep, ResidencyStep, select_residency_step)
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, as_parameter
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore, ProcessExpert
 from vllm.platforms import platform_for
@@ -64,8 +71,11 @@ class WeightProvider:
     names: tuple[str, ...] = ()
     """The layer's expert-indexed tensor names (keys of ``slot_weights()``)."""
 
-    def prepare(self, topk_ids: torch.Tensor) -> "Iterator[torch.Tensor] | tuple[torch.Tensor]":
-        """topk_ids [T, K] expert ids (-1 = skip) -> waves of ids [T, K] into ``slot_weights()``."""
+    def prepare(self, topk_ids: torch.Tensor, row_slots: torch.Tensor | None = None
+                ) -> "Iterator[torch.Tensor] | tuple[torch.Tensor]":
+        """topk_ids [T, K] expert ids (-1 = skip) -> waves of ids [T, K] into ``slot_weights()``.
+        row_slots [T] int64 or None: the step's KV slot per row; a cache routes rows whose slot
+        is PAD_SLOT_ID (CPU-graph padding) nowhere."""
         raise NotImplementedError
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
@@ -80,7 +90,7 @@ class IdentityProvider(WeightProvider):
         self._weights = {n: as_parameter(t) for n, t in weights.items()}
         self.names = tuple(weights)
 
-    def prepare(self, topk_ids):
+    def prepare(self, topk_ids, row_slots=None):
         return (topk_ids,)
 
     def slot_weights(self):
@@ -92,17 +102,24 @@ class ExpertPlan:
     before asking for the next: a later wave's copies may overwrite slots an earlier wave read
     (on a device, stream order keeps that safe)."""
 
-    def __init__(self, provider: "CachedWeightProvider", waves: list[torch.Tensor],
-                 ids: torch.Tensor, valid: torch.Tensor):
-        self.provider, self.waves = provider, waves   # waves: each [E] bool, <= N experts
-        self.ids, self.valid = ids, valid             # [T, K] in [0, E), [T, K] bool
+    def __init__(self, provider: "CachedWeightProvider", topk_ids: torch.Tensor,
+                 row_slots: torch.Tensor | None, num_waves: int):
+        self.provider, self.topk_ids, self.row_slots = provider, topk_ids, row_slots
+        self.num_waves = num_waves
 
     def __len__(self) -> int:
-        return len(self.waves)
+        return self.num_waves
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for wave in self.waves:
-            yield self.provider.load_wave(wave, self.ids, self.valid)
+        p = self.provider
+        step, res = p.step_for_this_call(), p.residency
+        skip_empty = step.on_host and not capturing()
+        for wave in range(self.num_waves):
+            plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
+            p.copy(p.slots, plan)
+            yield slot_ids
+            if skip_empty and wave + 1 >= int(res.step_waves):
+                return
 
 
 class CachedWeightProvider(WeightProvider):
@@ -119,10 +136,20 @@ class CachedWeightProvider(WeightProvider):
         self.device = next(iter(slots.values())).device
         store_device = next(iter(store.tensors.values())).device
         self.non_blocking = store.pinned and self.device != store_device
-        self._copy = select_copy(store, self.device)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self._experts_copied = torch.zeros((), **i64)   # counted from the plans' valid masks
-        self._waves = torch.zeros((), **i64)            # waves run (including empty ones)
+        self.copy = select_copy(store, self.device)
+        self.step: ResidencyStep = select_residency_step(residency, self.device)
+
+    @property
+    def cpu_graph_safe(self) -> bool:
+        """Whether a CPU graph can record this layer's cached step (fused C step and C copy)."""
+        return self.step.cpu_graph_node and getattr(self.copy, "cpu_graph_node", False)
+
+    def step_for_this_call(self) -> ResidencyStep:
+        """The selected step, or the reference while torch.compile traces (it cannot trace a
+        kernel called through ctypes or a Triton launcher's Python)."""
+        if torch.compiler.is_compiling() and self.step.name != "reference":
+            return ReferenceStep(on_host=False)
+        return self.step
 
     @classmethod
     def from_experts(cls, weights: dict[str, torch.Tensor], prepare_expert: ProcessExpert,
@@ -155,43 +182,29 @@ class CachedWeightProvider(WeightProvider):
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return self.slots
 
-    def prepare(self, topk_ids: torch.Tensor) -> ExpertPlan:
+    def prepare(self, topk_ids: torch.Tensor, row_slots: torch.Tensor | None = None
+                ) -> ExpertPlan:
         T, K = topk_ids.shape
-        E = self.num_experts
-        # Negative ids (skipped pairs, as in apply_pairs' contract) go to a dump entry E.
-        valid = topk_ids >= 0                                                # [T, K]
-        ids = torch.where(valid, topk_ids, E)                                # [T, K] in [0, E]
-        needed = torch.zeros(E + 1, dtype=torch.bool, device=topk_ids.device)
-        needed = needed.index_fill_(0, ids.reshape(-1), True)[:E]            # [E]
-        # Wave masks are fixed against the residency before any wave is planned.
-        waves = split_waves(needed, self.residency.slot_of_expert, self.num_slots, T * K)
-        self._waves.add_(len(waves))
-        return ExpertPlan(self, waves, ids.clamp(max=E - 1), valid)
-
-    def load_wave(self, wave: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor
-                  ) -> torch.Tensor:
-        """Make wave [E] bool resident, copy its misses; -> slot ids [T, K], -1 outside it."""
-        plan = self.residency.plan(wave)
-        self._copy(self.slots, plan)
-        self._experts_copied.add_(plan.valid.sum())
-        in_wave = wave[ids] & valid                                          # [T, K] bool
-        return torch.where(in_wave, self.residency.remap(ids), -1)          # [T, K] slots
+        return ExpertPlan(self, topk_ids, row_slots, num_waves(self.num_experts, T * K,
+                                                               self.num_slots))
 
     def stats(self) -> dict[str, int | float]:
-        """Cumulative counters as Python numbers (the cache's only host sync)."""
+        """Cumulative counters as Python numbers (the cache's only host sync). Every miss copies
+        one expert, so ``experts_copied`` is the miss count; ``waves`` counts waves that had
+        experts."""
         r = self.residency
-        hits, misses, evictions, copied, waves = torch.stack(
-            [r.hits, r.misses, r.evictions, self._experts_copied, self._waves]).tolist()
+        hits, misses, evictions, waves = torch.stack(
+            [r.hits, r.misses, r.evictions, r.waves]).tolist()
         return {"hits": hits, "misses": misses, "evictions": evictions,
-                "experts_copied": copied,
-                "bytes_copied": copied * self.store.bytes_per_expert,
+                "experts_copied": misses,
+                "bytes_copied": misses * self.store.bytes_per_expert,
                 "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                 "waves": waves}
 
     def reset_stats(self) -> None:
-        """Zero the counters (residency and policy state are kept)."""
+        """Zero the counters (residency, policy state and the clock are kept)."""
         for t in (self.residency.hits, self.residency.misses, self.residency.evictions,
-                  self._experts_copied, self._waves):
+                  self.residency.waves):
             t.zero_()
 
 

@@ -24,12 +24,17 @@ from vllm.model_executor.layers.fused_moe.expert_cache.policy import EvictionPol
 
 @dataclass
 class LoadPlan:
-    """Copies one plan() asks for; entry i means "copy expert experts[i] into slot slots[i]"
-    when valid[i]. Fixed shape [..., N]; valid entries come first (invalid ones are padding)."""
-    slots: torch.Tensor       # [..., N] int64
+    """Copies one plan() asks for (the miss list); entry i means "copy expert experts[i] into
+    slot slots[i]" when valid[i]. Fixed shape [..., N]; valid entries come first, invalid ones
+    are padding with slots and experts -1."""
+    slots: torch.Tensor       # [..., N] int64 (-1 where not valid)
     experts: torch.Tensor     # [..., N] int64 (-1 where not valid)
     valid: torch.Tensor       # [..., N] bool
-    num_loads: torch.Tensor   # [...] int64 == valid.sum(-1)
+
+    @property
+    def num_loads(self) -> torch.Tensor:
+        """[...] int64: how many experts the plan copies."""
+        return self.valid.sum(-1)
 
 
 def num_waves(num_experts: int, max_needed: int, num_slots: int) -> int:
@@ -68,6 +73,15 @@ def split_waves(needed: torch.Tensor, slot_of_expert: torch.Tensor, num_slots: i
     return [waves == w for w in range(count)]
 
 
+COUNTERS = ("clock", "hits", "misses", "evictions", "last_hits", "last_misses", "waves",
+            "step_waves")
+"""The int64 counters of a Residency, in the order of its ``counters`` tensor (the fused
+residency step writes them by index): the plan clock (plans that needed an expert); cumulative
+hits, misses (= experts copied), evictions and non-empty waves; the last non-empty plan's hits
+and misses; and the current step's count of non-empty waves (written when its wave 0 is
+planned by the residency step)."""
+
+
 class Residency:
     """Slot maps + policy state + counters for one MoE layer (or a batch of ``layers``)."""
 
@@ -85,12 +99,17 @@ class Residency:
         i64 = dict(dtype=torch.int64, device=device)
         self.slot_of_expert = torch.full((*b, num_experts), -1, **i64)   # [..., E], -1 = absent
         self.expert_of_slot = torch.full((*b, num_slots), -1, **i64)     # [..., N], -1 = empty
-        # Clock broadcasts against [..., E]: a scalar unbatched, [L, 1] batched.
-        self.clock = torch.zeros(b + ((1,) if b else ()), **i64)
+        self.wave_of_expert = torch.full((*b, num_experts), -1, **i64)
+        """[..., E] the current step's wave of each needed expert (-1: not needed); written by
+        the residency step at wave 0 (``residency_step.py``)."""
+        self.counters = torch.zeros(*b, len(COUNTERS), **i64)               # [..., 8]
+        # Views of ``counters``. Clock broadcasts against [..., E]: a scalar unbatched, [L, 1]
+        # batched.
+        self.clock = self.counters[..., 0:1] if b else self.counters[0]
+        (self.hits, self.misses, self.evictions, self.last_hits, self.last_misses, self.waves,
+         self.step_waves) = (self.counters[..., i] for i in range(1, len(COUNTERS)))
         self.policy_state = {k: v.expand(*b, *v.shape).clone()
                              for k, v in policy.init_state(num_experts, device).items()}
-        self.hits, self.misses, self.evictions = (torch.zeros(b, **i64) for _ in range(3))
-        self.last_hits, self.last_misses = torch.zeros(b, **i64), torch.zeros(b, **i64)
         self._ids_e = torch.arange(num_experts, device=device)
         self._ids_n = torch.arange(num_slots, device=device)
 
@@ -99,7 +118,8 @@ class Residency:
 
         Hits stay in their slots; each miss (in expert-id order) takes a victim slot among slots
         not holding a needed expert: empty slots first (by slot index), then the lowest policy
-        keep_score, ties broken by the lower expert id. An empty ``needed`` is an exact no-op (clock and policy state unchanged).
+        keep_score, ties broken by the lower expert id. An empty ``needed`` is an exact no-op
+        (maps, clock, policy state and every counter unchanged).
         """
         n, e = self.num_slots, self.num_experts
         resident = self.slot_of_expert >= 0
@@ -122,20 +142,22 @@ class Residency:
         miss_experts = torch.argsort(miss_key, dim=-1)[..., :n]              # [..., N]
         valid = self._ids_n < num_miss.unsqueeze(-1)                         # [..., N]
         experts = torch.where(valid, miss_experts, -1)
+        slots = torch.where(valid, victims, -1)
         old = torch.gather(self.expert_of_slot, -1, victims)                 # [..., N]
         evicted = valid & (old >= 0)
-        self._apply(victims, experts, valid, old, evicted)
+        self._apply(slots, experts, valid, old, evicted)
         # Policy sees the wave after the victim choice; empty waves change nothing.
         self.policy.on_access(self.policy_state, needed, clock)
         hits = (needed & resident).sum(-1)
-        self.last_hits.copy_(hits)
-        self.last_misses.copy_(num_miss)
+        any_needed = needed.any(-1)
+        self.last_hits.copy_(torch.where(any_needed, hits, self.last_hits))
+        self.last_misses.copy_(torch.where(any_needed, num_miss, self.last_misses))
         self.hits.add_(hits)
         self.misses.add_(num_miss)
         self.evictions.add_(evicted.sum(-1))
-        any_needed = needed.any(-1)
+        self.waves.add_(any_needed)
         self.clock.add_(any_needed.unsqueeze(-1) if self.batch_shape else any_needed)
-        return LoadPlan(victims, experts, valid, num_miss)
+        return LoadPlan(slots, experts, valid)
 
     def _apply(self, slots: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor,
                old: torch.Tensor, evicted: torch.Tensor) -> None:

@@ -1,0 +1,228 @@
+"""The expert cache's C kernels (``vllm/kernels/cpu/moe_cache.c``): the fused residency step
+equals the torch reference step bit for bit (plan, slot ids, wave plan, maps, policy state,
+counters) over long random and recorded routing sequences, for every policy and N in
+{1, top_k, E/2, E-1}; LRU also against a plain-Python simulator; and the copy kernel against
+torch indexing."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm.kernels.cpu import moe_cache
+from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
+from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (KernelStep,
+                                                                              reference_step)
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="CPU kernels not built")
+POLICIES = ["lru", "lfu", "lfru", "lrfu"]
+kernel_step = KernelStep(moe_cache.residency_step, "cpu_kernel", on_host=True)
+
+
+def _bits(t: torch.Tensor) -> list:
+    return (t.view(torch.int64) if t.dtype == torch.float64 else t).tolist()
+
+
+def _state(res: Residency) -> dict:
+    return {"slot_of_expert": res.slot_of_expert.tolist(),
+            "expert_of_slot": res.expert_of_slot.tolist(),
+            "wave_of_expert": res.wave_of_expert.tolist(), "counters": res.counters.tolist(),
+            **{k: _bits(v) for k, v in res.policy_state.items()}}
+
+
+def _step_both(ref: Residency, ker: Residency, ids: torch.Tensor,
+               row_slots: torch.Tensor | None) -> None:
+    """One step of W waves on both residencies; every output and all state equal per wave."""
+    T, K = ids.shape
+    for wave in range(num_waves(ref.num_experts, T * K, ref.num_slots)):
+        p1, s1 = reference_step(ref, ids, row_slots, wave)
+        p2, s2 = kernel_step(ker, ids, row_slots, wave)
+        assert p1.slots.tolist() == p2.slots.tolist(), wave
+        assert p1.experts.tolist() == p2.experts.tolist(), wave
+        assert p1.valid.tolist() == p2.valid.tolist(), wave
+        assert s1.tolist() == s2.tolist(), wave
+        assert _state(ref) == _state(ker), wave
+
+
+def _random_steps(E: int, K: int, num_steps: int, seed: int):
+    """(topk_ids [T, K], row_slots [T] or None) steps with a drifting hot set (like real
+    routing), distinct experts per row, some skipped pairs (-1) and some padding rows."""
+    rng = random.Random(seed)
+    hot = rng.sample(range(E), max(K, E // 4))
+    for step in range(num_steps):
+        if step % 25 == 0:
+            hot[rng.randrange(len(hot))] = rng.randrange(E)
+        T = rng.choice([1, 1, 2, 3, 8, rng.randint(1, 40)])
+        rows = []
+        for _ in range(T):
+            pool = hot if rng.random() < 0.7 else range(E)
+            row = rng.sample(sorted(set(pool)), K) if len(set(pool)) >= K else \
+                rng.sample(range(E), K)
+            if rng.random() < 0.05:
+                row[rng.randrange(K)] = -1
+            rows.append(row)
+        row_slots = None
+        if rng.random() < 0.3:
+            row_slots = torch.tensor([-1 if rng.random() < 0.3 else t for t in range(T)])
+        yield torch.tensor(rows, dtype=torch.int64), row_slots
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("E,K,N", [(16, 4, 1), (16, 4, 4), (16, 4, 8), (16, 4, 15),
+                                   (64, 6, 6), (64, 6, 32), (64, 6, 63)])
+def test_kernel_equals_reference_on_random_routing(policy, E, K, N):
+    ref, ker = Residency(E, N, get_policy(policy)), Residency(E, N, get_policy(policy))
+    for ids, row_slots in _random_steps(E, K, 400, seed=E * 100 + N):
+        _step_both(ref, ker, ids, row_slots)
+    assert int(ker.hits) > 0 and int(ker.misses) > 0
+
+
+@pytest.mark.parametrize("policy", ["lfru", "lrfu"])
+def test_kernel_equals_reference_past_the_decay_table(policy):
+    """A clock far past the last uses: dt beyond the lrfu table (g**dt is then 0.0)."""
+    ref, ker = Residency(16, 5, get_policy(policy)), Residency(16, 5, get_policy(policy))
+    steps = list(_random_steps(16, 2, 120, seed=3))
+    for i, (ids, row_slots) in enumerate(steps):
+        if i == 60:
+            for r in (ref, ker):
+                r.clock.add_(10 ** 6)
+        _step_both(ref, ker, ids, row_slots)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_keep_scores_bitwise(policy):
+    """The C scores equal the torch policy's keep_score bit for bit on random states (dt from 0
+    past the lrfu decay table)."""
+    pol = get_policy(policy)
+    g = torch.Generator().manual_seed(1)
+    E, clock = 4096, 50_000
+    state = pol.init_state(E, torch.device("cpu"))
+    if "freq" in state:
+        state["freq"] = torch.randint(0, 10_000, (E,), generator=g)
+    if "last_use" in state:
+        state["last_use"] = clock - torch.randint(0, 40_000, (E,), generator=g)
+        state["last_use"][:64] = clock - torch.arange(64)
+    if "crf" in state:
+        state["crf"] = torch.rand(E, generator=g, dtype=torch.float64) * 40
+    params, table = pol.kernel_params(torch.device("cpu"))
+    got = moe_cache.keep_scores(pol.kernel_code, clock, state, params, table)
+    want = pol.keep_score(state, torch.tensor(clock))
+    assert _bits(got) == _bits(want)
+
+
+@pytest.fixture(scope="module")
+def recorded_routing(tmp_path_factory):
+    """The shipped default model's own routing, recorded by the engine: [steps] of [L, T, K]."""
+    import os
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.fused_moe.expert_cache.trace import load_trace
+    if not os.path.isdir(vllm.DEFAULT_MODEL):
+        pytest.skip("default model not shipped")
+    path = str(tmp_path_factory.mktemp("trace") / "trace.npz")
+    llm = LLM(device="cpu", moe_routing_trace_path=path, max_num_seqs=4)
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "    for i in range("]
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    del llm
+    return load_trace(path)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("N", [1, 4, 16, 31])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_kernel_equals_reference_on_recorded_routing(recorded_routing, policy, N, batch):
+    """Each layer's recorded routing replayed as decode steps of ``batch`` interleaved
+    sequences (the E = 32, top-4 default model)."""
+    from vllm.model_executor.layers.fused_moe.expert_cache.trace import interleave
+    trace = recorded_routing
+    steps = interleave(trace.offsets, batch)                             # [S, batch] tokens
+    for layer in range(trace.num_layers):
+        ref = Residency(trace.num_experts, N, get_policy(policy))
+        ker = Residency(trace.num_experts, N, get_policy(policy))
+        for tokens in steps:
+            ids = torch.as_tensor(trace.experts[tokens[tokens >= 0], layer].astype("int64"))
+            _step_both(ref, ker, ids, None)
+        assert int(ker.hits) + int(ker.misses) > 0
+
+
+def _plain_lru(steps, num_slots):
+    """Independent LRU (per step: hits refresh; misses in id order evict the least recently used
+    expert not needed now, ties to the lower id): (hits, misses)."""
+    last, hits, misses = {}, 0, 0
+    for t, need in enumerate(steps):
+        hits += sum(e in last for e in need)
+        for e in sorted(need):
+            if e not in last:
+                misses += 1
+                if len(last) == num_slots:
+                    del last[min((x for x in last if x not in need), key=lambda x: (last[x], x))]
+                last[e] = t
+        for e in need:
+            last[e] = t
+    return hits, misses
+
+
+def test_kernel_lru_matches_plain_python():
+    E, K, N = 12, 3, 5
+    res, needs, rng = Residency(E, N, get_policy("lru")), [], random.Random(9)
+    for _ in range(300):                                   # one token a step: one wave
+        row = rng.sample(range(E // 2) if rng.random() < 0.6 else range(E), K)
+        needs.append(sorted(row))
+        kernel_step(res, torch.tensor([row]), None, 0)
+    assert (int(res.hits), int(res.misses)) == _plain_lru(needs, N)
+
+
+def test_slot_ids_and_waves_by_hand():
+    """E=6, N=2, all experts resident-or-not by construction: waves resident-first."""
+    res = Residency(6, 2, get_policy("lru"))
+    kernel_step(res, torch.tensor([[4, 1]]), None, 0)             # 1 -> slot 0, 4 -> slot 1
+    assert res.expert_of_slot.tolist() == [1, 4]
+    ids = torch.tensor([[0, 4], [5, -1], [4, 2]])                  # needs 0, 2, 4, 5
+    plan, slots = kernel_step(res, ids, torch.tensor([0, 1, 2]), 0)
+    assert res.wave_of_expert.tolist() == [0, -1, 1, -1, 0, 1]      # 4 (hit) first, then 0 | 2, 5
+    assert int(res.step_waves) == 2
+    assert plan.experts.tolist() == [0, -1] and plan.slots.tolist() == [0, -1]  # 0 evicts 1
+    assert slots.tolist() == [[0, 1], [-1, -1], [1, -1]]
+    plan, slots = kernel_step(res, ids, torch.tensor([0, 1, 2]), 1)
+    assert plan.experts.tolist() == [2, 5] and sorted(plan.slots.tolist()) == [0, 1]
+    assert slots.tolist() == [[-1, -1], [res.slot_of_expert[5].item(), -1],
+                              [-1, res.slot_of_expert[2].item()]]
+    # A padding row routes nowhere and an empty wave changes nothing.
+    before = res.counters.clone()
+    plan, slots = kernel_step(res, torch.tensor([[3, 0]]), torch.tensor([-1]), 0)
+    assert slots.tolist() == [[-1, -1]] and not plan.valid.any()
+    assert torch.equal(res.counters[:7], before[:7]) and int(res.step_waves) == 0
+
+
+def test_expert_id_out_of_range_is_an_error():
+    res = Residency(6, 2, get_policy("lru"))
+    with pytest.raises(ValueError, match="num_experts=6"):
+        kernel_step(res, torch.tensor([[6, 1]]), None, 0)
+    assert res.counters.tolist() == [0] * 8 and res.slot_of_expert.tolist() == [-1] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.int32])
+def test_expert_copy_moves_only_valid_rows(dtype):
+    g = torch.Generator().manual_seed(0)
+    src = (torch.randn(7, 3, 5, generator=g) * 4).to(dtype)
+    dst = torch.zeros(4, 3, 5, dtype=dtype)
+    experts = torch.tensor([6, 2, -1, 0])
+    slots = torch.tensor([1, 3, -1, 0])
+    valid = torch.tensor([True, True, False, False])
+    moe_cache.expert_copy(src, dst, experts, slots, valid)
+    want = torch.zeros(4, 3, 5, dtype=dtype)
+    want[1], want[3] = src[6], src[2]
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_expert_copy_rejects_out_of_range_ids():
+    src, dst = torch.zeros(3, 4), torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="outside"):
+        moe_cache.expert_copy(src, dst, torch.tensor([3]), torch.tensor([0]), torch.tensor([True]))
+    with pytest.raises(ValueError, match="outside"):
+        moe_cache.expert_copy(src, dst, torch.tensor([0]), torch.tensor([2]), torch.tensor([True]))

@@ -1,0 +1,79 @@
+"""Python wrappers of ``moe_cache.c``: the expert cache's fused residency step and its miss copy.
+
+Both go through ``graph.launch``, so a CPU graph records them like any other kernel: a cached
+MoE layer's decode step replays with its bookkeeping and copies inside the graph. They take raw
+pointers to tensors their callers own (the layer's residency state lives as long as the layer).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.cpu.graph import launch
+
+
+def _ptr(t: torch.Tensor | None, dtype: torch.dtype, what: str) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"moe_cache: {what} must be a contiguous CPU {dtype} tensor, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t.data_ptr()
+
+
+def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave: int,
+                   slot_of_expert: torch.Tensor, expert_of_slot: torch.Tensor,
+                   wave_of_expert: torch.Tensor, counters: torch.Tensor, policy_code: int,
+                   state: dict[str, torch.Tensor], params: torch.Tensor, decay_pow: torch.Tensor,
+                   plan_slots: torch.Tensor, plan_experts: torch.Tensor, plan_valid: torch.Tensor,
+                   slot_ids: torch.Tensor) -> None:
+    """One wave of one layer (the contract in ``moe_cache.c``). topk_ids [T, K] int64; row_slots
+    [T] int64 or None (rows whose slot is PAD_SLOT_ID route nowhere); the state tensors are
+    updated in place; the plan [N] and slot_ids [T, K] are written."""
+    T, K = topk_ids.shape
+    E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
+    i64, f64 = torch.int64, torch.float64
+    rc = launch(
+        "moe_residency_step", _ptr(topk_ids, i64, "topk_ids"), _ptr(row_slots, i64, "row_slots"),
+        T, K, E, N, wave, _ptr(slot_of_expert, i64, "slot_of_expert"),
+        _ptr(expert_of_slot, i64, "expert_of_slot"), _ptr(wave_of_expert, i64, "wave_of_expert"),
+        _ptr(counters, i64, "counters"), policy_code, _ptr(state.get("freq"), i64, "freq"),
+        _ptr(state.get("last_use"), i64, "last_use"), _ptr(state.get("crf"), f64, "crf"),
+        _ptr(params, f64, "params"), _ptr(decay_pow, f64, "decay_pow"), decay_pow.numel(),
+        _ptr(plan_slots, i64, "plan_slots"), _ptr(plan_experts, i64, "plan_experts"),
+        _ptr(plan_valid, torch.bool, "plan_valid"), _ptr(slot_ids, i64, "slot_ids"))
+    if rc == -2:
+        raise ValueError(f"moe_cache: topk_ids holds an expert id >= num_experts={E} (ids must be "
+                         f"in [0, {E}) or negative to skip the pair)")
+    if rc:
+        raise MemoryError("moe_cache: the residency step could not allocate its scratch")
+
+
+def keep_scores(policy_code: int, clock: int, state: dict[str, torch.Tensor],
+                params: torch.Tensor, decay_pow: torch.Tensor) -> torch.Tensor:
+    """[E] float64: the keep score the residency step ranks each expert by (for tests of its
+    bits against ``EvictionPolicy.keep_score``)."""
+    E = next(iter(state.values())).shape[0]
+    out = torch.empty(E, dtype=torch.float64)
+    i64, f64 = torch.int64, torch.float64
+    launch("moe_cache_scores", policy_code, E, clock, _ptr(state.get("freq"), i64, "freq"),
+           _ptr(state.get("last_use"), i64, "last_use"), _ptr(state.get("crf"), f64, "crf"),
+           _ptr(params, f64, "params"), _ptr(decay_pow, f64, "decay_pow"), decay_pow.numel(),
+           out.data_ptr())
+    return out
+
+
+def expert_copy(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
+                valid: torch.Tensor) -> None:
+    """dst[slots[i]] = src[experts[i]] for each i with valid[i] (``UvaCopyKernel``'s contract on
+    CPU): src [E, ...] and dst [N, ...] contiguous with the same row shape and dtype."""
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype or not (
+            src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"expert_copy: src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} "
+                         f"{tuple(dst.shape)} must be contiguous with the same row shape and dtype")
+    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+    rc = launch("expert_copy", src.data_ptr(), dst.data_ptr(), row_bytes,
+                _ptr(experts, torch.int64, "experts"), _ptr(slots, torch.int64, "slots"),
+                _ptr(valid, torch.bool, "valid"), valid.numel(), src.shape[0], dst.shape[0])
+    if rc:
+        raise ValueError(f"expert_copy: a valid entry's expert or slot id is outside [0, "
+                         f"{src.shape[0]}) / [0, {dst.shape[0]})")
