@@ -1,15 +1,19 @@
 """Per-layer cost of the expert cache's bookkeeping: cached FusedMoE vs uncached, same run.
 
     python benchmarks/benchmark_moe_layer.py [--num-experts 8 --top-k 2 --hidden 32 --inter 16]
-        [--slots N (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32] [--json]
+        [--slots N (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32]
+        [--device cpu|cuda] [--json]
 
 Two routings per token count:
   * "all-hits": the router never picks the last expert, so with N = E-1 slots every access after
     warm-up is a hit: cached - uncached = pure bookkeeping (needed mask, split_waves, plan, remap,
     masked copy of zero misses).
   * "random": softmax over random logits, so misses (and copies) happen too.
-Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up. CPU times
-here are for the backend "auto" picks (or --moe-backend); device numbers need a GPU run.
+Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up (on CUDA
+each forward is timed to a device synchronisation). These are eager forwards: on CPU the cached
+layer's residency step is one C call per wave, but Python still runs around it; inside a decode
+graph (``benchmark_throughput.py --cache-sweep``) that Python is gone too. Times are for the
+backend "auto" picks (or --moe-backend) and the residency step the platform has.
 """
 from __future__ import annotations
 
@@ -30,21 +34,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build(args, cache_size: int, w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
     cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                     DeviceConfig("cpu"), kernel_config=KernelConfig(args.moe_backend))
+                     DeviceConfig(args.device), kernel_config=KernelConfig(args.moe_backend))
     with set_current_vllm_config(cfg):
         layer = FusedMoE(args.num_experts, args.top_k, args.hidden, args.inter,
                          params_dtype=w13.dtype)
         layer.load_expert_weight("w13_weight", w13, None, None)
         layer.load_expert_weight("w2_weight", w2, None, None)
-        layer.finish_loading(torch.device("cpu"))
+        layer.finish_loading(torch.device(args.device))
     return layer
 
 
 def median_ms(layer: FusedMoE, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    sync = torch.cuda.synchronize if inputs[0][0].is_cuda else (lambda: None)
     times = []
     for x, logits in inputs:
+        sync()
         t0 = time.perf_counter()
         layer(x, logits)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -55,7 +62,8 @@ def make_inputs(args, T: int, routing: str, dtype: torch.dtype, g: torch.Generat
         logits = torch.randn(T, args.num_experts, generator=g)
         if routing == "all-hits":
             logits[:, -1] = float("-inf")
-        out.append((torch.randn(T, args.hidden, generator=g).to(dtype), logits))
+        out.append((torch.randn(T, args.hidden, generator=g).to(dtype).to(args.device),
+                    logits.to(args.device)))
     return out
 
 
@@ -70,6 +78,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--moe-backend", choices=["auto", *moe_backend_names()], default="auto")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     n = args.slots if args.slots is not None else args.num_experts - 1
@@ -89,7 +98,8 @@ def main() -> None:
                 cached.expert_cache.reset_stats()
                 t_ref, t_cached = median_ms(ref, inputs), median_ms(cached, inputs)
                 st = cached.expert_cache.stats()
-                rows.append({"tokens": T, "routing": routing, "slots": n,
+                rows.append({"tokens": T, "routing": routing, "slots": n, "device": args.device,
+                             "residency_step": cached.expert_cache.step.name,
                              "uncached_ms": round(t_ref, 4), "cached_ms": round(t_cached, 4),
                              "overhead_ms": round(t_cached - t_ref, 4),
                              "hit_rate": round(st["hit_rate"], 4),
@@ -98,7 +108,8 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     print(f"E={E} top_k={args.top_k} H={H} I={I} N={n} dtype={args.dtype} iters={args.iters} "
-          f"backend={ref.quant_method.backend_name}")
+          f"device={args.device} backend={ref.quant_method.backend_name} "
+          f"residency step={cached.expert_cache.step.name}")
     print(f"{'T':>5} {'routing':>9} {'uncached ms':>12} {'cached ms':>10} {'overhead ms':>12} "
           f"{'hit rate':>9} {'waves':>6}")
     for r in rows:

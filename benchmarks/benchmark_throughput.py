@@ -11,6 +11,12 @@ left-padded batch in the same process; it must run every row to the longest outp
 only each request's own output tokens are counted for it (the same useful tokens as the engine).
 Each side runs --repeat timed passes over the same prompts after a warm-up; the figures are the
 median pass (all pass times are in the --json output), which keeps a shared machine's noise out.
+
+With --cache-sweep N1 N2 ... the engine is built once per expert-cache size (0 = no cache) and
+the timed passes alternate between them (size by size, --repeat rounds), so every size sees the
+same machine; the JSON's "cache_sweep" gives each size's median, its throughput relative to the
+uncached engine, and the hit rate and copies of its timed passes (e.g. ``--cache-sweep 0 31``:
+cached at N = E - 1 against uncached for the default model, E = 32).
 """
 from __future__ import annotations
 
@@ -55,6 +61,61 @@ def run_engine(args, prompts, out_lens, repeat: int) -> tuple[list[float], int, 
             llm.llm_engine.vllm_config.model_config.dtype)
 
 
+def run_cache_sweep(args, prompts, out_lens, sizes: list[int], repeat: int) -> list[dict]:
+    """One engine per cache size, timed passes interleaved across sizes -> one row per size."""
+    from vllm import LLM, SamplingParams
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in out_lens]
+    llms = {}
+    for n in sizes:
+        args.moe_expert_cache_size = n
+        llms[n] = LLM(**vars(EngineArgs.from_cli_args(args)))
+        llms[n].generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    before = {n: llm.get_moe_cache_stats() for n, llm in llms.items()}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    n_out = 0
+    for _ in range(repeat):
+        for n, llm in llms.items():
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            times[n].append(time.perf_counter() - start)
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    rows = []
+    for n, llm in llms.items():
+        row = {"moe_expert_cache_size": n, "seconds": _median(times[n]), "all_seconds": times[n],
+               "output_tokens_per_s": n_out / _median(times[n])}
+        row["relative_to_uncached"] = (_median(times[sizes[0]]) / row["seconds"]
+                                       if sizes[0] == 0 else None)
+        after = llm.get_moe_cache_stats()
+        if after is not None:
+            d = {k: after[k] - before[n][k] for k in ("hits", "misses", "bytes_copied")}
+            row["hit_rate"] = d["hits"] / max(1, d["hits"] + d["misses"])
+            row["misses_per_pass"] = d["misses"] / repeat
+            row["bytes_copied_per_pass"] = d["bytes_copied"] / repeat
+            row["copy_seconds_per_pass"] = row["misses_per_pass"] * copy_seconds_per_expert(llm)
+        rows.append(row)
+    return rows
+
+
+def copy_seconds_per_expert(llm) -> float:
+    """Median seconds the cache's own copy engine takes per expert (all its tensors), copying
+    every expert of the first cached layer's store in turn into its slots, N at a time."""
+    provider = next(m.expert_cache for m in llm.llm_engine.runner.moe_layers
+                    if m.expert_cache is not None)
+    from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
+    E, N = provider.num_experts, provider.num_slots
+    saved = {k: v.clone() for k, v in provider.slots.items()}
+    times = []
+    for i in range(0, 20 * E, N):
+        experts = torch.arange(i, i + N) % E
+        plan = LoadPlan(torch.arange(N), experts, torch.ones(N, dtype=torch.bool))
+        start = time.perf_counter()
+        provider.copy(provider.slots, plan)
+        times.append((time.perf_counter() - start) / N)
+    for k, v in saved.items():          # the slots must hold what the residency says again
+        provider.slots[k].copy_(v)
+    return _median(times)
+
+
 def run_hf(model_path: str, prompts, out_lens, dtype: torch.dtype,
            repeat: int) -> tuple[list[float], int]:
     """transformers in ``dtype``: the engine's resolved dtype, so ``--dtype auto`` compares the
@@ -94,6 +155,9 @@ def main(argv=None) -> dict:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for both engines (default: torch's choice)")
+    p.add_argument("--cache-sweep", type=int, nargs="+", default=None, metavar="N",
+                   help="expert-cache sizes to compare in one run, passes interleaved (0 = off; "
+                        "put 0 first for ratios to the uncached engine)")
     EngineArgs.add_cli_args(p)
     args = p.parse_args(argv)
     if args.threads:
@@ -106,6 +170,20 @@ def main(argv=None) -> dict:
                                       args.random_range_ratio, args.seed)
     if args.repeat < 1:
         p.error(f"--repeat={args.repeat} is invalid: must be >= 1")
+    if args.cache_sweep:
+        if any(n < 0 for n in args.cache_sweep):
+            p.error(f"--cache-sweep={args.cache_sweep} is invalid: sizes must be >= 0")
+        rows = run_cache_sweep(args, prompts, out_lens, args.cache_sweep, args.repeat)
+        result = {"model": args.model, "num_prompts": args.num_prompts,
+                  "input_len": args.input_len, "output_len": args.output_len,
+                  "threads": torch.get_num_threads(), "dtype": args.dtype,
+                  "device": args.device, "enforce_eager": args.enforce_eager,
+                  "repeat": args.repeat, "cache_sweep": rows}
+        print(json.dumps(result) if args.json else "\n".join(
+            f"cache {r['moe_expert_cache_size']:>3}: {r['output_tokens_per_s']:.1f} output tok/s"
+            + (f", {r['relative_to_uncached']:.3f}x uncached" if r["relative_to_uncached"] else "")
+            + (f", hit rate {r['hit_rate']:.3f}" if "hit_rate" in r else "") for r in rows))
+        return result
     times, n_out, dtype = run_engine(args, prompts, out_lens, args.repeat)
     elapsed = _median(times)
     result = {"model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,

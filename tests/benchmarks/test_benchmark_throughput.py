@@ -51,3 +51,27 @@ def test_both_sides_run_in_the_engines_dtype(tmp_path, monkeypatch, capsys, save
     assert 3 * 2 <= round(n_eng) <= 3 * 6
     assert result["speedup_vs_hf"] == pytest.approx(eng["output_tokens_per_s"]
                                                     / hf["output_tokens_per_s"])
+
+
+def test_cache_sweep_compares_sizes_in_one_run(tmp_path, capsys):
+    """--cache-sweep 0 2 5: one engine per size, each with its own figures; the ratio is to the
+    uncached engine's median, and the cached rows count their timed passes' misses and copies
+    (6 experts in the tiny model: 2 slots miss, 5 slots nearly never after warm-up)."""
+    from tiny_models import build_tiny_model
+    path = tmp_path / "tiny"
+    build_tiny_model("Qwen3MoeForCausalLM", path)
+    result = _bench().main(["--model", str(path), "--num-prompts", "4", "--input-len", "6",
+                            "--output-len", "5", "--repeat", "2", "--device", "cpu",
+                            "--cache-sweep", "0", "2", "5", "--json"])
+    assert json.loads(capsys.readouterr().out) == result
+    rows = result["cache_sweep"]
+    assert [r["moe_expert_cache_size"] for r in rows] == [0, 2, 5]
+    for r in rows:
+        assert len(r["all_seconds"]) == 2 and r["seconds"] in r["all_seconds"]
+        assert r["output_tokens_per_s"] == pytest.approx(4 * 5 / r["seconds"])
+        assert r["relative_to_uncached"] == pytest.approx(rows[0]["seconds"] / r["seconds"])
+    assert "hit_rate" not in rows[0]
+    small, large = rows[1], rows[2]
+    assert 0 <= small["hit_rate"] < large["hit_rate"] <= 1 and small["misses_per_pass"] > 0
+    per_expert = small["bytes_copied_per_pass"] / small["misses_per_pass"]
+    assert per_expert > 0 and small["copy_seconds_per_pass"] > 0
