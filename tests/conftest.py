@@ -12,6 +12,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Tiny models: one thread is fastest, and intra-op threads spin badly when the 2-core machine is
 # busy with other processes.
 torch.set_num_threads(1)
+# Without a GPU, Triton kernels run under Triton's interpreter. It is chosen when @triton.jit
+# runs (triton's own library functions included), so it must be set before anything imports
+# triton; torch and vllm do not import it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -63,3 +68,19 @@ def torch_paths(monkeypatch):
     yield
     monkeypatch.delenv("VLLM_CPU_KERNELS")
     build.load_cpu_kernels.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def recorded_routing(tmp_path_factory):
+    """The shipped default model's own routing, recorded by the engine: [steps] of [L, T, K]."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers.fused_moe.expert_cache.trace import load_trace
+    if not os.path.isdir(vllm.DEFAULT_MODEL):
+        pytest.skip("default model not shipped")
+    path = str(tmp_path_factory.mktemp("trace") / "trace.npz")
+    llm = LLM(device="cpu", moe_routing_trace_path=path, max_num_seqs=4)
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "    for i in range("]
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    del llm
+    return load_trace(path)

@@ -1,6 +1,7 @@
 """The CUDA platform (NVIDIA GPUs). Compiled ops of our own (``csrc/`` -> ``vllm._C``) only where a
-CUDA build made them: today the expert cache's gather copy. Every other op runs its torch
-implementation, and ``grouped_mm`` (torch._grouped_mm, SM 9.0+) is the fast MoE backend."""
+CUDA build made them: today the expert cache's gather copy; the expert cache's residency step is
+a Triton kernel (``vllm/kernels/triton``). Every other op runs its torch implementation, and
+``grouped_mm`` (torch._grouped_mm, SM 9.0+) is the fast MoE backend."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +11,24 @@ from typing import Callable
 import torch
 
 from vllm.kernels.cuda import ops as cuda_ops
+from vllm.logger import init_logger
 from vllm.platforms.interface import DeviceCapability, Platform
+
+logger = init_logger(__name__)
+
+
+@functools.cache
+def _triton_residency_step() -> Callable[..., None] | None:
+    """The Triton residency step, or None (with one warning naming the package) where triton is
+    not installed: the cache then runs the tensor-op reference step, exact but ~40 launches per
+    wave."""
+    try:
+        from vllm.kernels.triton.residency_step import residency_step
+    except ImportError as e:
+        logger.warning("expert cache: the fused residency step needs the 'triton' package (%s); "
+                       "using the tensor-op step. Install it with pip install triton", e)
+        return None
+    return residency_step
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,6 +60,9 @@ class CudaPlatform(Platform):
 
     def expert_copy_kernel(self) -> Callable[..., None] | None:
         return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else None
+
+    def residency_step_kernel(self) -> Callable[..., None] | None:
+        return _triton_residency_step()
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)

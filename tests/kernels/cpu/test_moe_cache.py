@@ -10,64 +10,17 @@ import random
 import pytest
 import torch
 
+from residency_cases import POLICIES, bits, random_steps, step_both
+
 from vllm.kernels.cpu import moe_cache
 from vllm.kernels.cpu.build import load_cpu_kernels
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
-from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (KernelStep,
                                                                               reference_step)
 
 pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="CPU kernels not built")
-POLICIES = ["lru", "lfu", "lfru", "lrfu"]
 kernel_step = KernelStep(moe_cache.residency_step, "cpu_kernel", on_host=True)
-
-
-def _bits(t: torch.Tensor) -> list:
-    return (t.view(torch.int64) if t.dtype == torch.float64 else t).tolist()
-
-
-def _state(res: Residency) -> dict:
-    return {"slot_of_expert": res.slot_of_expert.tolist(),
-            "expert_of_slot": res.expert_of_slot.tolist(),
-            "wave_of_expert": res.wave_of_expert.tolist(), "counters": res.counters.tolist(),
-            **{k: _bits(v) for k, v in res.policy_state.items()}}
-
-
-def _step_both(ref: Residency, ker: Residency, ids: torch.Tensor,
-               row_slots: torch.Tensor | None) -> None:
-    """One step of W waves on both residencies; every output and all state equal per wave."""
-    T, K = ids.shape
-    for wave in range(num_waves(ref.num_experts, T * K, ref.num_slots)):
-        p1, s1 = reference_step(ref, ids, row_slots, wave)
-        p2, s2 = kernel_step(ker, ids, row_slots, wave)
-        assert p1.slots.tolist() == p2.slots.tolist(), wave
-        assert p1.experts.tolist() == p2.experts.tolist(), wave
-        assert p1.valid.tolist() == p2.valid.tolist(), wave
-        assert s1.tolist() == s2.tolist(), wave
-        assert _state(ref) == _state(ker), wave
-
-
-def _random_steps(E: int, K: int, num_steps: int, seed: int):
-    """(topk_ids [T, K], row_slots [T] or None) steps with a drifting hot set (like real
-    routing), distinct experts per row, some skipped pairs (-1) and some padding rows."""
-    rng = random.Random(seed)
-    hot = rng.sample(range(E), max(K, E // 4))
-    for step in range(num_steps):
-        if step % 25 == 0:
-            hot[rng.randrange(len(hot))] = rng.randrange(E)
-        T = rng.choice([1, 1, 2, 3, 8, rng.randint(1, 40)])
-        rows = []
-        for _ in range(T):
-            pool = hot if rng.random() < 0.7 else range(E)
-            row = rng.sample(sorted(set(pool)), K) if len(set(pool)) >= K else \
-                rng.sample(range(E), K)
-            if rng.random() < 0.05:
-                row[rng.randrange(K)] = -1
-            rows.append(row)
-        row_slots = None
-        if rng.random() < 0.3:
-            row_slots = torch.tensor([-1 if rng.random() < 0.3 else t for t in range(T)])
-        yield torch.tensor(rows, dtype=torch.int64), row_slots
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -75,8 +28,8 @@ def _random_steps(E: int, K: int, num_steps: int, seed: int):
                                    (64, 6, 6), (64, 6, 32), (64, 6, 63)])
 def test_kernel_equals_reference_on_random_routing(policy, E, K, N):
     ref, ker = Residency(E, N, get_policy(policy)), Residency(E, N, get_policy(policy))
-    for ids, row_slots in _random_steps(E, K, 400, seed=E * 100 + N):
-        _step_both(ref, ker, ids, row_slots)
+    for ids, row_slots in random_steps(E, K, 400, seed=E * 100 + N):
+        step_both(reference_step, kernel_step, ref, ker, ids, row_slots)
     assert int(ker.hits) > 0 and int(ker.misses) > 0
 
 
@@ -84,12 +37,12 @@ def test_kernel_equals_reference_on_random_routing(policy, E, K, N):
 def test_kernel_equals_reference_past_the_decay_table(policy):
     """A clock far past the last uses: dt beyond the lrfu table (g**dt is then 0.0)."""
     ref, ker = Residency(16, 5, get_policy(policy)), Residency(16, 5, get_policy(policy))
-    steps = list(_random_steps(16, 2, 120, seed=3))
+    steps = list(random_steps(16, 2, 120, seed=3))
     for i, (ids, row_slots) in enumerate(steps):
         if i == 60:
             for r in (ref, ker):
                 r.clock.add_(10 ** 6)
-        _step_both(ref, ker, ids, row_slots)
+        step_both(reference_step, kernel_step, ref, ker, ids, row_slots)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -110,25 +63,7 @@ def test_keep_scores_bitwise(policy):
     params, table = pol.kernel_params(torch.device("cpu"))
     got = moe_cache.keep_scores(pol.kernel_code, clock, state, params, table)
     want = pol.keep_score(state, torch.tensor(clock))
-    assert _bits(got) == _bits(want)
-
-
-@pytest.fixture(scope="module")
-def recorded_routing(tmp_path_factory):
-    """The shipped default model's own routing, recorded by the engine: [steps] of [L, T, K]."""
-    import os
-
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.model_executor.layers.fused_moe.expert_cache.trace import load_trace
-    if not os.path.isdir(vllm.DEFAULT_MODEL):
-        pytest.skip("default model not shipped")
-    path = str(tmp_path_factory.mktemp("trace") / "trace.npz")
-    llm = LLM(device="cpu", moe_routing_trace_path=path, max_num_seqs=4)
-    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "    for i in range("]
-    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    del llm
-    return load_trace(path)
+    assert bits(got) == bits(want)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -145,7 +80,7 @@ def test_kernel_equals_reference_on_recorded_routing(recorded_routing, policy, N
         ker = Residency(trace.num_experts, N, get_policy(policy))
         for tokens in steps:
             ids = torch.as_tensor(trace.experts[tokens[tokens >= 0], layer].astype("int64"))
-            _step_both(ref, ker, ids, None)
+            step_both(reference_step, kernel_step, ref, ker, ids, None)
         assert int(ker.hits) + int(ker.misses) > 0
 
 

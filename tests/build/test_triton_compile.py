@@ -1,0 +1,63 @@
+"""The Triton kernels compile for each CI architecture (SM90, SM120) without a GPU: Triton's
+frontend, its LLVM lowering and the ptxas it ships run on any machine. This catches what the
+interpreter cannot (a non-constexpr global, an op without a lowering), and checks the float64
+arithmetic the bit-exactness rests on: no FMA contraction, IEEE round-to-nearest division.
+Compiling is not running: the kernels' results are checked on a GPU by the ``gpu`` tests."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+# Run in a fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and
+# kernels decorated under it cannot be compiled.
+SCRIPT = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from vllm.kernels.triton import residency_step as m
+
+fn = m._residency_step_kernel
+types = {"P": "i32", "K": "i32", "E": "i32", "N": "i32", "w": "i32", "D": "i32",
+         "crf_ptr": "*fp64", "par_ptr": "*fp64", "pow_ptr": "*fp64", "pv_ptr": "*u8"}
+out = {}
+for cc in (90, 120):
+    for policy in range(4):
+        consts = dict(POLICY=policy, HAS_ROWS=True, FIRST_WAVE=True, BLOCK_E=64, BLOCK_N=64,
+                      BLOCK_P=m.BLOCK_P, ROW_BLOCK=m.ROW_BLOCK)
+        sig = {a: "constexpr" if a in consts else types.get(a, "*i64") for a in fn.arg_names}
+        src = triton.compiler.ASTSource(
+            fn=fn, signature=sig,
+            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=m.LAUNCH_OPTIONS)
+        out[f"{cc}/{policy}"] = {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("cc", [90, 120])
+@pytest.mark.parametrize("policy", [0, 1, 2, 3])
+def test_residency_step_compiles_without_contraction(compiled, cc, policy):
+    k = compiled[f"{cc}/{policy}"]
+    ptx = k["ptx"]
+    assert k["cubin"] > 0
+    assert f".target sm_{cc}a" in ptx
+    assert "fma.rn.f64" not in ptx and "fma.rz.f64" not in ptx     # crf * p * w1 + r * w0
+    assert "rcp.approx" not in ptx and "div.approx" not in ptx
+    if policy >= 2:                                                 # lfru and lrfu divide
+        assert "div.rn.f64" in ptx
