@@ -62,3 +62,28 @@ def test_cuda_pinning_refused_in_wsl(monkeypatch):
     finally:
         _in_wsl.cache_clear()
     assert CudaPlatform().is_pin_memory_available() == (not _in_wsl())
+
+
+def test_cuda_residency_step_is_the_triton_kernel():
+    pytest.importorskip("triton")
+    from vllm.kernels.triton import residency_step as triton_step
+    from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
+    from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
+    from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
+        select_residency_step)
+    assert platform_for("cuda").residency_step_kernel() is triton_step.residency_step
+    step = select_residency_step(Residency(8, 2, get_policy("lrfu")), torch.device("cuda"))
+    assert (step.name, step.on_host, step.cpu_graph_node) == ("triton", False, False)
+
+
+def test_cuda_residency_step_without_triton_falls_back_with_a_warning(monkeypatch, vllm_log):
+    import sys
+
+    from vllm.platforms import cuda as cuda_platform
+    monkeypatch.setitem(sys.modules, "vllm.kernels.triton.residency_step", None)  # ImportError
+    cuda_platform._triton_residency_step.cache_clear()
+    try:
+        assert platform_for("cuda").residency_step_kernel() is None
+        assert "'triton' package" in vllm_log.text and "pip install triton" in vllm_log.text
+    finally:
+        cuda_platform._triton_residency_step.cache_clear()
