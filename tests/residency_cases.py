@@ -1,5 +1,6 @@
-"""Shared by the residency-step kernel tests (C and Triton): random routing steps like real
-decode and prefill batches, and a residency's whole state as comparable values."""
+"""Shared by the expert-cache tests: random routing steps like real decode and prefill batches, a
+residency's whole state as comparable values, two steps compared wave by wave, and a plain-Python
+LRU simulator."""
 from __future__ import annotations
 
 import random
@@ -9,6 +10,24 @@ import torch
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
 
 POLICIES = ["lru", "lfu", "lfru", "lrfu"]
+
+
+def plain_lru(steps, num_slots: int) -> tuple[int, int]:
+    """Independent LRU (per step: hits refresh; misses in id order evict the least recently used
+    expert not needed now, ties to the lower id) over steps of needed expert ids: (hits,
+    misses)."""
+    last, hits, misses = {}, 0, 0
+    for t, need in enumerate(steps):
+        hits += sum(e in last for e in need)
+        for e in sorted(need):
+            if e not in last:
+                misses += 1
+                if len(last) == num_slots:
+                    del last[min((x for x in last if x not in need), key=lambda x: (last[x], x))]
+                last[e] = t
+        for e in need:
+            last[e] = t
+    return hits, misses
 
 
 def bits(t: torch.Tensor) -> list:

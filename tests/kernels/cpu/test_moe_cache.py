@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from residency_cases import POLICIES, bits, random_steps, step_both
+from residency_cases import POLICIES, bits, plain_lru, random_steps, step_both
 
 from vllm.kernels.cpu import moe_cache
 from vllm.kernels.cpu.build import load_cpu_kernels
@@ -84,23 +84,6 @@ def test_kernel_equals_reference_on_recorded_routing(recorded_routing, policy, N
         assert int(ker.hits) + int(ker.misses) > 0
 
 
-def _plain_lru(steps, num_slots):
-    """Independent LRU (per step: hits refresh; misses in id order evict the least recently used
-    expert not needed now, ties to the lower id): (hits, misses)."""
-    last, hits, misses = {}, 0, 0
-    for t, need in enumerate(steps):
-        hits += sum(e in last for e in need)
-        for e in sorted(need):
-            if e not in last:
-                misses += 1
-                if len(last) == num_slots:
-                    del last[min((x for x in last if x not in need), key=lambda x: (last[x], x))]
-                last[e] = t
-        for e in need:
-            last[e] = t
-    return hits, misses
-
-
 def test_kernel_lru_matches_plain_python():
     E, K, N = 12, 3, 5
     res, needs, rng = Residency(E, N, get_policy("lru")), [], random.Random(9)
@@ -108,7 +91,7 @@ def test_kernel_lru_matches_plain_python():
         row = rng.sample(range(E // 2) if rng.random() < 0.6 else range(E), K)
         needs.append(sorted(row))
         kernel_step(res, torch.tensor([row]), None, 0)
-    assert (int(res.hits), int(res.misses)) == _plain_lru(needs, N)
+    assert (int(res.hits), int(res.misses)) == plain_lru(needs, N)
 
 
 def test_slot_ids_and_waves_by_hand():

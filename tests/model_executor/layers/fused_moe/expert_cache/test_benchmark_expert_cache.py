@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from residency_cases import plain_lru
 
 from vllm.model_executor.layers.fused_moe.expert_cache.belady import belady_layer
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY
@@ -25,21 +26,6 @@ def _synthetic_trace(num_tokens=120, layers=2, num_experts=12, top_k=3, seed=0):
     return RoutingTrace(experts.astype(np.uint8), offsets, {"num_experts": num_experts})
 
 
-def _plain_lru_layer(steps, capacity):
-    last, hits, misses = {}, 0, 0
-    for t, need in enumerate(steps):
-        hits += sum(e in last for e in need)
-        for e in sorted(need):
-            if e not in last:
-                misses += 1
-                if len(last) == capacity:
-                    del last[min((x for x in last if x not in need), key=lambda x: (last[x], x))]
-            last[e] = t
-        for e in need:
-            last[e] = t
-    return hits, misses
-
-
 def test_cli_json_and_lru_against_plain_python(tmp_path, capsys):
     trace = _synthetic_trace()
     path = str(tmp_path / "t.npz")
@@ -51,7 +37,7 @@ def test_cli_json_and_lru_against_plain_python(tmp_path, capsys):
     assert {"lru", "lfu", "lfru", "lrfu", "belady"} <= set(out["hit_rate"])
     hits = misses = 0
     for layer in range(trace.num_layers):
-        h, m = _plain_lru_layer([set(row) for row in trace.experts[:, layer].tolist()], 5)
+        h, m = plain_lru([set(row) for row in trace.experts[:, layer].tolist()], 5)
         hits, misses = hits + h, misses + m
     assert out["hit_rate"]["lru"] == pytest.approx(hits / (hits + misses))
     assert all(out["hit_rate"]["belady"] >= v - 1e-12 for v in out["hit_rate"].values())
