@@ -80,3 +80,26 @@ def test_chunked_prefill_off_still_generates(tiny_model_factory):
     ref = LLM(path).generate([[5] * 40], _greedy())[0].outputs[0].token_ids
     llm = LLM(path, enable_chunked_prefill=False, max_num_batched_tokens=64)
     assert llm.generate([[5] * 40], _greedy())[0].outputs[0].token_ids == ref
+
+
+def test_text_that_is_not_unicode_or_cannot_fit_is_refused_before_tokenizing(
+        tiny_model_factory, monkeypatch):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_factory(), max_model_len=64))
+    prompts = engine.prompts
+    longest = max(len(t) for t in prompts.tokenizer.get_vocab())
+    assert prompts.max_chars == 63 * longest
+    with pytest.raises(ValueError, match="lone surrogate U\\+D83D at character 3"):
+        engine.add_request("a", "abc\ud83d!")
+    calls = []
+    monkeypatch.setattr(prompts.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    with pytest.raises(ValueError, match=f"{63 * longest + 1} characters, which cannot fit in "
+                                         "max_model_len=64"):
+        engine.add_request("b", "x" * (63 * longest + 1))
+    with pytest.raises(ValueError, match="messages\\[1\\].content has"):
+        engine.render_chat([{"role": "user", "content": "hi"},
+                            {"role": "user", "content": "y" * (63 * longest + 1)}],
+                           chat_template="{{ messages[0]['content'] }}")
+    assert calls == []                                   # refused without tokenizing
+    engine.add_request("c", "x" * (63 * longest))         # at the bound: tokenized
+    assert len(calls) == 1
+    engine.shutdown()

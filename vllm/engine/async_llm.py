@@ -2,8 +2,9 @@
 
 Threading contract: only the engine thread touches the LLMEngine (scheduler, runner and the
 tokenizer, which is not safe to share). Everything else crosses over through ``_commands``
-(a thread-safe queue, drained between steps): adding and aborting requests, and ``call(fn)``
-for anything else (chat rendering, metric snapshots). Outputs go back to each request's
+(a thread-safe queue, drained between steps): adding and aborting requests, failing all of them
+(a server's shutdown grace), and ``call(fn)`` for anything else (metric snapshots). The server
+hands it token ids: checking, rendering and tokenizing text happen in its tokenizer worker. Outputs go back to each request's
 asyncio.Queue with ``loop.call_soon_threadsafe``. Concurrent requests batch in the engine.
 
 Failure isolation: a bad request fails at ``add_request`` (ValueError) and never enters the
@@ -146,6 +147,12 @@ class AsyncLLM:
         self._send(("call", fn, loop, fut))
         return await fut
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with ``EngineDead(message)`` (a 503 to its client) and
+        abort it in the engine; the engine keeps running. For a server's shutdown grace."""
+        if self.is_running:
+            self._commands.put(("fail_all", message))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if not self._stopping:
             self._stopping = True
@@ -210,6 +217,9 @@ class AsyncLLM:
                 _resolve(loop, fut, result, None)
         elif kind == "add":
             self._add(*cmd[1:])
+        elif kind == "fail_all":
+            for rid in list(self._pending):
+                self._fail(rid, EngineDead(cmd[1]))
 
     def _add(self, request_id, prompt, params, loop, fut) -> None:
         try:
@@ -248,8 +258,11 @@ class AsyncLLM:
         try:
             pending.loop.call_soon_threadsafe(pending.stream._queue.put_nowait, out)
         except Exception:  # noqa: BLE001 - e.g. the consumer's loop closed: drop this request
-            logger.exception("request %s: could not deliver its output; aborting it",
-                             out.request_id)
+            if pending.loop.is_closed():   # its server is gone (shutdown): nobody is waiting
+                logger.info("request %s: its event loop is closed; aborting it", out.request_id)
+            else:
+                logger.exception("request %s: could not deliver its output; aborting it",
+                                 out.request_id)
             self._pending.pop(out.request_id, None)
             self.engine.abort_request(out.request_id)
 

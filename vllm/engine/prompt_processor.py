@@ -24,19 +24,24 @@ class PromptProcessor:
         self.extra_stop_token_ids = [t for t in gen_eos if t != self.eos_token_id]
         """generation_config.json's other EOS ids (e.g. a chat model's end-of-turn token): they
         end generation like EOS, as in transformers and vLLM."""
+        # No token covers more characters than its vocabulary string has (byte-level BPE: one
+        # char per byte; byte-fallback pieces like <0x41> over-count), so a text longer than
+        # max_chars cannot fit in max_model_len tokens: it is refused before tokenizing.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_chars = (self.max_model_len - 1) * max(longest, 1)
 
     def process(self, prompt, index: int | None = None) -> tuple[str | None, list[int]]:
         """-> (prompt text or None, token ids). Raises ValueError naming the bad prompt."""
         where = "prompt" if index is None else f"prompt[{index}]"
         text: str | None = None
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.encode_text(where, prompt)
         elif isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
             elif isinstance(prompt.get("prompt"), str):
                 text = prompt["prompt"]
-                ids = self.tokenizer.encode(text)
+                ids = self.encode_text(where, text)
             else:
                 raise ValueError(f"{where}: a prompt dict needs 'prompt' (str) or "
                                  f"'prompt_token_ids' (list of int), got keys {sorted(prompt)}")
@@ -47,6 +52,24 @@ class PromptProcessor:
                              "token ids, or a TokensPrompt/TextPrompt dict")
         self._validate(where, ids)
         return text, ids
+
+    def check_text(self, where: str, text: str) -> None:
+        """ValueError for text that is not valid Unicode (a lone surrogate, which JSON can
+        carry) or too long to fit in max_model_len tokens (checked before any tokenizing)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} is not valid Unicode text: a lone surrogate "
+                             f"U+{ord(text[e.start]):04X} at character {e.start}") from None
+        if len(text) > self.max_chars:
+            per_token = self.max_chars // max(self.max_model_len - 1, 1)
+            raise ValueError(f"{where} has {len(text)} characters, which cannot fit in "
+                             f"max_model_len={self.max_model_len} tokens (a token of this "
+                             f"tokenizer covers at most {per_token} characters)")
+
+    def encode_text(self, where: str, text: str) -> list[int]:
+        self.check_text(where, text)
+        return self.tokenizer.encode(text)
 
     def _validate(self, where: str, ids: list[int]) -> None:
         if not ids:
@@ -69,16 +92,29 @@ class PromptProcessor:
     def render_chat(self, messages, chat_template: str | None = None,
                     add_generation_prompt: bool = True) -> dict:
         """Render messages with the tokenizer's chat template -> a TokensPrompt dict."""
+        text = self.render_chat_text(messages, chat_template, add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(
+            text, add_special_tokens=False)}
+
+    def render_chat_text(self, messages, chat_template: str | None = None,
+                         add_generation_prompt: bool = True) -> str:
+        """The chat prompt as text (checked like any prompt text). ValueError for bad
+        messages, a missing template or over-long text."""
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        for i, m in enumerate(messages):
+            if isinstance(m["content"], str):
+                self.check_text(f"messages[{i}].content", m["content"])
+        # transformers renders in an ImmutableSandboxedEnvironment (no attribute access to
+        # Python internals, no mutation of the inputs).
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
                                                   chat_template=chat_template)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(
-            text, add_special_tokens=False)}
+        self.check_text("the rendered chat prompt", text)
+        return text
 
 
 def _generation_config_eos(model_dir: str) -> list[int]:

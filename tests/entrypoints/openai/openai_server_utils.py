@@ -57,7 +57,8 @@ class RemoteServer:
         raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path) as f:
             return f.read()
 

@@ -3,16 +3,25 @@
 Routes: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
 /v1/chat/completions. Every error is OpenAI's JSON ({"error": {"message", "type", "param",
 "code"}}); no traceback ever reaches a client. With --api-key, /v1/* needs
-``Authorization: Bearer <key>``.
+``Authorization: Bearer <key>``. CORS as vLLM's (--allowed-origins ...; preflight requests are
+answered before the key check, as browsers send them without it). Prompts are checked, rendered
+and tokenized in a tokenizer worker (``tokenizer_pool.py``), never on the engine thread. SIGTERM
+or SIGINT: stop accepting, give in-flight requests --shutdown-timeout seconds, cancel the rest
+(which aborts their engine requests), stop the engine, exit 0. docs/serving.md lists the flags.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import os
+import signal
+import threading
 
+import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,7 +33,8 @@ from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionR
                                               ModelList, OpenAIError, error_body, random_id)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import failure_to_error
+from vllm.entrypoints.openai.serving_engine import FrontendOptions, failure_to_error
+from vllm.entrypoints.openai.tokenizer_pool import TokenizerPool
 from vllm.logger import init_logger
 from vllm.platforms import platform_for
 
@@ -36,30 +46,75 @@ _ROUTES = ("/health", "/version", "/metrics", "/v1/models", "/v1/completions",
 
 # ---- CLI --------------------------------------------------------------------------------------
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine, log what it uses, and serve until interrupted."""
-    import uvicorn
-
+    """Build the engine, log what it uses, and serve until SIGINT/SIGTERM; 0 after a clean
+    shutdown."""
     from vllm import DEFAULT_MODEL
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag
     names = args.served_model_name or [args.model_tag or "default"]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
     async_llm = AsyncLLM.from_engine_args(engine_args)
+    app: FastAPI | None = None
+    server: GracefulServer | None = None
     try:
         for line in startup_summary(async_llm.engine, names):
             logger.info(line)
+        options = FrontendOptions(max_n=args.max_n,
+                                  trust_request_chat_template=args.trust_request_chat_template)
         app = build_app(async_llm, names, api_key=api_key,
-                        model_root=args.model_tag or DEFAULT_MODEL)
+                        model_root=args.model_tag or DEFAULT_MODEL, options=options)
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_credentials=args.allow_credentials,
+                           allow_methods=args.allowed_methods, allow_headers=args.allowed_headers)
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=args.timeout_keep_alive)
-        server = uvicorn.Server(config)
+                                timeout_keep_alive=args.timeout_keep_alive,
+                                # a backstop: the grace itself ends requests (GracefulServer)
+                                timeout_graceful_shutdown=args.shutdown_timeout + 10)
+        server = GracefulServer(config, async_llm, args.shutdown_timeout)
         logger.info("serving the OpenAI API on http://%s:%d/v1 (auth: %s)", args.host, args.port,
                     "api key" if api_key else "none")
-        server.run()
+        with _signal_ends_serving():
+            server.run()
         return 0 if server.started else 1
     finally:
+        if server is not None:
+            server.timer.cancel()
+        if app is not None:
+            app.state.tokenizers.shutdown()
         async_llm.shutdown()
+
+
+class GracefulServer(uvicorn.Server):
+    """On the first SIGINT/SIGTERM uvicorn stops accepting and waits for open requests;
+    ``grace_s`` later every request still in flight is ended with a 503 ("the server is
+    shutting down": an error event in a stream) and aborted in the engine, so the wait ends with
+    every client answered."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace_s: float):
+        super().__init__(config)
+        self.timer = threading.Timer(grace_s, async_llm.fail_all,
+                                     args=("the server is shutting down",))
+        self.timer.daemon = True
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.timer.start()
+        super().handle_exit(sig, frame)
+
+
+@contextlib.contextmanager
+def _signal_ends_serving():
+    """uvicorn handles SIGINT/SIGTERM (stop accepting, wait --shutdown-timeout, cancel) and then
+    re-raises the signal under the handlers it found; with these no-op ones the re-raise returns,
+    so the engine is shut down and the process exits 0 instead of dying by the signal."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = [signal.signal(s, lambda *_: None) for s in sigs]
+    try:
+        yield
+    finally:
+        for s, handler in zip(sigs, previous):
+            signal.signal(s, handler)
 
 
 def startup_summary(engine, names: list[str]) -> list[str]:
@@ -85,13 +140,17 @@ def _device_name(device: str) -> str:
 
 # ---- app --------------------------------------------------------------------------------------
 def build_app(async_llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              model_root: str | None = None) -> FastAPI:
-    """The FastAPI app over a running AsyncLLM (the caller shuts the engine down)."""
+              model_root: str | None = None, options: FrontendOptions | None = None) -> FastAPI:
+    """The FastAPI app over a running AsyncLLM. The caller shuts the engine down, and the app's
+    tokenizer worker (``app.state.tokenizers``) when it is done with the app."""
     from vllm import __version__
+    tokenizers = TokenizerPool.for_engine(async_llm.engine)
     app = FastAPI(title="vllm-moe-cache OpenAI-compatible API", version=__version__)
+    app.state.tokenizers = tokenizers
     metrics = ServerMetrics(served_model_names[0])
-    completion = OpenAIServingCompletion(async_llm, served_model_names, metrics)
-    chat = OpenAIServingChat(async_llm, served_model_names, metrics)
+    serving = (async_llm, served_model_names, metrics, tokenizers, options or FrontendOptions())
+    completion = OpenAIServingCompletion(*serving)
+    chat = OpenAIServingChat(*serving)
     max_model_len = async_llm.engine.vllm_config.model_config.max_model_len
     app.state.metrics = metrics
     app.state.async_llm = async_llm

@@ -2,7 +2,9 @@
 
 Request models type-check fields (a wrong type becomes a 400 naming the field); value ranges
 are checked by ``SamplingParams``, whose ValueError names the field. Unknown request fields
-are ignored, as OpenAI does.
+are ignored, as OpenAI does, except the known ones this server does not implement
+(``UNSUPPORTED_FIELDS``: structured output, tools, guided decoding, prompt logprobs): those get a
+400 naming the field rather than being ignored.
 """
 from __future__ import annotations
 
@@ -38,8 +40,24 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def _off(value) -> bool:
+    return value is None
+
+
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    # field -> which values mean "not used" (accepted; anything else is refused)
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none"),
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "structured_outputs": _off, "prompt_logprobs": _off,
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -64,6 +82,11 @@ class _Request(BaseModel):
     user: str | None = None
 
     def _sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
+        for name, value in (self.model_extra or {}).items():
+            accepts = UNSUPPORTED_FIELDS.get(name)
+            if accepts is not None and not accepts(value):
+                raise OpenAIError(f"{name} is not supported by this server (it is refused rather "
+                                  f"than ignored); remove it from the request", param=name)
         if self.logit_bias:
             raise OpenAIError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:

@@ -1,5 +1,6 @@
-"""POST /v1/chat/completions: messages are rendered with the tokenizer's chat template (in the
-engine thread, which owns the tokenizer), then generated like one completion prompt."""
+"""POST /v1/chat/completions: messages are rendered with the model's chat template in the
+tokenizer worker (a request's own template only with --trust-request-chat-template), then
+generated like one completion prompt."""
 from __future__ import annotations
 
 from typing import AsyncIterator
@@ -44,10 +45,15 @@ class OpenAIServingChat(OpenAIServing):
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _render(self, messages: list[dict], request: ChatCompletionRequest) -> dict:
-        template, add_gen = request.chat_template, request.add_generation_prompt
+        template = request.chat_template
+        if template is not None and not self.options.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is refused: a template is code the "
+                              "server would run; this server renders its model's template only "
+                              "(start it with --trust-request-chat-template to allow them)",
+                              param="chat_template")
         try:
-            return await self.engine.call(
-                lambda engine: engine.render_chat(messages, template, add_gen))
+            return await self.tokenizers.render_chat(messages, template,
+                                                     request.add_generation_prompt)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from None
         except Exception as e:  # noqa: BLE001 - jinja errors: a bad template or message

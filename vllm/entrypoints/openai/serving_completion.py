@@ -46,8 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _echo_text(self, stream: RequestStream) -> str:
         if stream.prompt is not None:
             return stream.prompt
-        ids = stream.prompt_token_ids
-        return await self.engine.call(lambda engine: engine.tokenizer.decode(ids))
+        return await self.tokenizers.decode(stream.prompt_token_ids)
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str,
                       streams: list[RequestStream], echoes: list[str]) -> AsyncIterator[str]:

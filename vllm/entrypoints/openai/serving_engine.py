@@ -1,15 +1,18 @@
-"""What the completion and chat handlers share: model-name check, adding a request's prompts to
-the engine (all or none), merging their output streams, SSE framing and error mapping."""
+"""What the completion and chat handlers share: the server's request limits, model-name check,
+tokenizing a request's prompts (in the tokenizer worker) and adding them to the engine (all or
+none), merging their output streams, SSE framing and error mapping."""
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from vllm.engine.async_llm import (AsyncLLM, EngineDead, InternalRequestError, RequestFailed,
                                    RequestStream)
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import OpenAIError, error_body, param_of
+from vllm.entrypoints.openai.tokenizer_pool import TokenizerPool
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -17,11 +20,28 @@ from vllm.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 
+@dataclass(frozen=True)
+class FrontendOptions:
+    """What the server allows a request (``vllm serve`` flags)."""
+    max_n: int = 128
+    """Largest n (and best_of) a request may ask for (--max-n)."""
+    trust_request_chat_template: bool = False
+    """Whether a request may bring its own chat_template (--trust-request-chat-template): a
+    template is code, rendered by the server."""
+
+    def __post_init__(self):
+        if self.max_n < 1:
+            raise ValueError(f"max_n={self.max_n} is invalid: must be >= 1")
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics,
+                 tokenizers: TokenizerPool, options: FrontendOptions):
         self.engine = engine
         self.served_model_names = served_model_names
         self.metrics = metrics
+        self.tokenizers = tokenizers
+        self.options = options
 
     def check_model(self, name: str | None) -> str:
         """The model name to report; 400 for a name this server does not serve."""
@@ -32,16 +52,23 @@ class OpenAIServing:
 
     async def add_prompts(self, base_id: str, prompts: list,
                           params: SamplingParams) -> list[RequestStream]:
-        """Add one engine request per prompt (ids ``{base_id}-{i}``); a bad prompt aborts the
-        ones already added and becomes a 400 naming it."""
+        """Tokenize (in the tokenizer worker) and add one engine request per prompt (ids
+        ``{base_id}-{i}``); a bad prompt aborts the ones already added and becomes a 400 naming
+        it. Prompts may be text, token ids or already-tokenized prompt dicts."""
+        if params.n > self.options.max_n:
+            raise OpenAIError(f"n={params.n} is invalid: this server allows at most "
+                              f"{self.options.max_n} completions per prompt (--max-n)", param="n")
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
+                index = i if len(prompts) > 1 else None
                 try:
-                    streams.append(await self.engine.add_request(f"{base_id}-{i}", prompt, params))
+                    tokenized = await self.tokenizers.process(prompt, index)
+                    streams.append(await self.engine.add_request(f"{base_id}-{i}", tokenized,
+                                                                 params))
                 except ValueError as e:
                     msg = str(e)
-                    if len(prompts) > 1 and msg.startswith("prompt"):
+                    if index is not None and msg.startswith("prompt "):
                         msg = f"prompt[{i}]" + msg[len("prompt"):]
                     raise OpenAIError(msg, param=param_of(msg)) from None
         except BaseException:

@@ -1,0 +1,58 @@
+"""The server's tokenizing worker: request text is checked, chat templates rendered and prompts
+tokenized here, off the engine thread (which then only validates token ids, schedules and
+steps) and off the event loop (which keeps serving other clients meanwhile).
+
+It owns its own ``PromptProcessor`` (its own tokenizer instance: a Rust tokenizer is not shared
+across threads) and one tokenizing thread, so prompts are tokenized in arrival order. Chat
+templates render on two other threads (Jinja does not touch the tokenizer), so a slow template
+never delays the tokenizing of other requests. Every text is bounded before any tokenizing or
+rendering (``PromptProcessor.check_text``: valid Unicode, no more characters than max_model_len
+tokens can cover); a request-supplied template (refused unless the server runs with
+``--trust-request-chat-template``) renders in transformers' sandboxed Jinja environment, with no
+time limit (a thread cannot be stopped).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from vllm.engine.prompt_processor import PromptProcessor
+
+
+class TokenizerPool:
+    def __init__(self, processor: PromptProcessor):
+        self.processor = processor
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-tokenizer")
+        self._templates = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-template")
+
+    @classmethod
+    def for_engine(cls, engine) -> "TokenizerPool":
+        return cls(PromptProcessor(engine.vllm_config.model_config))
+
+    async def _run(self, fn: Callable[..., Any], *args, pool: ThreadPoolExecutor | None = None
+                   ) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn, *args)
+
+    async def process(self, prompt, index: int | None = None) -> dict:
+        """A prompt (text, token ids or a prompt dict) -> {"prompt", "prompt_token_ids"} for
+        ``AsyncLLM.add_request``. ValueError names the bad prompt."""
+        text, ids = await self._run(self.processor.process, prompt, index)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    async def render_chat(self, messages: list[dict], chat_template: str | None,
+                          add_generation_prompt: bool) -> dict:
+        """Rendered and tokenized messages: {"prompt", "prompt_token_ids"}."""
+        text = await self._run(self.processor.render_chat_text, messages, chat_template,
+                               add_generation_prompt, pool=self._templates)
+        ids = await self._run(functools.partial(self.processor.tokenizer.encode,
+                                                add_special_tokens=False), text)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._run(self.processor.tokenizer.decode, token_ids)
+
+    def shutdown(self) -> None:
+        for pool in (self._pool, self._templates):
+            pool.shutdown(wait=False, cancel_futures=True)
