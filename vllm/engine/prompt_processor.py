@@ -100,6 +100,17 @@ class PromptProcessor:
                          add_generation_prompt: bool = True) -> str:
         """The chat prompt as text (checked like any prompt text). ValueError for bad
         messages, a missing template or over-long text."""
+        self.check_messages(messages, chat_template)
+        # transformers renders in an ImmutableSandboxedEnvironment (no attribute access to
+        # Python internals, no mutation of the inputs).
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  chat_template=chat_template)
+        self.check_text("the rendered chat prompt", text)
+        return text
+
+    def check_messages(self, messages, chat_template: str | None) -> None:
+        """What rendering needs: well-formed messages with checked text, and a template."""
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
@@ -108,13 +119,6 @@ class PromptProcessor:
         for i, m in enumerate(messages):
             if isinstance(m["content"], str):
                 self.check_text(f"messages[{i}].content", m["content"])
-        # transformers renders in an ImmutableSandboxedEnvironment (no attribute access to
-        # Python internals, no mutation of the inputs).
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  chat_template=chat_template)
-        self.check_text("the rendered chat prompt", text)
-        return text
 
 
 def _generation_config_eos(model_dir: str) -> list[int]:

@@ -160,28 +160,43 @@ def test_pipelined_requests_all_answered(server):
 def trusting_server(model_path, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("trusting") / "server.log")
     srv = RemoteServer(model_path, ["--api-key", API_KEY, "--served-model-name", SERVED_NAME,
-                                    "--trust-request-chat-template", "--max-n", "4",
-                                    "--uvicorn-log-level", "warning"], log)
+                                    "--trust-request-chat-template", "--chat-template-timeout",
+                                    "1", "--max-n", "4", "--uvicorn-log-level", "warning"], log)
     yield srv
     srv.stop()
 
 
-def test_trusted_request_template_renders_off_the_engine_thread(trusting_server):
+def _chat(srv, template, content="def f():"):
+    return _post(srv, "/v1/chat/completions", {
+        "model": SERVED_NAME, "messages": [{"role": "user", "content": content}],
+        "chat_template": template, "max_tokens": 2})
+
+
+def test_trusted_request_template_renders(trusting_server):
     srv = trusting_server
-    ok = _post(srv, "/v1/chat/completions", {
-        "model": SERVED_NAME, "messages": [{"role": "user", "content": "def f():"}],
-        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-        "max_tokens": 2})
+    ok = _chat(srv, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert ok.status_code == 200, ok.text
     ref = _post(srv, "/v1/completions", {"model": SERVED_NAME, "prompt": "def f():",
                                           "max_tokens": 1})
     assert ok.json()["usage"]["prompt_tokens"] == ref.json()["usage"]["prompt_tokens"]
-    slow = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}],
-            "chat_template": NESTED_LOOPS, "max_tokens": 2}
-    resp = _served_meanwhile(srv, lambda: _post(srv, "/v1/chat/completions", slow))
-    assert resp.status_code == 200, resp.text
+    _error(_chat(srv, "{{ nope() }}"), "messages", "could not be rendered", "UndefinedError")
     _error(_post(srv, "/v1/completions", {"model": SERVED_NAME, "prompt": "hi", "n": 5}),
            "n", "at most 4")
+
+
+def test_slow_request_template_is_stopped_at_the_time_limit(trusting_server):
+    """The template renders in a child process: other clients are served meanwhile, the
+    render is killed after --chat-template-timeout (1 s), and the next template renders."""
+    srv = trusting_server
+    slow = "{% for z in range(100000) %}" + NESTED_LOOPS + "{% endfor %}"     # hours
+    resp = _served_meanwhile(srv, lambda: _chat(srv, slow))
+    _error(resp, "chat_template", "took longer than 1 s")
+    assert _chat(srv, "{{ messages[0]['content'] }}").status_code == 200
+
+
+def test_huge_rendered_template_is_refused(trusting_server):
+    huge = "{% for a in range(100000) %}{{ 'xxxxxxxxxx' * 100 }}{% endfor %}"   # 100 MB
+    _error(_chat(trusting_server, huge), "messages", "100000000 characters")
 
 
 def test_sigterm_ends_requests_in_flight_after_the_grace_and_exits_0(model_path, tmp_path):

@@ -60,7 +60,8 @@ def run_serve(args: argparse.Namespace) -> int:
         for line in startup_summary(async_llm.engine, names):
             logger.info(line)
         options = FrontendOptions(max_n=args.max_n,
-                                  trust_request_chat_template=args.trust_request_chat_template)
+                                  trust_request_chat_template=args.trust_request_chat_template,
+                                  chat_template_timeout=args.chat_template_timeout)
         app = build_app(async_llm, names, api_key=api_key,
                         model_root=args.model_tag or DEFAULT_MODEL, options=options)
         app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
@@ -144,11 +145,14 @@ def build_app(async_llm: AsyncLLM, served_model_names: list[str], api_key: str |
     """The FastAPI app over a running AsyncLLM. The caller shuts the engine down, and the app's
     tokenizer worker (``app.state.tokenizers``) when it is done with the app."""
     from vllm import __version__
-    tokenizers = TokenizerPool.for_engine(async_llm.engine)
+    options = options or FrontendOptions()
+    tokenizers = TokenizerPool.for_engine(
+        async_llm.engine, options.chat_template_timeout
+        if options.trust_request_chat_template else None)
     app = FastAPI(title="vllm-moe-cache OpenAI-compatible API", version=__version__)
     app.state.tokenizers = tokenizers
     metrics = ServerMetrics(served_model_names[0])
-    serving = (async_llm, served_model_names, metrics, tokenizers, options or FrontendOptions())
+    serving = (async_llm, served_model_names, metrics, tokenizers, options)
     completion = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving)
     max_model_len = async_llm.engine.vllm_config.model_config.max_model_len

@@ -35,6 +35,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (a template is code the "
                         "server runs; refused by default)")
+    g.add_argument("--chat-template-timeout", type=_positive_seconds, default=5.0,
+                   help="with --trust-request-chat-template: seconds a request's template may "
+                        "take to render (in a child process) before it is stopped (default: 5)")
     g.add_argument("--allowed-origins", type=_json_list("--allowed-origins"), default=["*"],
                    help='CORS allowed origins, a JSON list (default: ["*"])')
     g.add_argument("--allowed-methods", type=_json_list("--allowed-methods"), default=["*"],
@@ -64,6 +67,13 @@ def _seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a number of seconds >= 0")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: must be a number of seconds > 0")
     return value
 
 

@@ -55,7 +55,9 @@ class OpenAIServingChat(OpenAIServing):
             return await self.tokenizers.render_chat(messages, template,
                                                      request.add_generation_prompt)
         except ValueError as e:
-            raise OpenAIError(str(e), param="messages") from None
+            msg = str(e)
+            param = "chat_template" if msg.startswith("chat_template") else "messages"
+            raise OpenAIError(msg, param=param) from None
         except Exception as e:  # noqa: BLE001 - jinja errors: a bad template or message
             raise OpenAIError(f"messages could not be rendered with the chat template: "
                               f"{type(e).__name__}: {e}", param="messages") from None

@@ -27,11 +27,16 @@ class FrontendOptions:
     """Largest n (and best_of) a request may ask for (--max-n)."""
     trust_request_chat_template: bool = False
     """Whether a request may bring its own chat_template (--trust-request-chat-template): a
-    template is code, rendered by the server."""
+    template is code, rendered by the server (in a child process, template_sandbox.py)."""
+    chat_template_timeout: float = 5.0
+    """Seconds a request's template may take to render before it is stopped (a 400)."""
 
     def __post_init__(self):
         if self.max_n < 1:
             raise ValueError(f"max_n={self.max_n} is invalid: must be >= 1")
+        if not self.chat_template_timeout > 0:
+            raise ValueError(f"chat_template_timeout={self.chat_template_timeout} is invalid: "
+                             "must be > 0")
 
 
 class OpenAIServing:

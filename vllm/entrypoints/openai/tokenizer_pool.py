@@ -7,9 +7,10 @@ across threads) and one tokenizing thread, so prompts are tokenized in arrival o
 templates render on two other threads (Jinja does not touch the tokenizer), so a slow template
 never delays the tokenizing of other requests. Every text is bounded before any tokenizing or
 rendering (``PromptProcessor.check_text``: valid Unicode, no more characters than max_model_len
-tokens can cover); a request-supplied template (refused unless the server runs with
-``--trust-request-chat-template``) renders in transformers' sandboxed Jinja environment, with no
-time limit (a thread cannot be stopped).
+tokens can cover). A request-supplied template (refused unless the server runs with
+``--trust-request-chat-template``) renders in a child process with a time and a size limit
+(``template_sandbox.py``); the model's own renders here, in transformers' sandboxed Jinja
+environment.
 """
 from __future__ import annotations
 
@@ -19,17 +20,28 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from vllm.engine.prompt_processor import PromptProcessor
+from vllm.entrypoints.openai.template_sandbox import TemplateSandbox
 
 
 class TokenizerPool:
-    def __init__(self, processor: PromptProcessor):
+    def __init__(self, processor: PromptProcessor, sandbox: TemplateSandbox | None = None):
         self.processor = processor
+        self.sandbox = sandbox
+        """Renders request-supplied templates; None: they are not accepted here."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-tokenizer")
         self._templates = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-template")
 
     @classmethod
-    def for_engine(cls, engine) -> "TokenizerPool":
-        return cls(PromptProcessor(engine.vllm_config.model_config))
+    def for_engine(cls, engine, template_timeout_s: float | None = None) -> "TokenizerPool":
+        """With ``template_timeout_s``, request templates render in a started sandbox process
+        with that time limit."""
+        processor = PromptProcessor(engine.vllm_config.model_config)
+        sandbox = None
+        if template_timeout_s is not None:
+            sandbox = TemplateSandbox(engine.vllm_config.model_config.tokenizer,
+                                      processor.max_chars, template_timeout_s)
+            sandbox.start()
+        return cls(processor, sandbox)
 
     async def _run(self, fn: Callable[..., Any], *args, pool: ThreadPoolExecutor | None = None
                    ) -> Any:
@@ -43,9 +55,18 @@ class TokenizerPool:
 
     async def render_chat(self, messages: list[dict], chat_template: str | None,
                           add_generation_prompt: bool) -> dict:
-        """Rendered and tokenized messages: {"prompt", "prompt_token_ids"}."""
-        text = await self._run(self.processor.render_chat_text, messages, chat_template,
-                               add_generation_prompt, pool=self._templates)
+        """Rendered and tokenized messages: {"prompt", "prompt_token_ids"}. A template from the
+        request renders in the sandbox (ValueError where there is none)."""
+        if chat_template is None:
+            text = await self._run(self.processor.render_chat_text, messages, None,
+                                   add_generation_prompt, pool=self._templates)
+        elif self.sandbox is None:
+            raise ValueError("chat_template: request templates are not accepted here")
+        else:
+            self.processor.check_messages(messages, chat_template)
+            text = await self._run(self.sandbox.render, messages, chat_template,
+                                   add_generation_prompt, pool=self._templates)
+            self.processor.check_text("the rendered chat prompt", text)
         ids = await self._run(functools.partial(self.processor.tokenizer.encode,
                                                 add_special_tokens=False), text)
         return {"prompt": text, "prompt_token_ids": ids}
@@ -56,3 +77,5 @@ class TokenizerPool:
     def shutdown(self) -> None:
         for pool in (self._pool, self._templates):
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.sandbox is not None:
+            self.sandbox.close()
