@@ -38,7 +38,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams(prompt_logprobs=k)``: one entry per prompt token, None for the
+    first, else {token id: Logprob} for the prompt token (its rank among all tokens) and the k
+    most likely tokens at that position."""
     error: str | None = None
     """Set when the request failed (e.g. prompt too long); outputs are then empty."""
     metrics: dict = field(default_factory=dict)

@@ -44,6 +44,9 @@ class SamplingParams:
     """Keep generating past the EOS token."""
     logprobs: int | None = None
     """Return the log-probabilities of this many top tokens (plus the sampled one) per step."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its log-probability given the tokens
+    before it, plus this many top tokens (``RequestOutput.prompt_logprobs``)."""
     repetition_penalty: float = 1.0
     """> 1 discourages tokens seen in prompt or output (HF semantics), > 0."""
     presence_penalty: float = 0.0
@@ -83,6 +86,8 @@ class SamplingParams:
                              f"{self.max_tokens}")
         if self.logprobs is not None:
             self._int("logprobs", 0, 20)
+        if self.prompt_logprobs is not None:
+            self._int("prompt_logprobs", 0, 20)
         self._num("repetition_penalty", 0.0, None, low_open=True)
         self._num("presence_penalty", -2.0, 2.0)
         self._num("frequency_penalty", -2.0, 2.0)

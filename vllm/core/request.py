@@ -61,6 +61,10 @@ class Request:
     """One dict per output token, filled only when sampling_params.logprobs is set."""
     cumulative_logprob: float | None = None
     """Sum of the sampled tokens' logprobs (only when logprobs were requested)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """[num_prompt_tokens] when sampling_params.prompt_logprobs is set: entry i is prompt token
+    i's logprob given the tokens before it (plus the top-k), filled chunk by chunk; entry 0
+    stays None (nothing precedes the first token)."""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -75,6 +79,8 @@ class Request:
         if not isinstance(self.sampling_params, SamplingParams):
             raise ValueError(f"request {self.request_id}: sampling_params must be a SamplingParams, "
                              f"got {type(self.sampling_params).__name__}")
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(ids)
 
     @property
     def num_prompt_tokens(self) -> int:

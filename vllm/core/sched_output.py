@@ -67,3 +67,7 @@ class SampledToken:
 class RunnerOutput:
     sampled: dict[str, SampledToken]
     """req_id -> the token sampled this step, for every sequence with ``do_sample``."""
+    prompt_logprobs: dict[str, list[tuple[int, SampledToken]]] = field(default_factory=dict)
+    """req_id -> (prompt index i >= 1, the logprob of prompt token i given tokens < i) for the
+    prompt positions this step computed, for requests with ``prompt_logprobs`` set (the
+    SampledToken's token_id is the prompt token)."""

@@ -235,6 +235,9 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += seq.num_tokens
+            for index, entry in runner_out.prompt_logprobs.get(seq.req_id, ()):
+                # By index: a chunk recomputed after preemption writes the same values again.
+                req.prompt_logprobs[index] = _logprob_dict(entry)
             if not seq.do_sample:
                 continue
             sampled = runner_out.sampled.get(seq.req_id)

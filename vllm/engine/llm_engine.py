@@ -165,7 +165,8 @@ class LLMEngine:
         if done:
             del self._parents[parent_id]
         completions = [parent.latest[c] for c in parent.child_ids if c in parent.latest]
-        return RequestOutput(parent_id, out.prompt, out.prompt_token_ids, completions, done)
+        return RequestOutput(parent_id, out.prompt, out.prompt_token_ids, completions, done,
+                             prompt_logprobs=out.prompt_logprobs)
 
     # ---- introspection ---------------------------------------------------------------------
     def get_moe_cache_stats(self) -> dict | None:

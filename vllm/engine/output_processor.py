@@ -114,6 +114,7 @@ class _State:
     num_sent_chars: int = 0  # chars of text already reported (streaming)
     max_stop_len: int = 0
     decided: tuple | None = field(default=None)  # (status, stop_reason) once stopped
+    prompt_decoded: bool = False  # prompt logprob entries have their decoded_token
 
 
 class OutputProcessor:
@@ -157,14 +158,22 @@ class OutputProcessor:
                     new_ids = new_ids[:i + 1]  # tokens past a stop are not reported
                     break
         self._decode_logprobs(req, st.num_processed - len(new_ids), st.num_processed)
+        if req.prompt_logprobs is not None and not st.prompt_decoded and req.output_token_ids:
+            # Complete once a token was sampled: the whole prompt has been computed.
+            self._decode_entries(req.prompt_logprobs[1:])
+            st.prompt_decoded = True
         return self._result(req, st, new_ids)
 
     def _decode_logprobs(self, req: Request, start: int, end: int) -> None:
         """Fill ``decoded_token`` of the logprob entries of output positions [start, end)."""
-        if self.tokenizer is None or req.sampling_params.logprobs is None:
+        if req.sampling_params.logprobs is not None:
+            self._decode_entries(req.output_logprobs[start:end])
+
+    def _decode_entries(self, positions: list) -> None:
+        if self.tokenizer is None:
             return
-        for entries in req.output_logprobs[start:end]:
-            for tid, lp in entries.items():
+        for entries in positions:
+            for tid, lp in (entries or {}).items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
 
@@ -258,5 +267,6 @@ def make_request_output(req: Request, result: ProcessedOutput, delta: bool = Fal
         cumulative_logprob=req.cumulative_logprob, logprobs=logprobs,
         finish_reason=result.finish_reason, stop_reason=result.stop_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                         finished=result.finished)
+                         finished=result.finished,
+                         prompt_logprobs=req.prompt_logprobs if req.output_token_ids else None)
 

@@ -67,9 +67,17 @@ class PromptProcessor:
                              f"max_model_len={self.max_model_len} tokens (a token of this "
                              f"tokenizer covers at most {per_token} characters)")
 
-    def encode_text(self, where: str, text: str) -> list[int]:
+    def encode_text(self, where: str, text: str, add_special_tokens: bool = True) -> list[int]:
         self.check_text(where, text)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode_ids(self, ids: list[int]) -> str:
+        """Text of token ids; ValueError naming an id outside the vocabulary."""
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"tokens: token id {bad[0]!r} is invalid: must be an integer in "
+                             f"[0, {self.vocab_size})")
+        return self.tokenizer.decode(ids)
 
     def _validate(self, where: str, ids: list[int]) -> None:
         if not ids:

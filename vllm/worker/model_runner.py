@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
-from vllm.core.sched_output import RunnerOutput, ScheduledSequence, SchedulerOutput
+from vllm.core.sched_output import (RunnerOutput, SampledToken, ScheduledSequence,
+                                    SchedulerOutput)
 from vllm.logger import init_logger
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -19,7 +20,7 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.platforms import platform_for
 from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
-from vllm.worker.sampler import Sampler, SamplingMetadata
+from vllm.worker.sampler import Sampler, SamplingMetadata, prompt_logprobs
 
 logger = init_logger(__name__)
 
@@ -107,9 +108,12 @@ class ModelRunner:
             if self.routing_recorder is not None:
                 self.routing_recorder.end_step([s.req_id for s in seqs
                                                 for _ in range(s.num_tokens)])
+            prompt_lps = self._prompt_logprobs(seqs, hidden)
             if not sampled_seqs:
-                return RunnerOutput(sampled={})
+                return RunnerOutput(sampled={}, prompt_logprobs=prompt_lps)
             logits = self.model.compute_logits(hidden[logits_indices])
+        else:
+            prompt_lps = {}   # decode-only steps cover no prompt position that needs one
         # build() creates the generator of a seeded request on its first sampled step.
         metadata = self._sampling_metadata
         if metadata is None or not metadata.reusable_for(sampled_seqs):
@@ -117,7 +121,38 @@ class ModelRunner:
                                               eos_token_id=self.eos_token_id)
         self._sampling_metadata = metadata
         tokens = self.sampler(logits, metadata)
-        return RunnerOutput(sampled={s.req_id: t for s, t in zip(sampled_seqs, tokens)})
+        return RunnerOutput(sampled={s.req_id: t for s, t in zip(sampled_seqs, tokens)},
+                            prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSequence], hidden: torch.Tensor
+                         ) -> dict[str, list[tuple[int, SampledToken]]]:
+        """For requests asking for prompt logprobs: every position q of this step's chunk
+        with q + 1 < prompt length gives the logprob of prompt token q + 1 (its logits row is
+        the hidden row of q, computed in this same forward)."""
+        rows: list[int] = []
+        owners: list[tuple[str, int]] = []          # (req_id, prompt index of the target)
+        targets: list[int] = []
+        ks: list[int] = []
+        offset = 0
+        for s in seqs:
+            k = s.sampling_params.prompt_logprobs
+            n_prompt = len(s.prompt_token_ids)
+            if k is not None:
+                for q in range(s.start_pos, min(s.start_pos + s.num_tokens, n_prompt - 1)):
+                    rows.append(offset + q - s.start_pos)
+                    owners.append((s.req_id, q + 1))
+                    targets.append(s.prompt_token_ids[q + 1])
+                    ks.append(k)
+            offset += s.num_tokens
+        if not rows:
+            return {}
+        dev = hidden.device
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+        entries = prompt_logprobs(logits, torch.tensor(targets, device=dev), ks)
+        out: dict[str, list[tuple[int, SampledToken]]] = {}
+        for (req_id, index), entry in zip(owners, entries):
+            out.setdefault(req_id, []).append((index, entry))
+        return out
 
     def _prepare_inputs(self, seqs: list[ScheduledSequence]):
         """Flatten the step's sequences. Returns (input_ids [T], positions [T], metadata,

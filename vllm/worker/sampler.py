@@ -250,22 +250,38 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _to_sampled_tokens(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
                        md: SamplingMetadata) -> list[SampledToken]:
-    ids = token_ids.tolist()
     if raw_logprobs is None:
-        return [SampledToken(t) for t in ids]
+        return [SampledToken(t) for t in token_ids.tolist()]
+    return logprob_entries(token_ids, raw_logprobs, md.num_logprobs)
+
+
+def logprob_entries(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,
+                    num_logprobs: list[int | None]) -> list[SampledToken]:
+    """Row i: token_ids[i] with its logprob and rank in raw_logprobs [n, V], and the
+    num_logprobs[i] best (token, logprob) pairs (None: the token alone, no logprobs)."""
+    ids = token_ids.tolist()
     chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
     ranks = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
-    k = md.max_num_logprobs
+    k = max((x for x in num_logprobs if x is not None), default=0)
     top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k > 0 else (None, None)
     top_vals = top_vals.tolist() if k > 0 else None
     top_ids = top_ids.tolist() if k > 0 else None
     chosen = chosen.squeeze(1).tolist()
     out = []
     for i, t in enumerate(ids):
-        nl = md.num_logprobs[i]
+        nl = num_logprobs[i]
         if nl is None:
             out.append(SampledToken(t))
             continue
         top = list(zip(top_ids[i][:nl], top_vals[i][:nl])) if nl > 0 else []
         out.append(SampledToken(t, logprob=chosen[i], top_logprobs=top, rank=ranks[i]))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_logprobs: list[int]
+                    ) -> list[SampledToken]:
+    """logits [m, V] at prompt positions, targets [m] the prompt tokens that follow them: each
+    target's raw logprob (log_softmax in float32, as sampled tokens' logprobs) and rank, and
+    the top num_logprobs[i] tokens."""
+    raw = logits.to(torch.float32).log_softmax(dim=-1)
+    return logprob_entries(targets, raw, num_logprobs)

@@ -145,6 +145,50 @@ def test_completion_logprobs(client, offline_llm):
         assert max(top.values()) <= tok_lp + 1e-6
 
 
+def test_echo_with_logprobs_reports_the_prompt_tokens(client, offline_llm):
+    """lm-evaluation-harness' loglikelihood request: echo + logprobs (+ max_tokens 0 or 1)."""
+    prompt = PROMPTS[3]
+    ref = _offline(offline_llm, prompt, max_tokens=2, temperature=0, logprobs=1,
+                   prompt_logprobs=1)
+    ids = ref.prompt_token_ids
+    want_prompt = [None] + [ref.prompt_logprobs[i][t].logprob for i, t in enumerate(ids)
+                            if i > 0]
+    out = ref.outputs[0]
+    want_out = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs)]
+    for max_tokens, tail in ((0, []), (2, want_out)):
+        resp = client.completions.create(model=SERVED_NAME, prompt=prompt, echo=True,
+                                         logprobs=1, max_tokens=max_tokens, temperature=0)
+        ch = resp.choices[0]
+        assert ch.text == prompt + (out.text if max_tokens else "")
+        lp = ch.logprobs
+        assert len(lp.tokens) == len(ids) + len(tail)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want_prompt[1:] + tail, abs=1e-4)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        assert "".join(lp.tokens[:len(ids)]) == prompt
+        assert resp.usage.completion_tokens == len(tail)
+    streamed = list(client.completions.create(model=SERVED_NAME, prompt=prompt, echo=True,
+                                              logprobs=1, max_tokens=2, temperature=0,
+                                              stream=True))
+    token_lps = [x for c in streamed for ch in c.choices if ch.logprobs
+                 for x in ch.logprobs.token_logprobs]
+    assert token_lps[0] is None
+    assert token_lps[1:] == pytest.approx(want_prompt[1:] + want_out, abs=1e-4)
+    assert "".join(ch.text for c in streamed for ch in c.choices) == prompt + out.text
+
+
+def test_prompt_logprobs_field(server):
+    import httpx
+    resp = httpx.post(server.url + "/v1/completions", timeout=60, headers={
+        "Authorization": f"Bearer {API_KEY}"}, json={
+        "model": SERVED_NAME, "prompt": [5, 6, 7, 8], "max_tokens": 1, "prompt_logprobs": 2})
+    assert resp.status_code == 200, resp.text
+    plp = resp.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 4
+    assert all(str(t) in plp[i] and 1 <= len(plp[i]) <= 3 for i, t in enumerate([5, 6, 7, 8])
+               if i > 0)
+
+
 def test_chat_matches_offline(client, offline_llm):
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "def fibonacci(n):"}]
@@ -305,3 +349,33 @@ def test_metrics_counts_tokens_and_expert_cache(server, client):
                + server.metric("vllm:moe_expert_cache_misses_total", layer="0"))
     assert lookups > 0
     assert server.metric("vllm:moe_expert_cache_bytes_copied_total") > 0
+
+
+def test_tokenize_and_detokenize(server, offline_llm):
+    tok = offline_llm.llm_engine.tokenizer
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
+    r = post("/tokenize", {"prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(PROMPTS[0]) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 128
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    want = offline_llm.llm_engine.render_chat(messages)["prompt_token_ids"]
+    assert chat["tokens"] == want and chat["token_strs"] is None
+    assert post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": PROMPTS[0]}
+    bad = post("/detokenize", {"tokens": [1, 10 ** 9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = post("/tokenize", {"prompt": "a", "messages": messages})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    refused = post("/tokenize", {"messages": messages, "chat_template": "{{ 1 }}"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+
+
+def test_chat_prompt_logprobs(client, offline_llm):
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    plp = resp.model_extra["prompt_logprobs"]
+    ids = offline_llm.llm_engine.render_chat(messages)["prompt_token_ids"]
+    assert len(plp) == len(ids) and plp[0] is None
+    assert all(set(plp[i]) == {str(t)} for i, t in enumerate(ids) if i > 0)

@@ -1,7 +1,7 @@
 """`vllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over AsyncLLM.
 
 Routes: GET /health, /version, /v1/models, /metrics; POST /v1/completions,
-/v1/chat/completions. Every error is OpenAI's JSON ({"error": {"message", "type", "param",
+/v1/chat/completions, /tokenize, /detokenize. Every error is OpenAI's JSON ({"error": {"message", "type", "param",
 "code"}}); no traceback ever reaches a client. With --api-key, /v1/* needs
 ``Authorization: Bearer <key>``. CORS as vLLM's (--allowed-origins ...; preflight requests are
 answered before the key check, as browsers send them without it). Prompts are checked, rendered
@@ -29,11 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm import AsyncLLM
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                              ModelList, OpenAIError, error_body, random_id)
+from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, ModelCard, ModelList,
+                                              OpenAIError, TokenizeRequest, error_body,
+                                              random_id)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import FrontendOptions, failure_to_error
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.entrypoints.openai.tokenizer_pool import TokenizerPool
 from vllm.logger import init_logger
 from vllm.platforms import platform_for
@@ -41,7 +44,7 @@ from vllm.platforms import platform_for
 logger = init_logger(__name__)
 
 _ROUTES = ("/health", "/version", "/metrics", "/v1/models", "/v1/completions",
-           "/v1/chat/completions")
+           "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 # ---- CLI --------------------------------------------------------------------------------------
@@ -155,6 +158,7 @@ def build_app(async_llm: AsyncLLM, served_model_names: list[str], api_key: str |
     serving = (async_llm, served_model_names, metrics, tokenizers, options)
     completion = OpenAIServingCompletion(*serving)
     chat = OpenAIServingChat(*serving)
+    tokenization = OpenAIServingTokenization(*serving)
     max_model_len = async_llm.engine.vllm_config.model_config.max_model_len
     app.state.metrics = metrics
     app.state.async_llm = async_llm
@@ -188,6 +192,14 @@ def build_app(async_llm: AsyncLLM, served_model_names: list[str], api_key: str |
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         return await _guard(chat.create_chat_completion(request), raw)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest, raw: Request):
+        return await _guard(tokenization.tokenize(request), raw)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest, raw: Request):
+        return await _guard(tokenization.detokenize(request), raw)
 
     return app
 

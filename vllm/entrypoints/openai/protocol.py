@@ -52,7 +52,7 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
     "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off, "prompt_logprobs": _off,
+    "structured_outputs": _off,
 }
 
 
@@ -135,8 +135,16 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
+    """vLLM's extra: each choice's ``prompt_logprobs`` (as ``RequestOutput.prompt_logprobs``)."""
     best_of: int | None = None
     suffix: str | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the prompt (and its logprobs) and nothing generated, as
+        lm-evaluation-harness asks for loglikelihoods. One token is generated and dropped."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
@@ -144,11 +152,13 @@ class CompletionRequest(_Request):
                               param="best_of")
         if self.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError("echo with logprobs is not supported (no prompt logprobs)",
-                              param="echo")
         kw = self._sampling_kwargs(default_max_tokens=16)
+        if self.echo_only:
+            kw["max_tokens"] = 1
         kw["logprobs"] = self.logprobs
+        # echo with logprobs reports the prompt's tokens too (OpenAI's layout: None first).
+        kw["prompt_logprobs"] = self.prompt_logprobs if self.prompt_logprobs is not None else (
+            self.logprobs if self.echo else None)
         return make_sampling_params(kw)
 
     def prompt_list(self) -> list:
@@ -171,10 +181,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def prompt_logprobs_body(plp: list | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """``RequestOutput.prompt_logprobs`` as vLLM's responses carry it."""
+    if plp is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                     decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in plp]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -223,6 +249,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's extra: the response's ``prompt_logprobs`` (of the rendered prompt)."""
 
     def to_sampling_params(self) -> SamplingParams:
         if not self.messages:
@@ -237,6 +265,7 @@ class ChatCompletionRequest(_Request):
         if self.max_completion_tokens is not None:
             kw["max_tokens"] = self.max_completion_tokens
         kw["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        kw["prompt_logprobs"] = self.prompt_logprobs
         return make_sampling_params(kw)
 
 
@@ -274,6 +303,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -296,6 +326,35 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ---- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------
+class TokenizeRequest(BaseModel):
+    """A completion prompt (``prompt``) or chat ``messages``, as vLLM's /tokenize takes them."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt, False for messages (the template places them)."""
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- /v1/models -----------------------------------------------------------------------------

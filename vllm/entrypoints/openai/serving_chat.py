@@ -12,8 +12,8 @@ from vllm.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletion
                                               ChatCompletionChunk, ChatCompletionRequest,
                                               ChatCompletionResponse, ChatLogprob,
                                               ChatLogprobContent, ChatResponseMessage,
-                                              ChatStreamChoice, DeltaMessage, OpenAIError,
-                                              UsageInfo, random_id)
+                                              ChatStreamChoice, DeltaMessage, UsageInfo,
+                                              prompt_logprobs_body, random_id)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
                                                     merge_streams, sse, sse_error)
 from vllm.outputs import CompletionOutput, SampleLogprobs
@@ -24,7 +24,8 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         params = request.to_sampling_params()
         messages = [m.as_template_dict() for m in request.messages]
-        prompt = await self._render(messages, request)
+        prompt = await self.render_chat(messages, request.chat_template,
+                                        request.add_generation_prompt)
         request_id = random_id("chatcmpl")
         streams = await self.add_prompts(request_id, [prompt], params)
         if request.stream:
@@ -41,26 +42,9 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(out.prompt_token_ids),
                           completion_tokens=completion_tokens,
                           total_tokens=len(out.prompt_token_ids) + completion_tokens)
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                      prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs))
         return Response(body.model_dump_json(), media_type="application/json")
-
-    async def _render(self, messages: list[dict], request: ChatCompletionRequest) -> dict:
-        template = request.chat_template
-        if template is not None and not self.options.trust_request_chat_template:
-            raise OpenAIError("chat_template in a request is refused: a template is code the "
-                              "server would run; this server renders its model's template only "
-                              "(start it with --trust-request-chat-template to allow them)",
-                              param="chat_template")
-        try:
-            return await self.tokenizers.render_chat(messages, template,
-                                                     request.add_generation_prompt)
-        except ValueError as e:
-            msg = str(e)
-            param = "chat_template" if msg.startswith("chat_template") else "messages"
-            raise OpenAIError(msg, param=param) from None
-        except Exception as e:  # noqa: BLE001 - jinja errors: a bad template or message
-            raise OpenAIError(f"messages could not be rendered with the chat template: "
-                              f"{type(e).__name__}: {e}", param="messages") from None
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       stream: RequestStream) -> AsyncIterator[str]:

@@ -1,5 +1,8 @@
 """POST /v1/completions: one engine request per prompt (n > 1 fans out inside the engine);
-choice index = prompt index * n + completion index, as OpenAI numbers them."""
+choice index = prompt index * n + completion index, as OpenAI numbers them. ``echo`` puts the
+prompt before the text and, with ``logprobs``, the prompt tokens' logprobs before the generated
+ones (the first prompt token has None, as OpenAI reports it); ``echo`` with ``max_tokens=0``
+returns the prompt alone (lm-evaluation-harness' loglikelihood requests)."""
 from __future__ import annotations
 
 from typing import AsyncIterator
@@ -8,11 +11,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from vllm.engine.async_llm import RequestStream
 from vllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
-                                              CompletionRequest, CompletionResponse, UsageInfo,
+                                              CompletionRequest, CompletionResponse,
+                                              PromptLogprob, UsageInfo, prompt_logprobs_body,
                                               random_id)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, collect_final,
                                                     merge_streams, sse, sse_error)
-from vllm.outputs import CompletionOutput, SampleLogprobs
+from vllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -32,11 +36,12 @@ class OpenAIServingCompletion(OpenAIServing):
             self.record(out)
             usage.prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
+                c = _visible(request, c)
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(CompletionChoice(
                     index=i * params.n + c.index, text=echoes[i] + c.text,
-                    logprobs=_logprobs(c.logprobs, c.token_ids, 0, 0)
-                    if params.logprobs is not None else None,
+                    logprobs=await self._choice_logprobs(request, out, c, echoes[i], 0, 0),
+                    prompt_logprobs=_prompt_logprobs(request, out),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda ch: ch.index)
@@ -48,6 +53,21 @@ class OpenAIServingCompletion(OpenAIServing):
             return stream.prompt
         return await self.tokenizers.decode(stream.prompt_token_ids)
 
+    async def _choice_logprobs(self, request: CompletionRequest, out: RequestOutput,
+                               c: CompletionOutput, echo: str, n_tok: int, n_chars: int
+                               ) -> CompletionLogprobs | None:
+        """Logprobs of output positions [n_tok, end) at text offset n_chars of the output,
+        preceded on the first chunk (n_tok == 0) of an echo by the prompt's."""
+        if request.logprobs is None:
+            return None
+        result = _logprobs(c.logprobs, c.token_ids, n_tok, len(echo) + n_chars)
+        if request.echo and n_tok == 0 and out.prompt_logprobs is not None:
+            first = await self.tokenizers.decode(out.prompt_token_ids[:1])
+            prompt = _prompt_part(out, first)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                setattr(result, name, getattr(prompt, name) + getattr(result, name))
+        return result
+
     async def _stream(self, request: CompletionRequest, request_id: str, model: str,
                       streams: list[RequestStream], echoes: list[str]) -> AsyncIterator[str]:
         n = streams[0].n
@@ -57,15 +77,17 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in merge_streams(streams, self.metrics):
                 for c in out.outputs:
+                    c = _visible(request, c)
                     idx = i * n + c.index
-                    chunk = self._delta_chunk(request, idx, c, sent_text, sent_tokens,
-                                              echoes[i])
+                    chunk = await self._delta_chunk(request, out, idx, c, sent_text,
+                                                    sent_tokens, echoes[i])
                     if chunk is not None:
                         yield sse(CompletionResponse(id=request_id, model=model, choices=[chunk]))
                 if out.finished:
                     self.record(out)
                     usage.prompt_tokens += len(out.prompt_token_ids)
-                    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    usage.completion_tokens += sum(len(_visible(request, c).token_ids)
+                                                   for c in out.outputs)
             if request.include_usage_in_stream:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[],
@@ -74,10 +96,9 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(e, request_id)
         yield SSE_DONE
 
-    @staticmethod
-    def _delta_chunk(request: CompletionRequest, idx: int, c: CompletionOutput,
-                     sent_text: dict[int, int], sent_tokens: dict[int, int],
-                     echo: str) -> CompletionChoice | None:
+    async def _delta_chunk(self, request: CompletionRequest, out: RequestOutput, idx: int,
+                           c: CompletionOutput, sent_text: dict[int, int],
+                           sent_tokens: dict[int, int], echo: str) -> CompletionChoice | None:
         if sent_tokens.get(idx) == -1:
             return None  # finished and reported (n > 1 outputs repeat finished siblings)
         first = idx not in sent_text
@@ -87,13 +108,44 @@ class OpenAIServingCompletion(OpenAIServing):
             delta = echo + delta
         if not delta and c.finish_reason is None and not first:
             return None  # nothing new yet (text held back, e.g. a possible stop string)
-        logprobs = None
-        if request.logprobs is not None:
-            logprobs = _logprobs(c.logprobs, c.token_ids, n_tok, n_chars)
+        logprobs = await self._choice_logprobs(request, out, c, echo, n_tok, n_chars)
         sent_text[idx] = len(c.text)
         sent_tokens[idx] = -1 if c.finish_reason is not None else len(c.token_ids)
         return CompletionChoice(index=idx, text=delta, logprobs=logprobs,
+                                prompt_logprobs=_prompt_logprobs(request, out) if first else None,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _visible(request: CompletionRequest, c: CompletionOutput) -> CompletionOutput:
+    """The output as the client sees it: nothing generated for echo with max_tokens=0."""
+    if not request.echo_only:
+        return c
+    return CompletionOutput(index=c.index, text="", token_ids=[], logprobs=[],
+                            finish_reason=c.finish_reason and "length")
+
+
+def _prompt_logprobs(request: CompletionRequest, out: RequestOutput
+                     ) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` field, for requests that asked for it by that name."""
+    return prompt_logprobs_body(out.prompt_logprobs) if request.prompt_logprobs is not None \
+        else None
+
+
+def _prompt_part(out: RequestOutput, first_token: str) -> CompletionLogprobs:
+    """The prompt's tokens in OpenAI's echo layout: the first with no logprob, then each
+    token's logprob given those before it and its top tokens (text offsets from 0)."""
+    result = CompletionLogprobs(tokens=[first_token], token_logprobs=[None], top_logprobs=[None],
+                                text_offset=[0])
+    offset = len(first_token)
+    for tid, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        token = entries[tid].decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(entries[tid].logprob)
+        result.top_logprobs.append({(lp.decoded_token or ""): lp.logprob
+                                    for lp in entries.values()})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
 
 
 def _logprobs(logprobs: SampleLogprobs | None, token_ids: list[int], start: int,

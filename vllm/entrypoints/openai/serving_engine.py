@@ -82,6 +82,25 @@ class OpenAIServing:
             raise
         return streams
 
+    async def render_chat(self, messages: list[dict], template: str | None,
+                          add_generation_prompt: bool) -> dict:
+        """Messages rendered (a request's own template only if the server trusts them) and
+        tokenized: {"prompt", "prompt_token_ids"}; a 400 naming what is wrong."""
+        if template is not None and not self.options.trust_request_chat_template:
+            raise OpenAIError("chat_template in a request is refused: a template is code the "
+                              "server would run; this server renders its model's template only "
+                              "(start it with --trust-request-chat-template to allow them)",
+                              param="chat_template")
+        try:
+            return await self.tokenizers.render_chat(messages, template, add_generation_prompt)
+        except ValueError as e:
+            msg = str(e)
+            param = "chat_template" if msg.startswith("chat_template") else "messages"
+            raise OpenAIError(msg, param=param) from None
+        except Exception as e:  # noqa: BLE001 - jinja errors: a bad template or message
+            raise OpenAIError(f"messages could not be rendered with the chat template: "
+                              f"{type(e).__name__}: {e}", param="messages") from None
+
     def record(self, out: RequestOutput) -> None:
         self.metrics.count_finished(len(out.prompt_token_ids), out.outputs)
 

@@ -72,7 +72,15 @@ class TokenizerPool:
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._run(self.processor.tokenizer.decode, token_ids)
+        """Text of token ids (ValueError for an id outside the vocabulary)."""
+        return await self._run(self.processor.decode_ids, token_ids)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of checked text (no max_model_len bound on the count)."""
+        return await self._run(self.processor.encode_text, "prompt", text, add_special_tokens)
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        return await self._run(self.processor.tokenizer.convert_ids_to_tokens, token_ids)
 
     def shutdown(self) -> None:
         for pool in (self._pool, self._templates):
