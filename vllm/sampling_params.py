@@ -18,6 +18,40 @@ class RequestOutputKind(IntEnum):
     """Only once, when the request finishes (``LLM.generate`` uses this)."""
 
 
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Constrain the output to a language (vLLM's guided decoding), exactly one of: ``json`` (a
+    JSON schema, dict or str), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of
+    these strings) or ``grammar`` (EBNF in xgrammar's GBNF dialect). Tokens outside the
+    language are masked before sampling; the output ends where the language allows nothing but
+    EOS. Needs the ``xgrammar`` package."""
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    whitespace_free: bool = True
+    """JSON without optional whitespace (one fixed separator style), so a model cannot pad its
+    output with endless spaces."""
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"guided choice={self.choice!r} is invalid: must be a non-empty "
+                                 "list of non-empty strings")
+        set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"guided decoding needs exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {set_ or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n)
+                    is not None) if not self.json_object else "json_object"
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -47,6 +81,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return, for every prompt token after the first, its log-probability given the tokens
     before it, plus this many top tokens (``RequestOutput.prompt_logprobs``)."""
+    guided_decoding: GuidedDecodingParams | None = None
+    """Constrain the output (JSON schema, regex, choice, grammar): ``GuidedDecodingParams``."""
     repetition_penalty: float = 1.0
     """> 1 discourages tokens seen in prompt or output (HF semantics), > 0."""
     presence_penalty: float = 0.0
@@ -88,6 +124,10 @@ class SamplingParams:
             self._int("logprobs", 0, 20)
         if self.prompt_logprobs is not None:
             self._int("prompt_logprobs", 0, 20)
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                               GuidedDecodingParams):
+            raise ValueError(f"guided_decoding={self.guided_decoding!r} is invalid: must be a "
+                             "GuidedDecodingParams")
         self._num("repetition_penalty", 0.0, None, low_open=True)
         self._num("presence_penalty", -2.0, 2.0)
         self._num("frequency_penalty", -2.0, 2.0)

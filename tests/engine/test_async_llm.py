@@ -120,11 +120,11 @@ def test_failing_step_fails_running_requests_and_keeps_serving(path, reference):
     execute = runner.execute_model
     failed = []
 
-    def faulty(sched):
+    def faulty(sched, token_masks=None):
         if not failed and any(s.req_id == "victim" for s in sched.sequences):
             failed.append(True)
             raise RuntimeError("device fell over")
-        return execute(sched)
+        return execute(sched, token_masks)
     runner.execute_model = faulty
 
     async def main():

@@ -33,11 +33,11 @@ def test_engine_usable_after_a_failing_step(tiny_model_factory, monkeypatch):
     real = runner.execute_model
     calls = {"n": 0}
 
-    def flaky(sched):
+    def flaky(sched, token_masks=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real(sched)
+        return real(sched, token_masks)
     monkeypatch.setattr(runner, "execute_model", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([[5, 6, 7]], _greedy())

@@ -59,9 +59,9 @@ def _generate(model: str, monkeypatch, **kw) -> tuple[list[list[int]], list[torc
     seen: list[torch.Tensor] = []
     call = sampler_mod.Sampler.__call__
 
-    def recording(self, logits, md):
+    def recording(self, logits, md, token_masks=None):
         seen.append(logits.detach().clone())
-        return call(self, logits, md)
+        return call(self, logits, md, token_masks)
     monkeypatch.setattr(sampler_mod.Sampler, "__call__", recording)
     params = SamplingParams(temperature=0, max_tokens=PINNED["max_tokens"], ignore_eos=True)
     outs = LLM(model, device="cpu", **kw).generate(PINNED["prompts"], params)    # recorded on CPU

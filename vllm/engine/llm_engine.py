@@ -12,6 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.moe_stats import MoEStatsReporter
 from vllm.engine.output_processor import OutputProcessor, make_request_output
 from vllm.engine.prompt_processor import PromptProcessor
+from vllm.engine.structured_output import StructuredOutputManager
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -41,6 +42,9 @@ class LLMEngine:
         self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
                                    mc.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, mc.max_model_len)
+        eos = [self.prompts.eos_token_id] if self.prompts.eos_token_id is not None else []
+        self.structured = StructuredOutputManager(self.tokenizer, mc.hf_config.vocab_size,
+                                                  eos + self.prompts.extra_stop_token_ids)
         self.moe_stats = MoEStatsReporter(self.runner, vllm_config.moe_cache_config)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -69,6 +73,8 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.prompts.process(prompt)
         self.prompts.check_stop_token_ids(params.stop_token_ids)
+        if params.guided_decoding is not None:
+            self.structured.check(params.guided_decoding)    # compiles: a bad spec fails here
         extra = [t for t in self.prompts.extra_stop_token_ids if t not in params.stop_token_ids]
         if extra and not params.ignore_eos:
             params = params.clone(stop_token_ids=params.stop_token_ids + extra)
@@ -94,6 +100,8 @@ class LLMEngine:
         req = Request(request_id, text, list(token_ids), params, arrival_time=arrival,
                       eos_token_id=self.prompts.eos_token_id)
         self.scheduler.add_request(req)
+        if params.guided_decoding is not None:
+            self.structured.add(request_id, params.guided_decoding)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -119,14 +127,19 @@ class LLMEngine:
         """Run one engine step; return an output (cumulative text) for every request that made
         progress or finished in it."""
         sched_out = self.scheduler.schedule()
+        self.structured.drop(sched_out.finished_req_ids)
+        sampling = [seq for seq in sched_out.sequences if seq.do_sample]
         try:
-            runner_out = self.runner.execute_model(sched_out)
+            runner_out = self.runner.execute_model(sched_out, self.structured.masks(sampling))
         except BaseException:
             # Leave the scheduler consistent (nothing computed) so the engine stays usable; the
             # caller decides which requests to fail or abort.
             self.scheduler.update_from_output(SchedulerOutput([]), RunnerOutput({}))
             raise
         touched = self.scheduler.update_from_output(sched_out, runner_out)
+        for seq in sampling:
+            if self.structured.has(seq.req_id) and seq.req_id in runner_out.sampled:
+                self.structured.accept(seq.req_id, runner_out.sampled[seq.req_id].token_id)
         outputs = []
         for req in touched:
             result = self.output_processor.process(req)

@@ -20,7 +20,7 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.platforms import platform_for
 from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
-from vllm.worker.sampler import Sampler, SamplingMetadata, prompt_logprobs
+from vllm.worker.sampler import Sampler, SamplingMetadata, TokenMasks, prompt_logprobs
 
 logger = init_logger(__name__)
 
@@ -91,7 +91,10 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, sched: SchedulerOutput,
+                      token_masks: TokenMasks | None = None) -> RunnerOutput:
+        """One step. ``token_masks``: tokens allowed to some sampled sequences (guided
+        decoding), rows indexing the sequences with ``do_sample`` in order."""
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
         seqs = sched.sequences
@@ -120,7 +123,7 @@ class ModelRunner:
             metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
                                               eos_token_id=self.eos_token_id)
         self._sampling_metadata = metadata
-        tokens = self.sampler(logits, metadata)
+        tokens = self.sampler(logits, metadata, token_masks)
         return RunnerOutput(sampled={s.req_id: t for s, t in zip(sampled_seqs, tokens)},
                             prompt_logprobs=prompt_lps)
 

@@ -25,6 +25,15 @@ _PAD = -1  # padding id in the token tensors; mapped to an extra dropped column
 
 
 @dataclass
+class TokenMasks:
+    """Tokens allowed to some of a step's sampled rows (guided decoding): ``allowed`` [m, V]
+    bool for the rows ``rows`` (indices into the step's sampled sequences); other rows are
+    unconstrained."""
+    rows: list[int]
+    allowed: torch.Tensor
+
+
+@dataclass
 class SamplingMetadata:
     req_ids: list[str]
     """Row order: the runner's logits rows follow this (the do_sample sequences, in order)."""
@@ -215,16 +224,22 @@ def _exponential_noise(shape: tuple[int, int], gens: list[torch.Generator | None
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                 token_masks: TokenMasks | None = None) -> list[SampledToken]:
         md = metadata
         n, vocab = logits.shape
         if n != len(md.req_ids):
             raise ValueError(f"logits have {n} rows but metadata has {len(md.req_ids)} "
                              "sequences to sample")
         # [n, V] f32. The masks and penalties below write in place: never into the caller's.
-        in_place = md.min_tokens_rows is not None or md.output_token_ids is not None
+        in_place = (md.min_tokens_rows is not None or md.output_token_ids is not None
+                    or token_masks is not None)
         logits = logits.to(torch.float32, copy=in_place)
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+        if token_masks is not None:
+            rows = torch.tensor(token_masks.rows, device=logits.device)
+            allowed = token_masks.allowed.to(logits.device)[:, :vocab]
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         if md.min_tokens_rows is not None:
             ok = md.min_tokens_tokens < vocab
             logits[md.min_tokens_rows[ok], md.min_tokens_tokens[ok]] = float("-inf")

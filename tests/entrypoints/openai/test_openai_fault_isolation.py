@@ -27,12 +27,12 @@ def _arm_fault(engine: AsyncLLM) -> list:
     execute = runner.execute_model
     fired: list = []
 
-    def faulty(sched):
+    def faulty(sched, token_masks=None):
         if not fired and sched.sequences:
             fired.append(True)
             runner.execute_model = execute
             raise RuntimeError("secret internal detail")
-        return execute(sched)
+        return execute(sched, token_masks)
     runner.execute_model = faulty
     return fired
 

@@ -112,13 +112,10 @@ def test_n_is_bounded(server, body, param):
 
 
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "guided_choice", ["a", "b"]),
-    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/completions", "guided_whitespace_pattern", " *"),
 ])
 def test_unimplemented_fields_are_refused_not_ignored(server, path, field, value):
     body = {"model": SERVED_NAME, "max_tokens": 2, field: value}
@@ -132,6 +129,19 @@ def test_harmless_values_of_those_fields_are_accepted(server):
         "model": SERVED_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"})
     assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("body,param,needle", [
+    ({"response_format": {"type": "xml"}}, "response_format", "'xml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "json_schema.schema"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "at most one"),
+    ({"guided_regex": "(unclosed"}, "guided_decoding", "regex is invalid"),
+])
+def test_bad_output_constraints_are_400s(server, body, param, needle):
+    resp = _post(server, "/v1/completions", {"model": SERVED_NAME, "prompt": "hi",
+                                             "max_tokens": 2, **body})
+    _error(resp, param, needle)
 
 
 def test_cors_preflight_and_headers(server):

@@ -3,8 +3,9 @@
 Request models type-check fields (a wrong type becomes a 400 naming the field); value ranges
 are checked by ``SamplingParams``, whose ValueError names the field. Unknown request fields
 are ignored, as OpenAI does, except the known ones this server does not implement
-(``UNSUPPORTED_FIELDS``: structured output, tools, guided decoding, prompt logprobs): those get a
-400 naming the field rather than being ignored.
+(``UNSUPPORTED_FIELDS``: tools and function calling): those get a 400 naming the field rather
+than being ignored. Output constraints (``response_format``, vLLM's ``guided_*`` and
+``structured_outputs``) become ``GuidedDecodingParams``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import GuidedDecodingParams, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -46,13 +47,12 @@ def _off(value) -> bool:
 
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     # field -> which values mean "not used" (accepted; anything else is refused)
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none"),
-    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
-    "structured_outputs": _off,
+    "guided_decoding_backend": lambda v: v in (None, "xgrammar", "auto"),
+    "guided_whitespace_pattern": _off,
 }
 
 
@@ -80,6 +80,13 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Guided decoding (vLLM's fields, OpenAI's response_format): at most one of them.
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def _sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         for name, value in (self.model_extra or {}).items():
@@ -93,6 +100,7 @@ class _Request(BaseModel):
             raise OpenAIError("stream_options is only allowed when stream is true",
                               param="stream_options")
         kw: dict[str, Any] = dict(
+            guided_decoding=self._guided_decoding(),
             n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids, seed=self.seed,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
@@ -104,6 +112,41 @@ class _Request(BaseModel):
             if value is not None:
                 kw[name] = value
         return kw
+
+    def _guided_decoding(self) -> GuidedDecodingParams | None:
+        """The request's output constraint: response_format, a guided_* field or vLLM's
+        structured_outputs dict (at most one); a 400 naming a bad one."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            if rf.get("type") == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif rf.get("type") == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise OpenAIError("response_format json_schema needs json_schema.schema (an "
+                                      "object)", param="response_format")
+                given.append(("response_format", {"json": schema}))
+            else:
+                raise OpenAIError(f"response_format type {rf.get('type')!r} is invalid: must be "
+                                  "'text', 'json_object' or 'json_schema'",
+                                  param="response_format")
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if self.structured_outputs:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise OpenAIError(f"give at most one output constraint, got {[n for n, _ in given]}",
+                              param=given[1][0])
+        name, spec = given[0]
+        try:
+            return GuidedDecodingParams(**spec)
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"{name} is invalid: {e}", param=name) from None
 
     @property
     def include_usage_in_stream(self) -> bool:
