@@ -85,3 +85,20 @@ def test_without_the_option_there_are_none(model_path):
     assert out.prompt_logprobs is None
     with pytest.raises(ValueError, match="prompt_logprobs=21 is invalid"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.parametrize("cache", [None, 8])
+def test_default_model_prompt_logprobs_match_transformers(cache):
+    import os
+
+    import vllm
+    if not os.path.isdir(vllm.DEFAULT_MODEL):
+        pytest.skip("default model not shipped")
+    text = "import os\n\ndef list_files(path):\n    return sorted(os.listdir(path))\n"
+    llm = LLM(dtype="float32", moe_expert_cache_size=cache, device="cpu")
+    out = llm.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(vllm.DEFAULT_MODEL,
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([out.prompt_token_ids])).logits[0].float().log_softmax(-1)
+    _check(out, out.prompt_token_ids, ref, 2)
