@@ -68,11 +68,15 @@ def test_chunked_prefill_splits_the_prompt(model_path, hf_logprobs):
 
 def test_batch_invariant_and_n_greater_than_one(model_path):
     llm = LLM(model_path, dtype="float32")
-    sp = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)
-    alone = llm.generate([PROMPTS[0]], sp)[0].prompt_logprobs
-    crowd = llm.generate([[9, 8, 7, 6]] * 5 + [PROMPTS[0]] + [[1, 2]] * 3, sp)[5].prompt_logprobs
+    sp = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, logprobs=2)
+    alone_out = llm.generate([PROMPTS[0]], sp)[0]
+    crowd_out = llm.generate([[9, 8, 7, 6]] * 5 + [PROMPTS[0]] + [[1, 2]] * 3, sp)[5]
+    alone, crowd = alone_out.prompt_logprobs, crowd_out.prompt_logprobs
     assert [e and {t: lp.logprob for t, lp in e.items()} for e in alone] == \
         [e and {t: lp.logprob for t, lp in e.items()} for e in crowd]
+    # Sampled tokens' logprobs too: bit for bit whatever else is in the batch.
+    assert [{t: lp.logprob for t, lp in e.items()} for e in alone_out.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in e.items()} for e in crowd_out.outputs[0].logprobs]
     fan = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=1.0, n=3, seed=1,
                                                     prompt_logprobs=1))[0]
     assert len(fan.outputs) == 3
