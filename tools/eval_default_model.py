@@ -3,6 +3,7 @@
     python tools/eval_default_model.py loss        # held-out loss/perplexity vs a unigram baseline
     python tools/eval_default_model.py generate    # greedy continuations of three prompts
     python tools/eval_default_model.py routing     # per-layer expert load and consecutive-token reuse
+    python tools/eval_default_model.py quality     # five prompts: distinct-token ratio, repeated lines
 
 Prints Markdown. The corpus split and held-out definition come from train_default_model.py.
 """
@@ -21,6 +22,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_default_model as tdm  # noqa: E402
 
 PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:")
+QUALITY_PROMPTS = ("def fibonacci(n):\n", "import os\n", "class Stack:\n", "    for i in range(",
+                   "# Read a file\n")
+
+
+def distinct_ratio(ids: list[int]) -> float:
+    """Distinct tokens / tokens of a continuation (1.0: no token repeats; degenerate loops -> 0)."""
+    return len(set(ids)) / len(ids) if ids else 0.0
+
+
+def longest_repeated_line_run(text: str) -> int:
+    """Most consecutive identical non-blank lines (1 when no line repeats right after itself)."""
+    best = run = 0
+    prev = None
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        run = run + 1 if line == prev else 1
+        best, prev = max(best, run), line
+    return best
 
 
 def load(model_dir: Path):
@@ -70,6 +90,27 @@ def cmd_generate(model, tok, new_tokens: int) -> None:
         print(f"Prompt `{prompt!r}`:\n\n```python\n{tok.decode(out[0], skip_special_tokens=False)}\n```\n")
 
 
+def cmd_quality(model, tok, new_tokens: int) -> None:
+    """Greedy continuations of QUALITY_PROMPTS: each one's distinct-token ratio and longest
+    repeated-line run, their means, and the outputs (Markdown)."""
+    rows, outputs = [], []
+    for prompt in QUALITY_PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:]
+        text = tok.decode(out, skip_special_tokens=False)
+        rows.append((prompt, distinct_ratio(out.tolist()), longest_repeated_line_run(text)))
+        outputs.append((prompt, text))
+    print(f"Greedy, {new_tokens} new tokens.\n")
+    print("| prompt | distinct-token ratio | longest repeated-line run |")
+    print("| --- | --- | --- |")
+    for prompt, ratio, run in rows:
+        print(f"| `{prompt!r}` | {ratio:.2f} | {run} |")
+    print(f"| mean | {sum(r for _, r, _ in rows) / len(rows):.2f} | "
+          f"{max(r for _, _, r in rows)} (max) |\n")
+    for prompt, text in outputs:
+        print(f"`{prompt!r}` ->\n\n```python\n{prompt}{text}\n```\n")
+
+
 @torch.no_grad()
 def routing_topk(model, held: torch.Tensor, seq_len: int, windows: int) -> list[torch.Tensor]:
     """Per layer: [windows, seq_len, k] expert ids chosen by the router (the model's own top-k)."""
@@ -106,7 +147,7 @@ def cmd_routing(model, tok, seq_len: int, windows: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("figure", choices=["loss", "generate", "routing"])
+    ap.add_argument("figure", choices=["loss", "generate", "routing", "quality"])
     ap.add_argument("--model", type=Path, default=tdm.DEFAULT_OUT)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
@@ -119,6 +160,8 @@ def main() -> None:
         cmd_loss(model, tok, seq_len)
     elif args.figure == "generate":
         cmd_generate(model, tok, args.new_tokens)
+    elif args.figure == "quality":
+        cmd_quality(model, tok, args.new_tokens)
     else:
         cmd_routing(model, tok, seq_len, args.windows)
 

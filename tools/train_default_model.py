@@ -1,11 +1,20 @@
 """Train the small Qwen3-MoE model shipped as vllm/models/default.
 
 Corpus: the running interpreter's standard library *.py files (see `split_corpus`), with a
-FIXED list of held-out modules (`HELDOUT_MODULES`) that are never trained on. Everything is
-seeded, so the same interpreter + torch build reproduces the same weights.
+FIXED list of held-out modules (`HELDOUT_MODULES`) that are never trained on; with
+``--corpus stdlib+packages`` also the sources of installed permissively licensed packages
+(`default_model_corpus.py`, each listed with its licence in training_metadata.json). Everything
+is seeded, so the same interpreter, packages and torch build reproduce the same weights.
+
+Training is resumable: a checkpoint (model, optimizer, sampling generator, tokenizer, step and
+the record of every run so far) is written outside the repository every --checkpoint-every
+seconds and at the end; --resume CKPT continues it exactly where it stopped (the same weights
+as an uninterrupted run on the same device). --device cuda trains on a GPU with bf16 autocast.
 
     python tools/train_default_model.py                      # full run, writes vllm/models/default
     python tools/train_default_model.py --steps 20 --out /tmp/dm   # quick smoke run
+    python tools/train_default_model.py --steps 20000 --device cuda --corpus stdlib+packages
+    python tools/train_default_model.py --resume ~/.cache/vllm/default-model-train.pt --steps 30000
 """
 
 from __future__ import annotations
@@ -14,37 +23,28 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
+import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Re-exported: eval_default_model.py and the tests read the corpus split through this module.
+from default_model_corpus import (HELDOUT_MODULES, SKIP_DIRS, build_corpus,  # noqa: E402,F401
+                                  read_texts, split_corpus, stdlib_root)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "vllm" / "models" / "default"
+DEFAULT_CHECKPOINT = Path.home() / ".cache" / "vllm" / "default-model-train.pt"
 SEED = 1234
-
-# Held-out modules, relative to the stdlib root; never trained on and never seen by the tokenizer trainer.
-HELDOUT_MODULES = (
-    "textwrap.py",
-    "heapq.py",
-    "bisect.py",
-    "shlex.py",
-    "fractions.py",
-    "queue.py",
-    "graphlib.py",
-    "json/encoder.py",
-    "json/decoder.py",
-    "email/quoprimime.py",
-)
-# Directories skipped entirely: tests, third-party packages, and generated tables (codec maps,
-# pydoc topic dumps) whose text is not representative Python.
-SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__pycache__", "__phello__"}
-SKIP_PREFIXES = ("_sysconfigdata", "config-")
 
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -72,6 +72,8 @@ class TrainArgs:
     weight_decay: float = 0.1
     vocab_size: int = 4096
     log_every: int = 20
+    corpus: str = "stdlib"
+    """"stdlib" or "stdlib+packages"."""
 
 
 def model_config(vocab_size: int, eos_id: int) -> Qwen3MoeConfig:
@@ -98,30 +100,6 @@ def model_config(vocab_size: int, eos_id: int) -> Qwen3MoeConfig:
         eos_token_id=eos_id,
         pad_token_id=eos_id,
     )
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def split_corpus(root: Path) -> tuple[list[str], list[str]]:
-    """Return (train, heldout) relative paths, sorted; heldout is HELDOUT_MODULES in listed order."""
-    train = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or rel.parts[0].startswith(SKIP_PREFIXES):
-            continue
-        if rel.name.startswith(SKIP_PREFIXES) or rel.as_posix() in HELDOUT_MODULES:
-            continue
-        train.append(rel.as_posix())
-    missing = [m for m in HELDOUT_MODULES if not (root / m).is_file()]
-    if missing:
-        raise FileNotFoundError(f"held-out modules {missing} not found under stdlib root {root}")
-    return sorted(train), list(HELDOUT_MODULES)
-
-
-def read_texts(root: Path, rels: list[str]) -> list[str]:
-    return [(root / r).read_text(encoding="utf-8", errors="replace") for r in rels]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -167,24 +145,52 @@ def lr_at(step: int, args: TrainArgs) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(model: Qwen3MoeForCausalLM, stream: torch.Tensor, args: TrainArgs, log) -> dict:
-    """Random windows of the training stream; loss = LM loss + router_aux_loss_coef * balance loss."""
-    gen = torch.Generator().manual_seed(SEED)
+def make_optimizer(model: Qwen3MoeForCausalLM, args: TrainArgs) -> torch.optim.AdamW:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95),
     )
+
+
+class Checkpointer:
+    """Writes the training state to ``path`` (atomically: a temp file renamed over it) every
+    ``every_s`` seconds and when forced."""
+
+    def __init__(self, path: Path, every_s: float):
+        self.path, self.every_s, self.last = path, every_s, time.time()
+
+    def maybe_save(self, state: Callable[[], dict], force: bool = False) -> None:
+        if not force and time.time() - self.last < self.every_s:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save(state(), tmp)
+        os.replace(tmp, self.path)
+        self.last = time.time()
+
+
+def train(model: Qwen3MoeForCausalLM, stream: torch.Tensor, args: TrainArgs, log, *,
+          opt: torch.optim.Optimizer, gen: torch.Generator, start_step: int = 0,
+          checkpoint=None, state=None, device: str = "cpu") -> dict:
+    """Random windows of the training stream from ``start_step`` to ``args.steps``; loss = LM
+    loss + router_aux_loss_coef * balance loss. ``checkpoint.maybe_save(state_fn)`` runs after
+    every step (``state(step)`` builds the checkpoint dict for the next step to run)."""
     model.train()
     t0 = time.time()
     last = {}
-    for step in range(args.steps):
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else None
+    for step in range(start_step, args.steps):
         starts = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch_size,), generator=gen)
-        batch = torch.stack([stream[s : s + args.seq_len] for s in starts.tolist()])  # [B, S]
+        batch = torch.stack([stream[s : s + args.seq_len] for s in starts.tolist()]).to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        if autocast is not None:
+            with autocast:
+                out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        else:
+            out = model(input_ids=batch, labels=batch, output_router_logits=True)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -194,6 +200,9 @@ def train(model: Qwen3MoeForCausalLM, stream: torch.Tensor, args: TrainArgs, log
             last = {"step": step, "lm_loss": lm, "aux_loss": out.aux_loss.item(), "elapsed_s": time.time() - t0}
             log(f"step {step:5d} lm_loss {lm:.4f} aux {out.aux_loss.item():.4f} "
                 f"lr {lr_at(step, args):.2e} elapsed {time.time() - t0:.0f}s")
+        if checkpoint is not None:
+            checkpoint.maybe_save(lambda: state(step + 1, time.time() - t0),
+                                  force=step == args.steps - 1)
     last["train_seconds"] = time.time() - t0
     return last
 
@@ -284,51 +293,105 @@ def shipped_eval(out: Path, root: Path, heldout_texts: list[str], seq_len: int) 
     }
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=TrainArgs.steps)
+    ap.add_argument("--steps", type=int, default=TrainArgs.steps, help="total steps (a resumed run continues to this)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--threads", type=int, default=2)
-    cli = ap.parse_args()
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: train on the GPU with bf16 autocast (weights and optimizer in fp32)")
+    ap.add_argument("--corpus", choices=["stdlib", "stdlib+packages"], default=TrainArgs.corpus)
+    ap.add_argument("--batch-size", type=int, default=TrainArgs.batch_size)
+    ap.add_argument("--seq-len", type=int, default=TrainArgs.seq_len)
+    ap.add_argument("--lr", type=float, default=TrainArgs.lr)
+    ap.add_argument("--max-files", type=int, default=None, help="train on the first N files only (smoke runs)")
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                    help=f"training checkpoint written during training (default: {DEFAULT_CHECKPOINT})")
+    ap.add_argument("--checkpoint-every", type=float, default=300.0, help="seconds between checkpoints")
+    ap.add_argument("--resume", type=Path, default=None, help="continue from this training checkpoint")
+    cli = ap.parse_args(argv)
     if cli.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {cli.steps}")
-    args = TrainArgs(steps=cli.steps)
+    if cli.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    return cli
+
+
+def main(argv=None) -> None:
+    cli = parse_args(argv)
     torch.set_num_threads(cli.threads)
     torch.manual_seed(SEED)
     random.seed(SEED)
     wall0 = time.time()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-
-    root = stdlib_root()
-    train_rels, held_rels = split_corpus(root)
-    train_texts, held_texts = read_texts(root, train_rels), read_texts(root, held_rels)
-    tok = train_tokenizer(train_texts, args.vocab_size)
+    resume = torch.load(cli.resume, weights_only=False) if cli.resume else None
+    args = TrainArgs(steps=cli.steps, batch_size=cli.batch_size, seq_len=cli.seq_len, lr=cli.lr,
+                     corpus=cli.corpus)
+    if resume is not None:   # the run's own hyperparameters; only the step count may grow
+        args = replace(TrainArgs(**resume["train_args"]), steps=cli.steps)
+    corpus = build_corpus(args.corpus, cli.max_files if resume is None else resume["max_files"])
+    tok = (Tokenizer.from_str(resume["tokenizer"]) if resume is not None
+           else train_tokenizer(corpus["train"], args.vocab_size))
     eos_id = tok.token_to_id(EOS)
-    stream = encode_stream(tok, train_texts, eos_id)
-    log(f"corpus: {len(train_rels)} train files, {len(stream)} train tokens; tokenizer vocab {tok.get_vocab_size()}")
+    stream = encode_stream(tok, corpus["train"], eos_id)
+    log(f"corpus: {len(corpus['train'])} train files, {len(stream)} train tokens; tokenizer vocab "
+        f"{tok.get_vocab_size()}")
 
-    config = model_config(tok.get_vocab_size(), eos_id)
-    model = Qwen3MoeForCausalLM(config)
-    log(f"params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; experts impl "
-        f"{model.config._experts_implementation}")
-    stats = train(model, stream, args, log)
+    model = Qwen3MoeForCausalLM(model_config(tok.get_vocab_size(), eos_id))
+    gen = torch.Generator().manual_seed(SEED)
+    runs, start = [], 0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        gen.set_state(resume["generator"])
+        runs, start = resume["runs"], resume["step"]
+    model.to(cli.device)
+    opt = make_optimizer(model, args)
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+    log(f"params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M; steps {start} -> {args.steps} "
+        f"on {cli.device}")
+    run = {"device": cli.device, "device_name": _device_name(cli.device), "threads": cli.threads,
+           "from_step": start, "to_step": args.steps}
+
+    def state(next_step: int, seconds: float) -> dict:
+        return {"step": next_step, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": opt.state_dict(), "generator": gen.get_state(), "tokenizer": tok.to_str(),
+                "train_args": asdict(args), "max_files": cli.max_files if resume is None else resume["max_files"],
+                "runs": runs + [{**run, "to_step": next_step, "seconds": seconds}]}
+    stats = train(model, stream, args, log, opt=opt, gen=gen, start_step=start, device=cli.device,
+                  checkpoint=Checkpointer(cli.checkpoint, cli.checkpoint_every), state=state)
+    runs.append({**run, "seconds": stats["train_seconds"]})
+    model.to("cpu")
     save_all(model, wrap_tokenizer(tok), cli.out)
-    shipped = shipped_eval(cli.out, root, held_texts, args.seq_len)
-    meta = {
+    shipped = shipped_eval(cli.out, corpus["root"], corpus["held"], args.seq_len)
+    meta = _metadata(args, cli, corpus, stream, stats, runs, wall0, shipped)
+    (cli.out / "training_metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
+    log(f"held-out loss {shipped['heldout_loss']:.4f} ppl {shipped['heldout_perplexity']:.2f}; "
+        f"slice loss {shipped['slice']['loss']:.4f}; wall {meta['total_wall_seconds']:.0f}s")
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _metadata(args, cli, corpus, stream, stats, runs, wall0, shipped) -> dict:
+    return {
         "seed": SEED, "train_args": asdict(args), "threads": cli.threads,
         "python": sysconfig.get_python_version(), "torch": torch.__version__,
-        "train_files": len(train_rels), "train_tokens": int(len(stream)),
-        "heldout_modules": list(held_rels), "skip_dirs": sorted(SKIP_DIRS),
+        "train_files": len(corpus["train"]), "train_tokens": int(len(stream)),
+        "stdlib_train_files": len(corpus["train_rels"]), "packages": corpus["packages"],
+        "heldout_modules": list(corpus["held_rels"]), "skip_dirs": sorted(SKIP_DIRS),
         "heldout_definition": (
             "held-out modules concatenated in listed order, each followed by <|endoftext|>; "
             f"non-overlapping windows of {args.seq_len} tokens (last one partial); mean next-token NLL "
             "(nats) within each window; weights = shipped bf16 checkpoint loaded in fp32"
         ),
+        "runs": runs, "train_seconds_total": sum(r["seconds"] for r in runs),
         "final_train": stats, "total_wall_seconds": time.time() - wall0, **shipped,
     }
-    (cli.out / "training_metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
-    log(f"held-out loss {shipped['heldout_loss']:.4f} ppl {shipped['heldout_perplexity']:.2f}; "
-        f"slice loss {shipped['slice']['loss']:.4f}; wall {meta['total_wall_seconds']:.0f}s")
 
 
 if __name__ == "__main__":
