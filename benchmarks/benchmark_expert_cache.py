@@ -2,6 +2,12 @@
 
     python benchmarks/benchmark_expert_cache.py --trace T.npz --capacity 16 [--policy lru ...]
         [--batch 8] [--sequences odd] [--max-tokens N] [--json]
+    python benchmarks/benchmark_expert_cache.py --sweep --trace A.npz B.npz --batch 1 8 [--json]
+
+--sweep replays every trace at C in {top_k, 2 top_k, E/4, E/2} and every --batch, and reports each
+policy's hit rate as a fraction of Belady's per point, with each policy's mean and worst fraction
+(and where), the points where it falls below LRU, and the policy with the best worst point (how
+the default is chosen: by the worst point, not the mean).
 
 One plan() per layer per step (all layers of a step in one batched Residency, which is the same
 code as the per-layer one), steps needing more than C experts split with the cache's split_waves.
@@ -82,6 +88,61 @@ def run(trace_path: str, capacity: int, policies: list[str], batch: int = 1,
             "_tokens": len(trace.experts), "_steps": len(masks), "_sequences": sequences}
 
 
+def sweep_capacities(num_experts: int, top_k: int) -> list[int]:
+    """{top_k, 2 top_k, E/4, E/2}, within [1, E], sorted."""
+    caps = {top_k, 2 * top_k, num_experts // 4, num_experts // 2}
+    return sorted(c for c in caps if 1 <= c <= num_experts)
+
+
+def run_sweep(trace_paths: list[str], batches: list[int], policies: list[str],
+              max_tokens: int | None = None, sequences: str = "all") -> dict:
+    points = []
+    for path in trace_paths:
+        trace = select_sequences(load_trace(path), sequences)
+        for batch in batches:
+            for cap in sweep_capacities(trace.num_experts, trace.top_k):
+                out = run(path, cap, policies, batch, max_tokens, sequences)
+                hr = out["hit_rate"]
+                points.append({"trace": path, "capacity": cap, "batch": batch, "hit_rate": hr,
+                               "of_belady": {p: hr[p] / hr["belady"] if hr["belady"] else 1.0
+                                             for p in policies}})
+    return {"points": points, "summary": summarize(points, policies),
+            "default_policy": DEFAULT_POLICY}
+
+
+def summarize(points: list[dict], policies: list[str]) -> dict:
+    """Per policy: mean and worst fraction of Belady (and the worst point), and the points where
+    it is below LRU; "best_worst": the policy whose worst point is highest."""
+    summary = {}
+    for p in policies:
+        fracs = [pt["of_belady"][p] for pt in points]
+        worst = min(range(len(points)), key=lambda i: fracs[i])
+        below = [{k: pt[k] for k in ("trace", "capacity", "batch")} for pt in points
+                 if "lru" in pt["hit_rate"] and pt["hit_rate"][p] < pt["hit_rate"]["lru"] - 1e-12]
+        summary[p] = {"mean_of_belady": sum(fracs) / len(fracs), "worst_of_belady": fracs[worst],
+                      "worst_point": {k: points[worst][k] for k in ("trace", "capacity", "batch")},
+                      "points_below_lru": below}
+    best = max(policies, key=lambda p: summary[p]["worst_of_belady"])
+    return {"policies": summary, "best_worst": best}
+
+
+def _print_sweep(out: dict, policies: list[str]) -> None:
+    print("| trace | C | batch | " + " | ".join(policies) + " | Belady |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in policies) + " | --- |")
+    for pt in out["points"]:
+        cells = [f"{pt['hit_rate'][p]:.3f} ({pt['of_belady'][p]:.2f})" for p in policies]
+        print(f"| {pt['trace']} | {pt['capacity']} | {pt['batch']} | " + " | ".join(cells)
+              + f" | {pt['hit_rate']['belady']:.3f} |")
+    summ = out["summary"]["policies"]
+    print("\n| policy | mean of Belady | worst of Belady (trace, C, batch) | points below LRU |")
+    print("| --- | --- | --- | --- |")
+    for p in policies:
+        w = summ[p]["worst_point"]
+        print(f"| {p} | {summ[p]['mean_of_belady']:.3f} | {summ[p]['worst_of_belady']:.3f} "
+              f"({w['trace']}, {w['capacity']}, {w['batch']}) | {len(summ[p]['points_below_lru'])} |")
+    print(f"\nbest worst point: {out['summary']['best_worst']} (default: {out['default_policy']})")
+
+
 def _print_table(out: dict) -> None:
     print(f"trace {out['trace']} ({out['_sequences']} sequences, {out['_tokens']} tokens, "
           f"{out['_steps']} steps), capacity {out['capacity']}, batch {out['batch']}")
@@ -96,11 +157,15 @@ def _print_table(out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True, help="routing trace .npz (shared trace format)")
-    ap.add_argument("--capacity", type=int, required=True, help="expert slots per MoE layer")
+    ap.add_argument("--trace", required=True, nargs="+",
+                    help="routing trace .npz (shared trace format); several with --sweep")
+    ap.add_argument("--capacity", type=int, default=None, help="expert slots per MoE layer")
+    ap.add_argument("--sweep", action="store_true",
+                    help="capacities top_k, 2 top_k, E/4, E/2 x every --batch x every --trace")
     ap.add_argument("--policy", nargs="+", default=None,
                     help=f"policies to replay (default: all of {list(policy_names())})")
-    ap.add_argument("--batch", type=int, default=1, help="sequences interleaved per step")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                    help="sequences interleaved per step (several with --sweep)")
     ap.add_argument("--max-tokens", type=int, default=None, help="replay only the first N tokens")
     ap.add_argument("--sequences", default="all", choices=("all", "even", "odd"),
                     help="all sequences, or the even-/odd-indexed half (tuning / held-out)")
@@ -109,11 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policy or list(policy_names())
     for p in policies:
         get_policy(p)                                  # fails early naming the allowed names
-    policies = [DEFAULT_POLICY if p == "auto" else p for p in policies]
-    if args.batch < 1:
-        ap.error(f"--batch {args.batch} is invalid: must be >= 1")
-    out = run(args.trace, args.capacity, list(dict.fromkeys(policies)), args.batch,
-              args.max_tokens, args.sequences)
+    policies = list(dict.fromkeys(DEFAULT_POLICY if p == "auto" else p for p in policies))
+    if any(b < 1 for b in args.batch):
+        ap.error(f"--batch {args.batch} is invalid: every batch must be >= 1")
+    if args.sweep:
+        out = run_sweep(args.trace, args.batch, policies, args.max_tokens, args.sequences)
+        print(json.dumps(out)) if args.json else _print_sweep(out, policies)
+        return 0
+    if args.capacity is None or len(args.trace) > 1 or len(args.batch) > 1:
+        ap.error("give one --trace, one --batch and --capacity, or use --sweep")
+    out = run(args.trace[0], args.capacity, policies, args.batch[0], args.max_tokens,
+              args.sequences)
     if args.json:
         print(json.dumps({k: v for k, v in out.items() if not k.startswith("_")}))
     else:

@@ -110,3 +110,35 @@ def test_belady_is_optimal_on_small_cases(seed, capacity, top):
     hits, misses = belady_layer(needed, capacity)
     assert hits + misses == needed.sum()
     assert misses == _brute_force_min_misses(steps, capacity)
+
+
+def test_sweep_reports_fractions_of_belady_and_the_worst_point(tmp_path, capsys):
+    paths = []
+    for seed, e in ((0, 16), (1, 12)):
+        paths.append(str(tmp_path / f"t{seed}.npz"))
+        save_trace(paths[-1], _synthetic_trace(num_experts=e, top_k=2, seed=seed))
+    assert bench.main(["--sweep", "--trace", *paths, "--batch", "1", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # E=16, k=2: C in {2, 4, 8}; E=12, k=2: {2, 3, 4, 6}; two batches each.
+    got = sorted((p["trace"], p["capacity"], p["batch"]) for p in out["points"])
+    want = sorted([(paths[0], c, b) for c in (2, 4, 8) for b in (1, 2)]
+                  + [(paths[1], c, b) for c in (2, 3, 4, 6) for b in (1, 2)])
+    assert got == want
+    policies = ["lru", "lfu", "lfru", "lrfu"]
+    for p in out["points"]:
+        for pol in policies:
+            assert p["of_belady"][pol] == pytest.approx(p["hit_rate"][pol] / p["hit_rate"]["belady"])
+            assert p["of_belady"][pol] <= 1 + 1e-12
+    for pol in policies:
+        fr = [p["of_belady"][pol] for p in out["points"]]
+        s = out["summary"]["policies"][pol]
+        assert s["mean_of_belady"] == pytest.approx(sum(fr) / len(fr))
+        assert s["worst_of_belady"] == min(fr)
+        assert len(s["points_below_lru"]) == sum(
+            p["hit_rate"][pol] < p["hit_rate"]["lru"] - 1e-12 for p in out["points"])
+    best = max(policies, key=lambda q: out["summary"]["policies"][q]["worst_of_belady"])
+    assert out["summary"]["best_worst"] == best
+    assert bench.main(["--sweep", "--trace", paths[0], "--policy", "lru", "lrfu"]) == 0
+    assert "best worst point" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--trace", *paths, "--capacity", "4"])      # several traces need --sweep
