@@ -39,6 +39,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-sequences", type=int, default=40)
     args = p.parse_args(argv)
     llm = LLM(args.model, dtype="float32", moe_routing_trace_path=args.out)
+    max_len = llm.llm_engine.vllm_config.model_config.max_model_len
+    if args.chunk >= max_len:
+        p.error(f"--chunk {args.chunk} is invalid: the model's max_model_len={max_len} allows "
+                f"at most {max_len - 1} prompt tokens")
     prompts = heldout_chunks(llm.get_tokenizer(), args.chunk, args.max_sequences)
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
     llm.llm_engine.shutdown()  # writes the trace
