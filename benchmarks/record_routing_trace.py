@@ -37,8 +37,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="trace .npz to write")
     p.add_argument("--chunk", type=int, default=512, help="tokens per sequence")
     p.add_argument("--max-sequences", type=int, default=40)
+    p.add_argument("--scores", action="store_true",
+                   help="also record each router's softmax over all experts (float16 [T, L, E])")
     args = p.parse_args(argv)
-    llm = LLM(args.model, dtype="float32", moe_routing_trace_path=args.out)
+    llm = LLM(args.model, dtype="float32", moe_routing_trace_path=args.out,
+              moe_routing_trace_scores=args.scores)
     max_len = llm.llm_engine.vllm_config.model_config.max_model_len
     if args.chunk >= max_len:
         p.error(f"--chunk {args.chunk} is invalid: the model's max_model_len={max_len} allows "

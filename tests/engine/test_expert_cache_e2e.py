@@ -2,6 +2,7 @@
 capacity, counters consistent with a replay of the routing trace recorded in the same run."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,3 +115,20 @@ def test_engine_counts_equal_replay_of_recorded_trace(tiny_model_factory, tmp_pa
     # hits + misses = distinct experts needed, summed over steps.
     assert (masks.sum(dim=(0, 2)).tolist() ==
             [h + m for h, m in zip(stats["per_layer"]["hits"], stats["per_layer"]["misses"])])
+
+
+def test_recorded_trace_scores_are_the_engines_router_softmax(tiny_model_factory, tmp_path):
+    """moe_routing_trace_scores: each token's scores row at each layer sums to 1 and its top-k
+    are the recorded expert ids (the engine records what its own routers computed)."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    trace_path = str(tmp_path / "scores.npz")
+    llm = LLM(path, moe_routing_trace_path=trace_path, moe_routing_trace_scores=True)
+    llm.generate(_prompts(2, seed=3, lo=4, hi=9), SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.llm_engine.shutdown()
+    trace = load_trace(trace_path)
+    scores = trace.scores.astype(np.float32)                          # [T, L, E]
+    assert scores.shape == (len(trace.experts), trace.num_layers, trace.num_experts)
+    assert np.allclose(scores.sum(-1), 1.0, atol=1e-2)
+    top = np.sort(np.argsort(-scores, -1, kind="stable")[..., :trace.top_k], -1)
+    agree = (np.sort(trace.experts, -1) == top).all(-1).mean()
+    assert agree > 0.99                                   # float16 ties may swap a rare pair

@@ -135,6 +135,8 @@ class MoECacheConfig:
     """Eviction policy name; "auto" picks the measured best (see docs/expert-cache.md)."""
     routing_trace_path: str | None = None
     """If set, record every MoE layer's routing (topk_ids) to this .npz in the shared trace format."""
+    routing_trace_scores: bool = False
+    """With routing_trace_path: also record the router's softmax over all experts (``scores``)."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:

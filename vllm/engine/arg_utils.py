@@ -65,6 +65,9 @@ class EngineArgs:
     """Attention kernel: auto, cpu_paged (C, CPU f32/bf16) or torch_sdpa."""
     moe_routing_trace_path: str | None = None
     """Record every MoE layer's routing to this .npz (the shared trace format) at shutdown."""
+    moe_routing_trace_scores: bool = False
+    """With moe_routing_trace_path: also record each router's softmax over all experts
+    (the trace's optional ``scores``, float16 [T, L, E])."""
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -119,7 +122,8 @@ class EngineArgs:
                                            enable_chunked_prefill=bool(self.enable_chunked_prefill))
         moe = MoECacheConfig(cache_size=self.moe_expert_cache_size,
                              policy=self.moe_expert_cache_policy,
-                             routing_trace_path=self.moe_routing_trace_path)
+                             routing_trace_path=self.moe_routing_trace_path,
+                             routing_trace_scores=bool(self.moe_routing_trace_scores))
         config = VllmConfig(model_config, cache_config, scheduler_config, moe,
                             DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
                             kernel_config=KernelConfig(self.moe_backend,

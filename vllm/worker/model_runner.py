@@ -197,8 +197,9 @@ class ModelRunner:
             return None
         from vllm.model_executor.layers.fused_moe.expert_cache.trace import RoutingTraceRecorder
         first = self.moe_layers[0]
-        recorder = RoutingTraceRecorder(first.num_experts, first.top_k,
-                                        model=self.config.model_config.model)
+        recorder = RoutingTraceRecorder(
+            first.num_experts, first.top_k, model=self.config.model_config.model,
+            record_scores=self.config.moe_cache_config.routing_trace_scores)
         for layer in self.moe_layers:
             layer.routing_observer = recorder.observe
         return recorder

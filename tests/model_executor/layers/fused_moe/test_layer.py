@@ -129,9 +129,9 @@ def test_cache_turns_on_only_below_num_experts(cache_size, on):
 def test_routing_observer_sees_topk_ids():
     layer = build_layer(CASES["mixtral"], torch.float32)[0]
     seen = []
-    layer.routing_observer = lambda idx, ids: seen.append((idx, ids.clone()))
+    layer.routing_observer = lambda idx, ids, lg: seen.append((idx, ids.clone(), lg))
     logits = torch.randn(5, E)
     layer(torch.randn(5, H), logits)
-    assert len(seen) == 1 and seen[0][0] == 0
+    assert len(seen) == 1 and seen[0][0] == 0 and seen[0][2] is logits
     want = torch.topk(logits.softmax(-1), 2, dim=-1).indices
     assert torch.equal(seen[0][1].sort(-1).values, want.sort(-1).values)

@@ -72,7 +72,7 @@ class FusedMoE(nn.Module):
                                         else "auto")
         self.weight_provider: WeightProvider | None = None
         """Set by ``finish_loading``."""
-        self.routing_observer: Callable[[int, torch.Tensor], None] | None = None
+        self.routing_observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         """Called with (layer_index, topk_ids [T, top_k]) every forward (routing-trace recorder)."""
 
     @property
@@ -133,7 +133,7 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.router_config,
                                                 self.e_score_correction_bias)
         if self.routing_observer is not None:
-            self.routing_observer(self.layer_index, topk_ids)
+            self.routing_observer(self.layer_index, topk_ids, router_logits)
         return self.forward_experts(hidden_states, topk_weights, topk_ids)
 
     def forward_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,

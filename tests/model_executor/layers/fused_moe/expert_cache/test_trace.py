@@ -84,3 +84,38 @@ def test_step_masks_union():
     masks = step_masks(trace, 2)                                   # steps: {0, 2}, {1}
     assert masks[:, 0].tolist() == [[True, True, False, True], [False, True, True, False]]
     assert json.loads(json.dumps(trace.meta))["num_experts"] == 4
+
+
+def test_recorder_scores_are_the_routers_softmax(tmp_path):
+    """record_scores: the trace's optional scores [T, L, E] float16 are each router's softmax,
+    in the same token order as the ids; subset and truncated carry them; no scores -> None."""
+    torch.manual_seed(0)
+    layers = [FusedMoE(8, 2, 16, 8, prefix=f"model.layers.{i}.mlp.experts") for i in (0, 1)]
+    for layer in layers:
+        layer.finish_loading(torch.device("cpu"))
+    rec = RoutingTraceRecorder(num_experts=8, top_k=2, record_scores=True)
+    for layer in layers:
+        layer.routing_observer = rec.observe
+    want = {}
+    for keys in (["a", "b"], ["b", "a"], ["a"]):
+        logits = [torch.randn(len(keys), 8) for _ in layers]
+        for layer, lg in zip(layers, logits):
+            layer(torch.randn(len(keys), 16), lg)
+        rec.end_step(keys)
+        probs = torch.stack([lg.softmax(-1) for lg in logits], 1).half()       # [T, L, E]
+        for i, k in enumerate(keys):
+            want.setdefault(k, []).append(probs[i])
+    rec.save(str(tmp_path / "s.npz"))
+    back = load_trace(str(tmp_path / "s.npz"))
+    expected = np.concatenate([torch.stack(want[k]).numpy() for k in ("a", "b")])
+    assert back.scores.dtype == np.float16 and np.array_equal(back.scores, expected)
+    top = np.sort(np.argsort(-back.scores.astype(np.float32), -1)[..., :2], -1)
+    assert np.array_equal(np.sort(back.experts, -1), top)
+    assert np.array_equal(back.subset([1]).scores, expected[3:])
+    assert np.array_equal(back.truncated(2).scores, expected[:2])
+    with pytest.raises(ValueError, match="scores must be"):
+        RoutingTrace(back.experts, back.offsets, back.meta, back.scores[:, :1])
+    plain = RoutingTraceRecorder(num_experts=8, top_k=2)
+    plain.observe(0, torch.zeros(1, 2, dtype=torch.long))
+    plain.save(str(tmp_path / "p.npz"))
+    assert load_trace(str(tmp_path / "p.npz")).scores is None
