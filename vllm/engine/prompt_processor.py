@@ -71,22 +71,26 @@ class PromptProcessor:
         self.check_text(where, text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt (the template placed the special tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def decode_ids(self, ids: list[int]) -> str:
         """Text of token ids; ValueError naming an id outside the vocabulary."""
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"tokens: token id {bad[0]!r} is invalid: must be an integer in "
-                             f"[0, {self.vocab_size})")
+        self._check_ids("tokens", ids)
         return self.tokenizer.decode(ids)
 
-    def _validate(self, where: str, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError(f"{where} is empty: at least one token is required")
+    def _check_ids(self, where: str, ids: list[int]) -> None:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
                or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]!r} is invalid: must be an integer in "
                              f"[0, {self.vocab_size})")
+
+    def _validate(self, where: str, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError(f"{where} is empty: at least one token is required")
+        self._check_ids(where, ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"{where} has {len(ids)} tokens, but max_model_len={self.max_model_len} "
                              f"allows at most {self.max_model_len - 1} prompt tokens")
@@ -101,8 +105,7 @@ class PromptProcessor:
                     add_generation_prompt: bool = True) -> dict:
         """Render messages with the tokenizer's chat template -> a TokensPrompt dict."""
         text = self.render_chat_text(messages, chat_template, add_generation_prompt)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(
-            text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": self.encode_rendered(text)}
 
     def render_chat_text(self, messages, chat_template: str | None = None,
                          add_generation_prompt: bool = True) -> str:

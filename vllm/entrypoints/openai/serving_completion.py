@@ -63,9 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
         result = _logprobs(c.logprobs, c.token_ids, n_tok, len(echo) + n_chars)
         if request.echo and n_tok == 0 and out.prompt_logprobs is not None:
             first = await self.tokenizers.decode(out.prompt_token_ids[:1])
-            prompt = _prompt_part(out, first)
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                setattr(result, name, getattr(prompt, name) + getattr(result, name))
+            result = _joined(_prompt_part(out, first), result)
         return result
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str,
@@ -134,18 +132,16 @@ def _prompt_logprobs(request: CompletionRequest, out: RequestOutput
 def _prompt_part(out: RequestOutput, first_token: str) -> CompletionLogprobs:
     """The prompt's tokens in OpenAI's echo layout: the first with no logprob, then each
     token's logprob given those before it and its top tokens (text offsets from 0)."""
-    result = CompletionLogprobs(tokens=[first_token], token_logprobs=[None], top_logprobs=[None],
-                                text_offset=[0])
-    offset = len(first_token)
-    for tid, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
-        token = entries[tid].decoded_token or ""
-        result.tokens.append(token)
-        result.token_logprobs.append(entries[tid].logprob)
-        result.top_logprobs.append({(lp.decoded_token or ""): lp.logprob
-                                    for lp in entries.values()})
-        result.text_offset.append(offset)
-        offset += len(token)
-    return result
+    first = CompletionLogprobs(tokens=[first_token], token_logprobs=[None], top_logprobs=[None],
+                               text_offset=[0])
+    rest = _logprobs(out.prompt_logprobs[1:], out.prompt_token_ids[1:], 0, len(first_token))
+    return _joined(first, rest)
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    """a's positions followed by b's (b's text offsets are already absolute)."""
+    return CompletionLogprobs(**{name: getattr(a, name) + getattr(b, name)
+                                 for name in CompletionLogprobs.model_fields})
 
 
 def _logprobs(logprobs: SampleLogprobs | None, token_ids: list[int], start: int,

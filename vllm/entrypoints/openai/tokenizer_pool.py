@@ -15,7 +15,6 @@ environment.
 from __future__ import annotations
 
 import asyncio
-import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -58,18 +57,23 @@ class TokenizerPool:
         """Rendered and tokenized messages: {"prompt", "prompt_token_ids"}. A template from the
         request renders in the sandbox (ValueError where there is none)."""
         if chat_template is None:
-            text = await self._run(self.processor.render_chat_text, messages, None,
-                                   add_generation_prompt, pool=self._templates)
+            render = self.processor.render_chat_text
         elif self.sandbox is None:
             raise ValueError("chat_template: request templates are not accepted here")
         else:
-            self.processor.check_messages(messages, chat_template)
-            text = await self._run(self.sandbox.render, messages, chat_template,
-                                   add_generation_prompt, pool=self._templates)
-            self.processor.check_text("the rendered chat prompt", text)
-        ids = await self._run(functools.partial(self.processor.tokenizer.encode,
-                                                add_special_tokens=False), text)
+            render = self._render_in_sandbox
+        text = await self._run(render, messages, chat_template, add_generation_prompt,
+                               pool=self._templates)
+        ids = await self._run(self.processor.encode_rendered, text)
         return {"prompt": text, "prompt_token_ids": ids}
+
+    def _render_in_sandbox(self, messages: list[dict], chat_template: str,
+                           add_generation_prompt: bool) -> str:
+        """render_chat_text's checks around the sandbox's render (on a template thread)."""
+        self.processor.check_messages(messages, chat_template)
+        text = self.sandbox.render(messages, chat_template, add_generation_prompt)
+        self.processor.check_text("the rendered chat prompt", text)
+        return text
 
     async def decode(self, token_ids: list[int]) -> str:
         """Text of token ids (ValueError for an id outside the vocabulary)."""
