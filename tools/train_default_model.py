@@ -329,7 +329,8 @@ def main(argv=None) -> None:
                      corpus=cli.corpus)
     if resume is not None:   # the run's own hyperparameters; only the step count may grow
         args = replace(TrainArgs(**resume["train_args"]), steps=cli.steps)
-    corpus = build_corpus(args.corpus, cli.max_files if resume is None else resume["max_files"])
+    max_files = cli.max_files if resume is None else resume["max_files"]   # the run's own corpus
+    corpus = build_corpus(args.corpus, max_files)
     tok = (Tokenizer.from_str(resume["tokenizer"]) if resume is not None
            else train_tokenizer(corpus["train"], args.vocab_size))
     eos_id = tok.token_to_id(EOS)
@@ -356,7 +357,7 @@ def main(argv=None) -> None:
     def state(next_step: int, seconds: float) -> dict:
         return {"step": next_step, "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
                 "optimizer": opt.state_dict(), "generator": gen.get_state(), "tokenizer": tok.to_str(),
-                "train_args": asdict(args), "max_files": cli.max_files if resume is None else resume["max_files"],
+                "train_args": asdict(args), "max_files": max_files,
                 "runs": runs + [{**run, "to_step": next_step, "seconds": seconds}]}
     stats = train(model, stream, args, log, opt=opt, gen=gen, start_step=start, device=cli.device,
                   checkpoint=Checkpointer(cli.checkpoint, cli.checkpoint_every), state=state)
