@@ -6,6 +6,7 @@ It never changes request state: it reads ``ScheduledSequence`` and returns sampl
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -25,6 +26,12 @@ from vllm.worker.sampler import Sampler, SamplingMetadata, TokenMasks, prompt_lo
 logger = init_logger(__name__)
 
 _CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing is configured
+
+
+def kv_bytes_per_block(attn_layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes summed over ``attn_layers``, each at its ``kv_cache_shape``."""
+    elem = torch.finfo(dtype).bits // 8
+    return sum(math.prod(a.kv_cache_shape(1, block_size)) * elem for a in attn_layers)
 
 
 class ModelRunner:
@@ -52,8 +59,9 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        elem = torch.finfo(self.dtype).bits // 8
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * elem for a in self.attn_layers)
+        """Bytes of one block over every layer's cache (``Attention.kv_cache_shape``: 2 planes,
+        1 for a layer whose values are its keys)."""
+        return kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
 
     def _allocate_kv_cache(self) -> int:
         cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
@@ -66,7 +74,7 @@ class ModelRunner:
             useful = sc.max_num_seqs * -(-mc.max_model_len // self.block_size)
             num_blocks = max(1, min(budget // per_block, useful))
         for a in self.attn_layers:
-            a.kv_cache = torch.zeros(2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+            a.kv_cache = torch.zeros(a.kv_cache_shape(num_blocks, self.block_size),
                                      dtype=self.dtype, device=self.device)
         cc.num_gpu_blocks = num_blocks
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,

@@ -48,7 +48,7 @@ SIGNATURES = {
     "rotary_embedding": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "dense_linear": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "paged_attention": [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
-                        _I64, _I64, ctypes.c_float, _INT],
+                        _I64, _I64, ctypes.c_float, _INT, _PTR, _I64, _INT],
     "write_kv_cache": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "argmax_rows": [_PTR, _I64, _I64, _PTR],
     "topk_softmax": [_PTR, _I64, _I64, _I64, _INT, _INT, _PTR, _PTR],

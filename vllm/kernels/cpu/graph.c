@@ -24,7 +24,7 @@ int dense_linear(const void *, const void *, const void *, void *, int64_t, int6
                  int);
 int paged_attention(const void *, const void *, const int64_t *, int64_t, int64_t,
                     const int64_t *, const int64_t *, void *, int64_t, int64_t, int64_t, int64_t,
-                    int64_t, int64_t, float, int);
+                    int64_t, int64_t, float, int, const float *, int64_t, int);
 int write_kv_cache(const void *, const void *, const int64_t *, void *, int64_t, int64_t,
                    int64_t);
 int topk_softmax(const void *, int64_t, int64_t, int64_t, int, int, float *, int64_t *);
@@ -43,7 +43,7 @@ static const char GRAPH_OPS[] =
     "moe_expert_pairs,rms_norm,rope_cos_sin,rotary_embedding,dense_linear,paged_attention,"
     "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding,silu_and_mul,"
     "sigmoid_gate_add,moe_residency_step,expert_copy";
-static const int64_t NARGS[] = {13, 7, 6, 11, 8, 16, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9};
+static const int64_t NARGS[] = {13, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9};
 #define NUM_OPS ((int64_t)(sizeof(NARGS) / sizeof(NARGS[0])))
 
 const char *graph_op_names(void) { return GRAPH_OPS; }
@@ -98,7 +98,7 @@ static int run_node(int64_t op, const int64_t *a) {
     case 5:
         memcpy(&f, &a[14], sizeof(f));
         return paged_attention(P(0), P(1), P(2), a[3], a[4], P(5), P(6), P(7), a[8], a[9], a[10],
-                               a[11], a[12], a[13], f, (int)a[15]);
+                               a[11], a[12], a[13], f, (int)a[15], P(16), a[17], (int)a[18]);
     case 6:
         return write_kv_cache(P(0), P(1), P(2), P(3), a[4], a[5], a[6]);
     case 7:

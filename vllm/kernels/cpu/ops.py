@@ -1,5 +1,5 @@
 """Python wrappers of the CPU C kernels (the expert kernel's is ``fused_moe/cpu_kernel.py``, a
-MoE backend): the packed weight layout, dense linear, paged decode attention and KV writes,
+MoE backend): the packed weight layout, dense linear, paged attention and KV writes,
 RMSNorm, rotary, argmax, softmax top-k routing, the MoE combine and the gated activations. Each
 checks what the C side cannot and raises with the layer's name."""
 from __future__ import annotations
@@ -121,28 +121,37 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     lens: torch.Tensor, scale: float, num_kv_heads: int,
-                    rows: torch.Tensor | None = None, prefix: str = "") -> torch.Tensor:
+                    rows: torch.Tensor | None = None, prefix: str = "", *,
+                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Query tokens over the paged cache: q [B, Hq, D]; kv_cache [2, blocks, block_size, Hkv,
-    D]; block_tables [S, max_blocks] int64; query b attends the first lens[b] tokens of sequence
-    rows[b] (b when rows is None; lens and rows [>=B] int64, the first B read) -> [B, Hq, D].
-    A decode's lens is its sequence length; a prompt token's is its position + 1."""
+    D], or [1, ...] for a shared K=V (MLA) cache, read as keys and values; block_tables
+    [S, max_blocks] int64; query b attends tokens [max(0, lens[b] - window), lens[b]) (all from
+    0 without a window) of sequence rows[b] (b when rows is None; lens and rows [>=B] int64, the
+    first B read) -> [B, Hq, D]. A decode's lens is its sequence length; a prompt token's is its
+    position + 1. ``sinks`` [Hq]: a logit per query head in each softmax denominator, with no
+    value (read as f32)."""
     B, num_heads, head_dim = q.shape
-    if tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim) or len(lens) < B \
+    if kv_cache.dim() != 5 or kv_cache.shape[0] not in (1, 2) \
+            or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim) or len(lens) < B \
             or (rows is None and len(block_tables) < B) or (rows is not None and len(rows) < B) \
-            or num_heads % num_kv_heads:
+            or num_heads % num_kv_heads or (sinks is not None and sinks.numel() != num_heads) \
+            or (window is not None and window < 1):
         raise ValueError(f"{prefix}: paged_attention: q {tuple(q.shape)}, kv_cache "
                          f"{tuple(kv_cache.shape)}, {len(lens)} lens, {len(block_tables)} "
-                         f"block tables do not fit num_kv_heads={num_kv_heads}")
+                         f"block tables, sinks {None if sinks is None else tuple(sinks.shape)}, "
+                         f"window {window} do not fit num_kv_heads={num_kv_heads}")
     q = _as(q, kv_cache.dtype)
     tables, lens = _as(block_tables, torch.int64), _as(lens, torch.int64)
     rows = _as(rows, torch.int64) if rows is not None else None
+    sinks = _as(sinks, torch.float32) if sinks is not None else None
     out = torch.empty_like(q)
     rc = launch(
         "paged_attention", q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[0],
         tables.stride(0),
         rows.data_ptr() if rows is not None else None, lens.data_ptr(), out.data_ptr(), B,
         num_heads, num_kv_heads, head_dim, kv_cache.shape[2], kv_cache.shape[1], scale,
-        KERNEL_DTYPES[kv_cache.dtype])
+        KERNEL_DTYPES[kv_cache.dtype], sinks.data_ptr() if sinks is not None else None,
+        window or 0, int(kv_cache.shape[0] == 1))
     if rc:
         raise RuntimeError(f"{prefix}: paged_attention failed ({rc}): "
                            + ("out of memory" if rc == -1 else
@@ -151,21 +160,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     return out
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor,
                    kv_cache: torch.Tensor, prefix: str = "") -> None:
-    """kv_cache[0] / [1] at flat slot s <- k / v rows: k, v [T, Hkv, D]; slot_mapping [T]. A
-    row whose slot is ``PAD_SLOT_ID`` (-1, a padding row of a decode graph) is not written."""
-    if k.shape != v.shape or tuple(k.shape[1:]) != tuple(kv_cache.shape[3:]) or \
-            slot_mapping.numel() != k.shape[0]:
-        raise ValueError(f"{prefix}: write_kv_cache: k {tuple(k.shape)}, v {tuple(v.shape)}, "
-                         f"{slot_mapping.numel()} slots do not fit kv_cache "
-                         f"{tuple(kv_cache.shape)}")
-    k, v = _as(k, kv_cache.dtype), _as(v, kv_cache.dtype)
+    """kv_cache[0] / [1] at flat slot s <- k / v rows: k, v [T, Hkv, D]; slot_mapping [T]. v is
+    None exactly for a one-plane (shared K=V) cache [1, ...]: keys only. A row whose slot is
+    ``PAD_SLOT_ID`` (-1, a padding row of a decode graph) is not written."""
+    planes = 1 if v is None else 2
+    if (v is not None and k.shape != v.shape) or kv_cache.shape[0] != planes or \
+            tuple(k.shape[1:]) != tuple(kv_cache.shape[3:]) or slot_mapping.numel() != k.shape[0]:
+        raise ValueError(f"{prefix}: write_kv_cache: k {tuple(k.shape)}, v "
+                         f"{None if v is None else tuple(v.shape)}, {slot_mapping.numel()} slots "
+                         f"do not fit kv_cache {tuple(kv_cache.shape)}")
+    k = _as(k, kv_cache.dtype)
+    v = _as(v, kv_cache.dtype) if v is not None else None
     slots = _as(slot_mapping, torch.int64)
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    rc = launch("write_kv_cache", k.data_ptr(), v.data_ptr(), slots.data_ptr(),
-                                           kv_cache.data_ptr(), k.shape[0], num_slots,
-                                           k[0].numel() * k.element_size() if len(k) else 0)
+    rc = launch("write_kv_cache", k.data_ptr(), v.data_ptr() if v is not None else None,
+                slots.data_ptr(), kv_cache.data_ptr(), k.shape[0], num_slots,
+                k[0].numel() * k.element_size() if len(k) else 0)
     if rc:
         raise RuntimeError(f"{prefix}: a KV slot is outside the cache ({num_slots} slots)")
 

@@ -1,17 +1,24 @@
 /* Attention of query tokens over the paged KV cache (decodes and prefills alike: each query token
  * attends the first lens[b] tokens of its sequence, its own included, so causality is lens).
  *
- *   out[b, h] = softmax_l(scale * q[b, h] . k[s, l, h / G]) @ v[s, :, h / G],  l < lens[b],
+ *   out[b, h] = sum_l exp(x_l - m) v[s, l, h / G] / (exp(sink_h - m) + sum_l exp(x_l - m)),
+ *   x_l = scale * q[b, h] . k[s, l, h / G],  first <= l < lens[b],  m = max(sink_h, max_l x_l)
  *   s = rows[b] (the query's sequence: its block-table row; b when rows is NULL)
+ *   first = max(0, lens[b] - window) with a sliding window (window > 0), else 0: the query at
+ *           position lens[b] - 1 sees keys in (position - window, position] (HF's mask)
+ *   the sink term only with sinks (sinks[h], one logit per query head, no value), else a plain
+ *           softmax
  *
- * q, out [B, Hq, D]; cache [2, num_blocks, block_size, Hkv, D] (0 = keys, 1 = values), token l
- * of sequence s at block block_tables[s, l / block_size], offset l % block_size; G = Hq / Hkv
+ * q, out [B, Hq, D]; cache [2, num_blocks, block_size, Hkv, D] (0 = keys, 1 = values), or with
+ * shared_kv [1, ...]: the values are the keys (MLA). Token l of sequence s at block
+ * block_tables[s, l / block_size], offset l % block_size; G = Hq / Hkv
  * (query head h reads kv head h / G, HF's repeat_kv order). q, cache and out share one dtype,
- * f32 or bf16; scores, softmax and the weighted sum are f32 (in bf16 with D a multiple of 32,
- * q . k is summed by bf16 pairs, vec.h's dot_pairs).
+ * f32 or bf16; sinks are f32; scores, softmax and the weighted sum are f32 (in bf16 with D a
+ * multiple of 32, q . k is summed by bf16 pairs, vec.h's dot_pairs).
  * Reads the cache in place (no gather into a padded copy, no mask) and in one pass: keys and
- * values chunk by chunk, with an online softmax. A query's result depends only on its q, its
- * lens and the cache, so a prompt prefilled in chunks gives the bits of one prefilled whole.
+ * values chunk by chunk, with an online softmax (seeded with the sink: max = sink, sum = 1).
+ * A query's result depends only on its q, its lens and the cache, so a prompt prefilled in
+ * chunks gives the bits of one prefilled whole.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -115,7 +122,7 @@ INLINE void group_chunk(const float *q, const void *qraw, float *acc, float *m, 
         sc = vselect(lane < (int32_t)nc, sc, (vf){0} - INFINITY);
         const float mx = lane_max(sc), m_new = mx > m[g] ? mx : m[g];
         const vf e = vselect(lane < (int32_t)nc, vexp(sc - m_new), (vf){0});
-        alpha[g] = vexp((vf){0} + (m[g] - m_new))[0];         /* 0-ish on the first chunk */
+        alpha[g] = vexp((vf){0} + (m[g] - m_new))[0];         /* 0-ish: 1st chunk, no sink */
         m[g] = m_new;
         l[g] = sfma(l[g], alpha[g], lane_sum(e));
         memcpy(p[g], &e, sizeof(e));
@@ -161,22 +168,29 @@ INLINE Ahead chunk_ahead(const void *keys, const void *values, const int64_t *ta
     return a;
 }
 
-/* One sequence, all its heads, in one pass over its blocks. Per query head it keeps the running
- * max m, the running sum l of exp(score - m) and acc = sum exp(score - m) * v; each chunk
- * rescales them once to its new max (online softmax). scratch holds 2 * Hq * (D + 1) floats. */
+/* One sequence, all its heads, in one pass over its blocks from token `first` (the window's
+ * start; its block's chunks start there, later blocks' at their row 0). Per query head it keeps
+ * the running max m, the running sum l of exp(score - m) and acc = sum exp(score - m) * v,
+ * seeded with the sink when there is one (m = sink, l = exp(sink - m) = 1, acc = 0: a logit
+ * without a value); each chunk rescales them once to its new max (online softmax). scratch holds
+ * 2 * Hq * (D + 1) floats. */
 INLINE void attend(const void *q, const void *keys, const void *values, const int64_t *table,
-                   int64_t L, int64_t Hq, int64_t Hkv, int64_t G, int64_t D, int64_t bs,
-                   float scale, int bf16, float *scratch, void *out) {
+                   int64_t L, int64_t first, const float *sinks, int64_t Hq, int64_t Hkv,
+                   int64_t G, int64_t D, int64_t bs, float scale, int bf16, float *scratch,
+                   void *out) {
     const int64_t esz = bf16 ? 2 : 4, nblk = (L + bs - 1) / bs, row = Hkv * D;
     float *qf = scratch, *acc = scratch + Hq * D, *m = acc + Hq * D, *l = m + Hq;
     for (int64_t i = 0; i < Hq * D; i++) qf[i] = load1(q, bf16, i);
     memset(acc, 0, sizeof(float) * Hq * D);
-    for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.0f;
+    for (int64_t h = 0; h < Hq; h++) {
+        m[h] = sinks ? sinks[h] : -INFINITY;
+        l[h] = sinks ? 1.0f : 0.0f;
+    }
     const int64_t cpb = (bs + CHUNK - 1) / CHUNK;
-    for (int64_t blk = 0; blk < nblk; blk++) {
+    for (int64_t blk = first / bs; blk < nblk; blk++) {
         const int64_t n = block_rows(L, blk, bs);
         const int64_t base = table[blk] * bs * row * esz;
-        for (int64_t o0 = 0; o0 < n; o0 += CHUNK)
+        for (int64_t o0 = blk == first / bs ? first % bs : 0; o0 < n; o0 += CHUNK)
             for (int64_t j = 0; j < Hkv; j++) {
                 const int64_t off = base + (o0 * row + j * D) * esz, h = j * G;
                 const Ahead ahead = chunk_ahead(keys, values, table,
@@ -195,10 +209,11 @@ INLINE void attend(const void *q, const void *keys, const void *values, const in
 
 /* attend() specialised on the dtype and, for common shapes, on G and D (constants let the
  * compiler keep a group's queries and partial sums in registers). */
-#define ATTEND(bf, g, d) attend(q, keys, values, table, L, Hq, Hkv, g, d, bs, scale, bf, scratch, out)
+#define ATTEND(bf, g, d) \
+    attend(q, keys, values, table, L, first, sinks, Hq, Hkv, g, d, bs, scale, bf, scratch, out)
 static void attend_any(const void *q, const void *keys, const void *values, const int64_t *table,
-                       int64_t L, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-                       int bf16, float *scratch, void *out) {
+                       int64_t L, int64_t first, const float *sinks, int64_t Hq, int64_t Hkv,
+                       int64_t D, int64_t bs, float scale, int bf16, float *scratch, void *out) {
     const int64_t G = Hq / Hkv;
     if (bf16) {
         if (G == 2 && D == 64) ATTEND(1, 2, 64);
@@ -211,12 +226,14 @@ static void attend_any(const void *q, const void *keys, const void *values, cons
     }
 }
 
-/* Returns 0; -1 if scratch could not be allocated; -2 if a query's row, length or block ids
- * fall outside the block tables or the cache (nothing is read out of bounds). */
+/* sinks: [Hq] f32 or NULL; window: 0 = none; shared_kv: the cache has one plane, read as keys
+ * and values. Returns 0; -1 if scratch could not be allocated; -2 if a query's row, length or
+ * block ids fall outside the block tables or the cache (nothing is read out of bounds). */
 int paged_attention(const void *q, const void *cache, const int64_t *block_tables,
                     int64_t bt_rows, int64_t bt_stride, const int64_t *rows,
                     const int64_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                    int64_t block_size, int64_t num_blocks, float scale, int bf16) {
+                    int64_t block_size, int64_t num_blocks, float scale, int bf16,
+                    const float *sinks, int64_t window, int shared_kv) {
     const int64_t esz = bf16 ? 2 : 4;
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = lens[b], r = rows ? rows[b] : b;
@@ -226,7 +243,8 @@ int paged_attention(const void *q, const void *cache, const int64_t *block_table
             if (blk < 0 || blk >= num_blocks) return -2;
         }
     }
-    const void *values = (const char *)cache + num_blocks * block_size * Hkv * D * esz;
+    const void *values = shared_kv ? cache
+                                   : (const char *)cache + num_blocks * block_size * Hkv * D * esz;
     int failed = 0;
     #pragma omp parallel
     {
@@ -237,8 +255,9 @@ int paged_attention(const void *q, const void *cache, const int64_t *block_table
             if (!scratch) continue;
             const void *qb = (const char *)q + b * Hq * D * esz;
             void *ob = (char *)out + b * Hq * D * esz;
+            const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
             attend_any(qb, cache, values, block_tables + (rows ? rows[b] : b) * bt_stride, lens[b],
-                       Hq, Hkv, D, block_size, scale, bf16, scratch, ob);
+                       first, sinks, Hq, Hkv, D, block_size, scale, bf16, scratch, ob);
         }
         free(scratch);
     }
@@ -246,8 +265,9 @@ int paged_attention(const void *q, const void *cache, const int64_t *block_table
 }
 
 /* cache[0][slots[t]] = k[t], cache[1][slots[t]] = v[t] for t < T: rows of row_bytes bytes (the
- * caller passes k, v already in the cache dtype). A slot of -1 (PAD_SLOT_ID, a padding row of a
- * replayed decode graph) writes nothing. Returns -2 if another slot is outside the cache. */
+ * caller passes k, v already in the cache dtype). v NULL: a one-plane (shared K=V) cache, keys
+ * only. A slot of -1 (PAD_SLOT_ID, a padding row of a replayed decode graph) writes nothing.
+ * Returns -2 if another slot is outside the cache. */
 int write_kv_cache(const void *k, const void *v, const int64_t *slots, void *cache, int64_t T,
                    int64_t num_slots, int64_t row_bytes) {
     for (int64_t t = 0; t < T; t++)
@@ -256,7 +276,7 @@ int write_kv_cache(const void *k, const void *v, const int64_t *slots, void *cac
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         memcpy((char *)cache + slots[t] * row_bytes, (const char *)k + t * row_bytes, row_bytes);
-        memcpy(values + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
+        if (v) memcpy(values + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
     }
     return 0;
 }

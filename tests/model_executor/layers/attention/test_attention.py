@@ -16,12 +16,13 @@ history, and a fresh prefill."""
 
 
 def make_attention(backend: str = "auto", scale: float = D ** -0.5, prefix: str = "",
-                   hq: int = HQ, d: int = D, hkv: int = HKV) -> Attention:
-    """An Attention layer built under a config asking for ``backend``."""
+                   hq: int = HQ, d: int = D, hkv: int = HKV, **options) -> Attention:
+    """An Attention layer built under a config asking for ``backend`` (``options``: the
+    layer's keyword options)."""
     cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(), DeviceConfig("cpu"),
                      kernel_config=KernelConfig(attention_backend=backend))
     with set_current_vllm_config(cfg):
-        return Attention(hq, d, hkv, scale, prefix)
+        return Attention(hq, d, hkv, scale, prefix, **options)
 
 
 def naive(q, k, v, q_pos, scale):

@@ -1,14 +1,16 @@
 """Attention backends: what each supports, and the one function that picks one.
 
-A backend declares the platforms, cache dtypes and cache layout it handles and whether it needs
-the platform's compiled kernels (``AttentionBackend``); ``select_attention_backend`` matches a
-layer's ``AttentionQuery`` (made when its KV cache is bound) against them. "auto" tries the
-platform's preference order (``Platform.attention_backends``), then any other registered
-backend; a forced name that cannot run the query is an error that names the reason and the
-backends that would. The choice is logged once per distinct decision.
+A backend declares the platforms, cache dtypes and cache layout it handles, the optional layer
+features it implements (sliding window, sinks, a shared K=V cache: ``AttentionOptions``) and
+whether it needs the platform's compiled kernels (``AttentionBackend``);
+``select_attention_backend`` matches a layer's ``AttentionQuery`` (made when its KV cache is
+bound, with the layer's features) against them. "auto" tries the platform's preference order
+(``Platform.attention_backends``), then any other registered backend; a forced name that cannot
+run the query is an error that names the reason and the backends that would. The choice is logged once per distinct decision.
 
 Built in: ``cpu_paged`` (the C kernel, ``cpu_paged.py``: CPU, f32/bf16, contiguous cache) and
-``torch_sdpa`` (``torch_sdpa.py``: every platform, dtype and layout).
+``torch_sdpa`` (``torch_sdpa.py``: every platform, dtype and layout); both implement every
+feature.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import torch
 
 from vllm.kernels.cpu.ops import KERNEL_DTYPES
 from vllm.model_executor.layers.attention.cpu_paged import CpuPagedAttention
-from vllm.model_executor.layers.attention.interface import AttentionImpl
+from vllm.model_executor.layers.attention.interface import (ATTENTION_FEATURES, AttentionImpl,
+                                                            AttentionOptions)
 from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
 from vllm.model_executor.layers.backend_registry import BackendRegistry
 from vllm.platforms import Platform
@@ -33,18 +36,21 @@ class AttentionQuery:
     head_dim: int
     contiguous: bool
     """Whether the KV cache tensor is contiguous (kernels read it through one base pointer)."""
+    features: frozenset[str] = frozenset()
+    """The layer's optional features (``AttentionOptions.features``)."""
 
     def describe(self) -> str:
         layout = "contiguous" if self.contiguous else "non-contiguous"
+        with_ = f" with {', '.join(sorted(self.features))}" if self.features else ""
         return (f"a {layout} {self.dtype} KV cache on {self.platform.name} "
-                f"(head_dim={self.head_dim})")
+                f"(head_dim={self.head_dim}){with_}")
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
     impl: type[AttentionImpl]
-    """Made per layer: impl(num_heads, head_dim, num_kv_heads, scale, prefix)."""
+    """Made per layer: impl(num_heads, head_dim, num_kv_heads, scale, prefix, options)."""
     platforms: tuple[str, ...] | None = None
     """Platform names; None = every platform."""
     dtypes: tuple[torch.dtype, ...] | None = None
@@ -52,6 +58,8 @@ class AttentionBackend:
     needs_contiguous_cache: bool = False
     needs_native_kernels: bool = False
     """The platform's compiled kernels must be loaded and take the cache dtype."""
+    features: frozenset[str] = frozenset()
+    """The optional layer features it implements (of ``ATTENTION_FEATURES``)."""
 
     def refusal(self, q: AttentionQuery) -> str | None:
         """Why this backend cannot run the query (the first requirement that fails), or None."""
@@ -61,14 +69,16 @@ class AttentionBackend:
             return f"it takes KV cache dtypes {[str(d) for d in self.dtypes]}, not {q.dtype}"
         if self.needs_contiguous_cache and not q.contiguous:
             return "it needs a contiguous KV cache, this one is not"
+        if q.features - self.features:
+            return f"it does not implement {sorted(q.features - self.features)}"
         if self.needs_native_kernels and not q.platform.has_native_kernels(q.dtype):
             return (f"the {q.platform.name} kernels are not built or do not take {q.dtype} "
                     "(no C compiler, or VLLM_CPU_KERNELS=0)")
         return None
 
     def make(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-             prefix: str = "") -> AttentionImpl:
-        return self.impl(num_heads, head_dim, num_kv_heads, scale, prefix)
+             prefix: str = "", options: AttentionOptions = AttentionOptions()) -> AttentionImpl:
+        return self.impl(num_heads, head_dim, num_kv_heads, scale, prefix, options)
 
 
 _REGISTRY: BackendRegistry[AttentionBackend] = BackendRegistry("attention", "attention_backend")
@@ -94,5 +104,6 @@ def select_attention_backend(q: AttentionQuery, requested: str = "auto") -> Atte
 
 register_attention_backend(AttentionBackend(
     "cpu_paged", CpuPagedAttention, platforms=("cpu",), dtypes=tuple(KERNEL_DTYPES),
-    needs_contiguous_cache=True, needs_native_kernels=True))
-register_attention_backend(AttentionBackend("torch_sdpa", TorchSdpaAttention))
+    needs_contiguous_cache=True, needs_native_kernels=True, features=ATTENTION_FEATURES))
+register_attention_backend(AttentionBackend("torch_sdpa", TorchSdpaAttention,
+                                            features=ATTENTION_FEATURES))
