@@ -28,6 +28,31 @@ TINY = {
         **_COMMON, "head_dim": 16, "intermediate_size": 64, **kw}),
     "LlamaForCausalLM": lambda **kw: transformers.LlamaConfig(**{
         **_COMMON, "intermediate_size": 64, **kw}),
+    # MLA: one latent of kv_lora_rank 16 + rope 8 per token; HF's eager MLA needs as many kv
+    # heads as heads. V3: q LoRA, 4 groups of 2 experts (2 kept), yarn with both mscales.
+    "DeepseekV3ForCausalLM": lambda **kw: transformers.DeepseekV3Config(**{
+        **_COMMON, "num_key_value_heads": 4, "intermediate_size": 64,
+        "moe_intermediate_size": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "n_shared_experts": 1,
+        "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12,
+        "v_head_dim": 10, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "original_max_position_embeddings": 64}, **kw}),
+    # V2-Lite-like: no q LoRA, softmax greedy routing, 2 shared experts.
+    "DeepseekV2ForCausalLM": lambda **kw: transformers.DeepseekV2Config(**{
+        **_COMMON, "num_key_value_heads": 4, "intermediate_size": 64,
+        "moe_intermediate_size": 24, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "n_shared_experts": 2, "kv_lora_rank": 16,
+        "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
+        **kw}),
+    # Sizes multiples of 32 (MXFP4 blocks); 4 layers alternating sliding (window 8) / full;
+    # GPT-OSS's YaRN (truncate False) scaled down to the tiny context.
+    "GptOssForCausalLM": lambda **kw: transformers.GptOssConfig(**{
+        **_COMMON, "hidden_size": 64, "head_dim": 16, "intermediate_size": 32,
+        "num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "sliding_window": 8, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}, **kw}),
 }
 
 
@@ -64,8 +89,7 @@ class PagedDriver:
         self.model, self.block_size = model, block_size
         for m in model.modules():
             if isinstance(m, Attention):
-                m.kv_cache = torch.zeros(2, num_blocks, block_size, m.num_kv_heads, m.head_dim,
-                                         dtype=dtype)
+                m.kv_cache = torch.zeros(m.kv_cache_shape(num_blocks, block_size), dtype=dtype)
         self.free = list(range(1, num_blocks))      # block 0 doubles as table padding
         random.Random(0).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
