@@ -10,6 +10,7 @@ from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig,
                          VllmConfig)
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.recurrent_state import recurrent_layers
 
 _COMMON = dict(vocab_size=160, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
@@ -53,7 +54,35 @@ TINY = {
         "sliding_window": 8, "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}, **kw}),
+    # Hybrid Gated DeltaNet / gated attention: layers 0-2 linear attention, 3 full (GQA, partial
+    # rotary 0.25); 2 key heads serve 4 value heads; layer 2 keeps a dense MLP.
+    "Qwen3NextForCausalLM": lambda **kw: transformers.Qwen3NextConfig(**{
+        **_COMMON, "num_hidden_layers": 4, "head_dim": 16, "intermediate_size": 64,
+        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32, "num_experts": 8,
+        "num_experts_per_tok": 2, "mlp_only_layers": [2], "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4, **kw}),
+    "Qwen3_5MoeForCausalLM": lambda **kw: transformers.Qwen3_5MoeTextConfig(**{
+        **_COMMON, "num_hidden_layers": 4, "head_dim": 16, "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4, **kw}),
 }
+
+
+def _randomise_constants(model) -> None:
+    """Give parameters HF initialises to constants random values, so a load that mixes them up
+    (or a missing 1 + w) shows: DeltaNet A_log / dt_bias, every norm weight."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias")) or "norm" in name.rsplit(".", 2)[-2]:
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=g))
+
+
+RANDOMISE = {"Qwen3NextForCausalLM": _randomise_constants,
+             "Qwen3_5MoeForCausalLM": _randomise_constants}
+"""arch -> fn(hf_model): applied by ``build_checkpoint`` before saving."""
 
 
 def build_checkpoint(arch: str, path, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -63,6 +92,8 @@ def build_checkpoint(arch: str, path, dtype: torch.dtype = torch.float32, seed: 
     config = TINY[arch](**overrides)
     config._attn_implementation = "eager"
     model = getattr(transformers, arch)(config).eval()
+    if arch in RANDOMISE:
+        RANDOMISE[arch](model)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.to(dtype).save_pretrained(str(path), **kwargs)
     return model.float()
@@ -82,10 +113,14 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
 class PagedDriver:
     """Runs our model step by step over a paged KV cache, like a (tiny) model runner.
 
-    Blocks are handed out from a shuffled free list so block tables are non-contiguous.
+    Blocks are handed out from a shuffled free list so block tables are non-contiguous. For a
+    model with recurrent layers it also binds a state pool of ``num_slots`` slots and gives each
+    seq id its own slot (from a shuffled list, first come) for its lifetime; ``release(sid)``
+    forgets a sequence (its blocks and slot go back, e.g. to replay it from token 0).
     """
 
-    def __init__(self, model, num_blocks: int = 48, block_size: int = 4, dtype=torch.float32):
+    def __init__(self, model, num_blocks: int = 48, block_size: int = 4, dtype=torch.float32,
+                 num_slots: int = 8):
         self.model, self.block_size = model, block_size
         for m in model.modules():
             if isinstance(m, Attention):
@@ -94,6 +129,19 @@ class PagedDriver:
         random.Random(0).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.recurrent = recurrent_layers(model)
+        for m in self.recurrent:
+            m.bind_state(num_slots)
+        self.free_slots = list(range(num_slots)) if self.recurrent else []
+        random.Random(1).shuffle(self.free_slots)
+        self.slots: dict[str, int] = {}
+
+    def release(self, sid: str) -> None:
+        """Forget ``sid``: blocks and state slot back to the free lists, progress to zero."""
+        self.free += self.tables.pop(sid, [])
+        if sid in self.slots:
+            self.free_slots.append(self.slots.pop(sid))
+        self.computed.pop(sid, None)
 
     @torch.no_grad()
     def step(self, chunks: list[tuple[str, list[int]]], num_decodes: int = 0):
@@ -110,6 +158,8 @@ class PagedDriver:
             pos += range(done, done + len(toks))
             lens.append(done + len(toks))
             qlens.append(len(toks))
+            if self.recurrent and sid not in self.slots:
+                self.slots[sid] = self.free_slots.pop()
         width = max(len(self.tables[sid]) for sid, _ in chunks)
         tables = [self.tables[sid] + [0] * (width - len(self.tables[sid])) for sid, _ in chunks]
         md = AttentionMetadata(
@@ -117,6 +167,9 @@ class PagedDriver:
             seq_lens=torch.tensor(lens), query_start_loc=torch.tensor([0] + qlens).cumsum(0),
             seq_lens_cpu=lens, query_lens_cpu=qlens, num_decodes=num_decodes,
             block_size=self.block_size)
+        if self.recurrent:
+            md.state_slots = torch.tensor([self.slots[sid] for sid, _ in chunks])
+            md.has_initial_state = [n < c for n, c in zip(qlens, lens)]   # start_pos > 0
         with set_forward_context(md):
             hidden = self.model(torch.tensor(ids), torch.tensor(pos))
         logits = self.model.compute_logits(hidden)

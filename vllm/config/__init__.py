@@ -101,9 +101,13 @@ class CacheConfig:
     """Bytes to give the KV cache; overrides ``gpu_memory_utilization`` when set."""
     gpu_memory_utilization: float = 0.9
     """Fraction of accelerator memory the engine may use (CUDA only; CPU uses a fixed budget)."""
+    num_state_slots: int = 0
+    """Per-request recurrent-state slots (conv + SSM state of Mamba / Gated DeltaNet layers):
+    set by the model runner to ``max_num_seqs`` when the model has recurrent layers, else 0."""
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1, 1024)
+        _check_int("num_state_slots", self.num_state_slots, 0)
         if self.num_gpu_blocks is not None:
             _check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
         if self.kv_cache_memory_bytes is not None:

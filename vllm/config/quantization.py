@@ -8,7 +8,8 @@ Understood (expert weights only; everything else in the model stays unquantized)
     ``weight_scale_inv``; without a block size -> fp8-tensor with ``weight_scale``;
   * quant_method "gptq": bits 4, group_size, sym, desc_act, checkpoint_format gptq|gptq_v2;
   * ModelOpt NVFP4: quant_method "modelopt" with quant_algo "NVFP4" (in config.json), or
-    ``hf_quant_config.json`` with {"quantization": {"quant_algo": "NVFP4", ...}}.
+    ``hf_quant_config.json`` with {"quantization": {"quant_algo": "NVFP4", ...}};
+  * quant_method "mxfp4" (OpenAI GPT-OSS): e2m1 blocks of 32 with e8m0 scales.
 Modules listed as not converted (``ignore``, ``modules_to_not_convert``, ``exclude_modules``,
 GPTQModel ``dynamic`` "-:" rules) keep unquantized experts if they name an expert layer.
 """
@@ -21,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4")
+SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4", "mxfp4")
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
@@ -30,7 +31,7 @@ class QuantConfig:
     scheme: str
     """One of SCHEMES."""
     quant_method: str
-    """As the checkpoint names it: compressed-tensors, fp8, gptq, modelopt."""
+    """As the checkpoint names it: compressed-tensors, fp8, gptq, modelopt, mxfp4."""
     ignore: tuple[str, ...] = ()
     """Module names / "re:" regexes / shell wildcards left unquantized."""
     block: tuple[int, int] | None = None
@@ -130,7 +131,10 @@ def parse_quant_config(qc: dict | None) -> QuantConfig | None:
         return _parse_gptq(qc)
     if method in ("modelopt", "modelopt_fp4"):
         return _parse_modelopt(qc)
-    raise _fail(f"quant_method={method!r}", "compressed-tensors, fp8, gptq, modelopt (NVFP4)")
+    if method == "mxfp4":
+        return QuantConfig("mxfp4", "mxfp4", tuple(qc.get("modules_to_not_convert") or ()))
+    raise _fail(f"quant_method={method!r}",
+                "compressed-tensors, fp8, gptq, modelopt (NVFP4), mxfp4")
 
 
 def quant_config_from_model_dir(model_dir: str, hf_config: Any = None) -> QuantConfig | None:

@@ -52,6 +52,9 @@ class Request:
     """Tokens whose KV is in the cache (invariant: <= num_tokens; reset to 0 on preemption)."""
     block_ids: list[int] = field(default_factory=list)
     """Block table: block i holds the KV of tokens [i*block_size, (i+1)*block_size)."""
+    state_slot: int | None = None
+    """Recurrent-state slot while running (models with recurrent layers only; None otherwise,
+    and while waiting or preempted): ``core/state_slots.py``."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the request, if any."""

@@ -29,6 +29,9 @@ class ScheduledSequence:
     prompt_token_ids: list[int]
     """Read-only views used by penalties (runner must not mutate)."""
     output_token_ids: list[int]
+    state_slot: int | None = None
+    """The request's recurrent-state slot (models with recurrent layers), else None. The
+    runner reads the slot's state only when start_pos > 0."""
 
     @property
     def num_tokens(self) -> int:

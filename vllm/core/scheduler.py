@@ -16,6 +16,10 @@ strings, max_tokens and max_model_len -> "length") is made by
 ``vllm.engine.output_processor.OutputProcessor``; the engine then calls ``finish_request``
 before the next ``schedule()``. The scheduler itself only finishes requests that can never
 fit (FINISHED_ERROR) and aborted ones. It never touches tensors.
+
+Recurrent state (models with Mamba / Gated DeltaNet layers, ``cache_config.num_state_slots``
+> 0): a request also needs a state slot (``state_slots.py``) to be admitted; it keeps it while
+running and frees it with its blocks on finish, abort and preemption.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from vllm.core.block_manager import BlockManager
 from vllm.core.request import Request, RequestStatus
 from vllm.core.sched_output import (RunnerOutput, SampledToken, ScheduledSequence,
                                      SchedulerOutput)
+from vllm.core.state_slots import StateSlotManager
 from vllm.logger import init_logger
 from vllm.outputs import Logprob
 
@@ -47,6 +52,7 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(cache_config.num_gpu_blocks, cache_config.block_size)
+        self.state_slots = StateSlotManager(cache_config.num_state_slots)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by admission order: oldest first
@@ -90,6 +96,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.block_manager.free(req)
+        self.state_slots.free(req)
         self._order.pop(req_id, None)
         req.status = status
         req.stop_reason = stop_reason
@@ -160,8 +167,11 @@ class Scheduler:
             if n_new > budget and not self.config.enable_chunked_prefill:
                 break  # wait for a step with enough budget (never-fits handled above)
             n_new = min(n_new, budget)
+            if not self.state_slots.can_allocate(req):
+                break  # every state slot is held by a running request
             if not self.block_manager.allocate_for(req, req.num_computed_tokens + n_new):
                 break  # FCFS: later requests wait behind this one
+            self.state_slots.allocate(req)      # cannot fail: checked above
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -201,6 +211,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.block_manager.free(req)
+        self.state_slots.free(req)      # recomputed from token 0: its state restarts from zeros
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -214,7 +225,7 @@ class Scheduler:
             req_id=req.request_id, token_ids=req.token_slice(start, end), start_pos=start,
             block_ids=list(req.block_ids), do_sample=end == req.num_tokens,
             sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids)
+            output_token_ids=req.output_token_ids, state_slot=req.state_slot)
 
     # ---- applying the runner's results -------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput,

@@ -61,8 +61,10 @@ class LLMEngine:
         """Validate and tokenize one prompt -> (text or None, token ids). Raises ValueError."""
         return self.prompts.process(prompt, index)
 
-    def render_chat(self, messages, chat_template=None, add_generation_prompt=True) -> dict:
-        return self.prompts.render_chat(messages, chat_template, add_generation_prompt)
+    def render_chat(self, messages, chat_template=None, add_generation_prompt=True,
+                    chat_template_kwargs: dict | None = None) -> dict:
+        return self.prompts.render_chat(messages, chat_template, add_generation_prompt,
+                                        chat_template_kwargs)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

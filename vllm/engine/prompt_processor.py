@@ -1,6 +1,7 @@
 """Prompt processing: tokenizer loading, prompt validation/tokenization, chat templates."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -102,23 +103,43 @@ class PromptProcessor:
                              f"[0, {self.vocab_size})")
 
     def render_chat(self, messages, chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict:
+                    add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> dict:
         """Render messages with the tokenizer's chat template -> a TokensPrompt dict."""
-        text = self.render_chat_text(messages, chat_template, add_generation_prompt)
+        text = self.render_chat_text(messages, chat_template, add_generation_prompt,
+                                     chat_template_kwargs)
         return {"prompt": text, "prompt_token_ids": self.encode_rendered(text)}
 
     def render_chat_text(self, messages, chat_template: str | None = None,
-                         add_generation_prompt: bool = True) -> str:
+                         add_generation_prompt: bool = True,
+                         chat_template_kwargs: dict | None = None) -> str:
         """The chat prompt as text (checked like any prompt text). ValueError for bad
-        messages, a missing template or over-long text."""
+        messages or template variables, a missing template or over-long text."""
         self.check_messages(messages, chat_template)
+        kwargs = self.check_template_kwargs(chat_template_kwargs)
         # transformers renders in an ImmutableSandboxedEnvironment (no attribute access to
-        # Python internals, no mutation of the inputs).
+        # Python internals, no mutation of the inputs) and gives templates raise_exception,
+        # strftime_now, tojson and jinja's namespace (GPT-OSS's harmony template uses them).
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt,
-                                                  chat_template=chat_template)
+                                                  chat_template=chat_template, **kwargs)
         self.check_text("the rendered chat prompt", text)
         return text
+
+    def check_template_kwargs(self, kwargs: dict | None) -> dict:
+        """``chat_template_kwargs``: extra variables for the template (GPT-OSS's
+        reasoning_effort, model_identity, builtin_tools; ``tools``, ``documents``). Names the
+        rendering call sets itself (tokenize, add_generation_prompt, ...) are refused: they would
+        change what is rendered rather than what the template sees."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError("chat_template_kwargs must be a dict with string keys")
+        reserved = sorted(set(kwargs) & _reserved_template_kwargs(self.tokenizer))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved} are set by the rendering call, "
+                             "not template variables")
+        return kwargs
 
     def check_messages(self, messages, chat_template: str | None) -> None:
         """What rendering needs: well-formed messages with checked text, and a template."""
@@ -130,6 +151,14 @@ class PromptProcessor:
         for i, m in enumerate(messages):
             if isinstance(m["content"], str):
                 self.check_text(f"messages[{i}].content", m["content"])
+
+
+def _reserved_template_kwargs(tokenizer) -> set[str]:
+    """``apply_chat_template``'s own parameters (and the ``messages`` it renders), except the
+    template inputs it forwards unchanged."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    names = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return (names | {"messages", "conversation"}) - {"tools", "documents"}
 
 
 def _generation_config_eos(model_dir: str) -> list[int]:

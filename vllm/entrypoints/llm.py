@@ -52,11 +52,14 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Render one conversation (a list of {"role", "content"} dicts) or a list of them with the
-        tokenizer's chat template, then generate."""
+        tokenizer's chat template, then generate. ``chat_template_kwargs``: extra template
+        variables (e.g. GPT-OSS's {"reasoning_effort": "low"})."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.llm_engine.render_chat(c, chat_template, add_generation_prompt)
+        prompts = [self.llm_engine.render_chat(c, chat_template, add_generation_prompt,
+                                               chat_template_kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -37,6 +37,12 @@ class AttentionMetadata:
     num_decodes: int
     """Sequences 0..num_decodes-1 have exactly one query token (batched together)."""
     block_size: int
+    state_slots: torch.Tensor | None = None
+    """[B] int64: sequence i's recurrent-state slot (``layers/recurrent_state.py``), in the
+    metadata's sequence order; None when the model keeps no per-request state."""
+    has_initial_state: list[bool] | None = None
+    """[B]: sequence i continues from its stored state (start_pos > 0); False for a sequence
+    starting at position 0 (a new or recomputed request: its slot's contents are stale)."""
 
     @property
     def num_seqs(self) -> int:

@@ -42,6 +42,8 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     moe_backends = ("grouped_mm", "torch")
     attention_backends = ("torch_sdpa",)
+    mamba_backends = ("mamba_ssm", "torch")
+    gdn_backends = ("fla", "torch")
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()

@@ -35,6 +35,12 @@ class Platform:
     (``model_executor/layers/fused_moe/registry.py`` says what each supports)."""
     attention_backends: tuple[str, ...] = ()
     """Attention backends in the order ``attention_backend="auto"`` tries them."""
+    mamba_backends: tuple[str, ...] = ("torch",)
+    """Mamba-2 kernel backends in the order "auto" tries them
+    (``model_executor/layers/mamba/registry.py``)."""
+    gdn_backends: tuple[str, ...] = ("torch",)
+    """Gated delta rule (Gated DeltaNet) backends in the order "auto" tries them
+    (``model_executor/layers/gated_deltanet/registry.py``)."""
 
     def is_available(self) -> bool:
         raise NotImplementedError

@@ -67,10 +67,19 @@ def _nbytes(e: _Entry) -> int:
 
 
 def eligible(moe_layers: list, dtype: torch.dtype, device: torch.device,
-             enforce_eager: bool) -> bool:
+             enforce_eager: bool, state_layers: list = ()) -> bool:
     """Whether decode steps may replay graphs: CPU kernels on, no per-step Python state (an
-    expert cache takes part when its residency step and copies are C kernels)."""
+    expert cache takes part when its residency step and copies are C kernels), no recurrent
+    state (``state_layers``)."""
     if enforce_eager or not native_kernels(dtype, device):
+        return False
+    if state_layers:
+        # Their conv / SSM updates are torch ops without graph nodes; a refused capture stops
+        # the forward part-way after some layers already advanced their state, and the eager
+        # rerun would advance it twice. So they never capture (padding rows would also need a
+        # state slot of their own).
+        logger.info("decode steps run eagerly (no CPU graphs): the model has %d recurrent-state "
+                    "layers", len(state_layers))
         return False
     return all((m.expert_cache is None or m.expert_cache.cpu_graph_safe)
                and m.routing_observer is None for m in moe_layers)

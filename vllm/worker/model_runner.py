@@ -1,7 +1,9 @@
 """ModelRunner: SchedulerOutput -> flattened tensors -> model -> sampler -> RunnerOutput.
 
-The runner owns the model, the paged KV cache tensors and per-request sampling generators.
-It never changes request state: it reads ``ScheduledSequence`` and returns sampled tokens.
+The runner owns the model, the paged KV cache tensors, the recurrent-state pool (one slot per
+running request for models with Mamba / Gated DeltaNet layers) and per-request sampling
+generators. It never changes request state: it reads ``ScheduledSequence`` and returns sampled
+tokens.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.recurrent_state import recurrent_layers, state_bytes_per_slot
 from vllm.platforms import platform_for
 from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
@@ -45,6 +48,7 @@ class ModelRunner:
         self.model: nn.Module = get_model(vllm_config)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        self.state_layers = recurrent_layers(self.model)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_id: int | None = None
@@ -52,7 +56,9 @@ class ModelRunner:
         self._sampling_metadata: SamplingMetadata | None = None
         """The last step's, reused while it stays valid (``SamplingMetadata.reusable_for``):
         building it costs more than a decode step's sampling."""
-        self.num_blocks = self._allocate_kv_cache()
+        budget = self._memory_budget()
+        state_bytes = self._allocate_state(budget)
+        self.num_blocks = self._allocate_kv_cache(budget, state_bytes)
         self.routing_recorder = self._attach_routing_recorder()
         self._log_moe_cache_config()
         self.decode_graphs = self._make_decode_graphs()
@@ -63,22 +69,62 @@ class ModelRunner:
         1 for a layer whose values are its keys)."""
         return kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
 
-    def _allocate_kv_cache(self) -> int:
+    def _memory_budget(self) -> int | None:
+        """Bytes for the KV cache and the recurrent-state pool together; None when the block
+        count is given (``num_gpu_blocks``)."""
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks is not None:
+            return None
+        return cc.kv_cache_memory_bytes or self._default_kv_budget()
+
+    def _allocate_state(self, budget: int | None) -> int:
+        """The recurrent-state pool: one slot per running request (``core/state_slots.py``),
+        ``max_num_seqs`` of them unless that would take more than half the ``budget`` (then
+        fewer, at least 1: admission waits for a free slot, so fewer requests run at once).
+        Zeros. Tells the scheduler the slot count through ``cache_config.num_state_slots``;
+        returns the pool's bytes."""
+        cc = self.config.cache_config
+        if not self.state_layers:
+            cc.num_state_slots = 0
+            return 0
+        num_slots = self.config.scheduler_config.max_num_seqs
+        per_slot = state_bytes_per_slot(self.state_layers)
+        if budget is not None and num_slots * per_slot > budget // 2:
+            fit = max(1, budget // 2 // per_slot)
+            logger.warning("recurrent state: %d slots of %.1f MiB would take more than half of "
+                           "the %.1f MiB budget: %d slots, so at most %d requests run at once "
+                           "(raise kv_cache_memory_bytes or lower max_num_seqs)", num_slots,
+                           per_slot / 2**20, budget / 2**20, fit, fit)
+            num_slots = fit
+        for layer in self.state_layers:
+            layer.bind_state(num_slots, self.device)
+        cc.num_state_slots = num_slots
+        nbytes = num_slots * per_slot
+        logger.info("recurrent state: %d slots x %d layers (%.1f MiB)", num_slots,
+                    len(self.state_layers), nbytes / 2**20)
+        return nbytes
+
+    def _allocate_kv_cache(self, budget: int | None = None, state_bytes: int = 0) -> int:
+        """``num_gpu_blocks`` blocks when given, else as many as ``budget`` (default
+        ``_memory_budget()``) less ``state_bytes`` holds (the recurrent-state pool shares the
+        budget, as in vLLM's hybrid allocator)."""
         cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
-        per_block = self.kv_bytes_per_block()
+        # A model without attention layers: blocks only count tokens (1 byte each, nominally).
+        per_block = self.kv_bytes_per_block() or 1
         if cc.num_gpu_blocks is not None:
             num_blocks = cc.num_gpu_blocks
         else:
-            budget = cc.kv_cache_memory_bytes or self._default_kv_budget()
+            budget = self._memory_budget() if budget is None else budget
             # No point in more blocks than max_num_seqs full-length sequences can use.
             useful = sc.max_num_seqs * -(-mc.max_model_len // self.block_size)
-            num_blocks = max(1, min(budget // per_block, useful))
+            num_blocks = max(1, min((budget - state_bytes) // per_block, useful))
         for a in self.attn_layers:
             a.kv_cache = torch.zeros(a.kv_cache_shape(num_blocks, self.block_size),
                                      dtype=self.dtype, device=self.device)
         cc.num_gpu_blocks = num_blocks
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB); recurrent state %.1f MiB",
+                    num_blocks, self.block_size, num_blocks * self.kv_bytes_per_block() / 2**20,
+                    state_bytes / 2**20)
         return num_blocks
 
     def _default_kv_budget(self) -> int:
@@ -92,7 +138,7 @@ class ModelRunner:
     def _make_decode_graphs(self) -> DecodeGraphs | None:
         """CPU graphs for decode-only steps where they apply (``worker/cpu_graphs.py``)."""
         if not graphs_eligible(self.moe_layers, self.dtype, self.device,
-                               self.config.enforce_eager):
+                               self.config.enforce_eager, self.state_layers):
             return None
         max_len = self.config.model_config.max_model_len
         return DecodeGraphs(self.model, -(-max_len // self.block_size))
@@ -191,11 +237,20 @@ class ModelRunner:
 
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=dev)
+        state_slots = has_init = None
+        if self.state_layers:
+            # Every running request holds a slot (core/state_slots.py); a chunk at position 0
+            # (new, or recomputed after preemption) starts from zeros, not the slot's contents.
+            if any(s.state_slot is None for s in seqs):
+                raise RuntimeError("a scheduled sequence has no recurrent-state slot")
+            state_slots = t([s.state_slot for s in seqs])
+            has_init = [s.start_pos > 0 for s in seqs]
         metadata = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables),
                                      seq_lens=t(seq_lens),
                                      query_start_loc=t([0, *itertools.accumulate(query_lens)]),
                                      seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
-                                     num_decodes=num_decodes, block_size=bs)
+                                     num_decodes=num_decodes, block_size=bs,
+                                     state_slots=state_slots, has_initial_state=has_init)
         return t(input_ids), t(positions), metadata, t(logits_indices)
 
     # ---- expert cache ----------------------------------------------------------------------

@@ -211,6 +211,25 @@ def test_chat_matches_offline(client, offline_llm):
     assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
 
 
+def test_chat_template_kwargs_reach_the_renderer(server, offline_llm):
+    """chat_template_kwargs travel to the template (this model's ignores an unknown variable;
+    tests/engine/test_harmony_chat_template.py checks them rendered); a name the rendering call
+    sets is a 400 naming the field, on /v1/chat/completions and /tokenize."""
+    messages = [{"role": "user", "content": "import os"}]
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60,  # noqa: E731
+                                         headers={"Authorization": f"Bearer {API_KEY}"})
+    want = offline_llm.llm_engine.render_chat(messages)["prompt_token_ids"]
+    got = post("/tokenize", {"messages": messages,
+                             "chat_template_kwargs": {"reasoning_effort": "low"}}).json()
+    assert got["tokens"] == want
+    for path, extra in (("/v1/chat/completions", {"model": SERVED_NAME, "max_tokens": 1}),
+                        ("/tokenize", {})):
+        bad = post(path, {"messages": messages, "chat_template_kwargs": {"tokenize": True},
+                          **extra})
+        assert bad.status_code == 400, path
+        assert bad.json()["error"]["param"] == "chat_template_kwargs", bad.json()
+
+
 def test_chat_logprobs_and_n(client, offline_llm):
     messages = [{"role": "user", "content": [{"type": "text", "text": "import os"}]}]
     resp = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=4,

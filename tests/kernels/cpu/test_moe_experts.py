@@ -6,6 +6,7 @@ import torch
 
 from vllm.kernels.cpu.ops import prepack
 from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
 
 
@@ -69,6 +70,25 @@ def test_matches_reference_bf16(H, N):
     # hidden value rounds to bf16): within bf16 resolution.
     torch.testing.assert_close(got.float(), _ref_bf16_hidden(x, w13, w2, w, ids), atol=1e-2,
                                rtol=1e-2)
+
+
+@pytest.mark.parametrize("H,N", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_biases_and_swigluoai_match_reference(H, N, dtype, tol):
+    """GPT-OSS's experts: biases after each projection, the clamped activation (a small limit,
+    so both clamps bite). bf16: the reference rounds after each op, the kernel adds the biases
+    to its f32 accumulators: within bf16 resolution."""
+    x, w13, w2, w, ids = _case(37, H=H, N=N, dtype=dtype, seed=N, skip_frac=0.2)
+    g = torch.Generator().manual_seed(H)
+    b13 = torch.randn(8, 2 * N, generator=g).to(dtype)
+    b2 = torch.randn(8, H, generator=g).to(dtype)
+    act = MoEActivation("swigluoai", alpha=1.702, limit=0.5)
+    got = torch.zeros(37, 2, H, dtype=dtype)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, got, act, b13, b2)
+    want = torch.zeros(37, 2, H)
+    expert_pairs_ref(x.float(), w13.float(), w2.float(), w.float(), ids, want, act,
+                     b13.float(), b2.float())
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def test_skipped_and_out_of_range_pairs_untouched():

@@ -292,6 +292,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's extra: more template variables (GPT-OSS: reasoning_effort, model_identity)."""
     prompt_logprobs: int | None = None
     """vLLM's extra: the response's ``prompt_logprobs`` (of the rendered prompt)."""
 
@@ -381,6 +383,7 @@ class TokenizeRequest(BaseModel):
     """Default: True for a prompt, False for messages (the template places them)."""
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -25,7 +25,8 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params()
         messages = [m.as_template_dict() for m in request.messages]
         prompt = await self.render_chat(messages, request.chat_template,
-                                        request.add_generation_prompt)
+                                        request.add_generation_prompt,
+                                        request.chat_template_kwargs)
         request_id = random_id("chatcmpl")
         streams = await self.add_prompts(request_id, [prompt], params)
         if request.stream:

@@ -83,7 +83,8 @@ class OpenAIServing:
         return streams
 
     async def render_chat(self, messages: list[dict], template: str | None,
-                          add_generation_prompt: bool) -> dict:
+                          add_generation_prompt: bool,
+                          template_kwargs: dict | None = None) -> dict:
         """Messages rendered (a request's own template only if the server trusts them) and
         tokenized: {"prompt", "prompt_token_ids"}; a 400 naming what is wrong."""
         if template is not None and not self.options.trust_request_chat_template:
@@ -92,10 +93,12 @@ class OpenAIServing:
                               "(start it with --trust-request-chat-template to allow them)",
                               param="chat_template")
         try:
-            return await self.tokenizers.render_chat(messages, template, add_generation_prompt)
+            return await self.tokenizers.render_chat(messages, template, add_generation_prompt,
+                                                     template_kwargs)
         except ValueError as e:
             msg = str(e)
-            param = "chat_template" if msg.startswith("chat_template") else "messages"
+            param = next((p for p in ("chat_template_kwargs", "chat_template")
+                          if msg.startswith(p)), "messages")
             raise OpenAIError(msg, param=param) from None
         except Exception as e:  # noqa: BLE001 - jinja errors: a bad template or message
             raise OpenAIError(f"messages could not be rendered with the chat template: "

@@ -25,7 +25,8 @@ class OpenAIServingTokenization(OpenAIServing):
         else:
             messages = [m.as_template_dict() for m in request.messages]
             rendered = await self.render_chat(messages, request.chat_template,
-                                              request.add_generation_prompt)
+                                              request.add_generation_prompt,
+                                              request.chat_template_kwargs)
             ids = rendered["prompt_token_ids"]
             if request.add_special_tokens:
                 ids = await self.tokenizers.encode(rendered["prompt"], True)

@@ -7,8 +7,8 @@ operator's, and its input is bounded.
 The child loads the tokenizer itself and calls ``apply_chat_template`` exactly as the server
 would (transformers' sandboxed Jinja environment, the tokenizer's special tokens), so a request
 template renders the same text in or out of process. Protocol over a pipe: the child sends
-("ready", None) once loaded; then per request (messages, template, add_generation_prompt) ->
-(True, text) or (False, "ErrorType: message").
+("ready", None) once loaded; then per request (messages, template, add_generation_prompt,
+template kwargs) -> (True, text) or (False, "ErrorType: message").
 """
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ def _child_main(tokenizer_path: str, max_chars: int, conn) -> None:
     conn.send(("ready", None))
     while True:
         try:
-            messages, template, add_generation_prompt = conn.recv()
+            messages, template, add_generation_prompt, kwargs = conn.recv()
         except (EOFError, OSError):
             return
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 chat_template=template)
+                                                 chat_template=template, **kwargs)
         except Exception as e:  # noqa: BLE001 - the template's error goes to its request
             conn.send((False, f"{type(e).__name__}: {e}"))
             continue
@@ -73,10 +73,11 @@ class TemplateSandbox:
             raise RuntimeError("the chat-template sandbox process did not start")
         self._proc, self._conn = proc, parent
 
-    def render(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+    def render(self, messages: list[dict], template: str, add_generation_prompt: bool,
+               template_kwargs: dict | None = None) -> str:
         with self._lock:
             self._ensure()
-            self._conn.send((messages, template, add_generation_prompt))
+            self._conn.send((messages, template, add_generation_prompt, template_kwargs or {}))
             if not self._conn.poll(self.timeout_s):
                 self._kill()
                 raise ValueError(f"chat_template took longer than {self.timeout_s:g} s to "

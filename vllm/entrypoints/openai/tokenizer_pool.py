@@ -53,9 +53,11 @@ class TokenizerPool:
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def render_chat(self, messages: list[dict], chat_template: str | None,
-                          add_generation_prompt: bool) -> dict:
+                          add_generation_prompt: bool,
+                          template_kwargs: dict | None = None) -> dict:
         """Rendered and tokenized messages: {"prompt", "prompt_token_ids"}. A template from the
-        request renders in the sandbox (ValueError where there is none)."""
+        request renders in the sandbox (ValueError where there is none); ``template_kwargs``
+        are extra template variables (``chat_template_kwargs``)."""
         if chat_template is None:
             render = self.processor.render_chat_text
         elif self.sandbox is None:
@@ -63,15 +65,16 @@ class TokenizerPool:
         else:
             render = self._render_in_sandbox
         text = await self._run(render, messages, chat_template, add_generation_prompt,
-                               pool=self._templates)
+                               template_kwargs, pool=self._templates)
         ids = await self._run(self.processor.encode_rendered, text)
         return {"prompt": text, "prompt_token_ids": ids}
 
     def _render_in_sandbox(self, messages: list[dict], chat_template: str,
-                           add_generation_prompt: bool) -> str:
+                           add_generation_prompt: bool, template_kwargs: dict | None) -> str:
         """render_chat_text's checks around the sandbox's render (on a template thread)."""
         self.processor.check_messages(messages, chat_template)
-        text = self.sandbox.render(messages, chat_template, add_generation_prompt)
+        kwargs = self.processor.check_template_kwargs(template_kwargs)
+        text = self.sandbox.render(messages, chat_template, add_generation_prompt, kwargs)
         self.processor.check_text("the rendered chat prompt", text)
         return text
 

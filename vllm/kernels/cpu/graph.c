@@ -15,7 +15,8 @@
 #include "vec.h"
 
 int moe_expert_pairs(const void *, const void *, const void *, const float *, const int64_t *,
-                     void *, int64_t, int64_t, int64_t, int64_t, int64_t, int, int);
+                     void *, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, const void *,
+                     const void *, float, float);
 int rms_norm(const void *, const void *, void *, int64_t, int64_t, float, int);
 int rope_cos_sin(const int64_t *, const float *, float, int64_t, int64_t, float *);
 int rotary_embedding(const float *, const void *, const void *, void *, void *, int64_t, int64_t,
@@ -43,7 +44,7 @@ static const char GRAPH_OPS[] =
     "moe_expert_pairs,rms_norm,rope_cos_sin,rotary_embedding,dense_linear,paged_attention,"
     "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding,silu_and_mul,"
     "sigmoid_gate_add,moe_residency_step,expert_copy";
-static const int64_t NARGS[] = {13, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9};
+static const int64_t NARGS[] = {17, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9};
 #define NUM_OPS ((int64_t)(sizeof(NARGS) / sizeof(NARGS[0])))
 
 const char *graph_op_names(void) { return GRAPH_OPS; }
@@ -79,11 +80,13 @@ static int embedding_op(const void *weight, const int64_t *ids, void *out, int64
 
 #define P(i) ((void *)(intptr_t)a[i])
 static int run_node(int64_t op, const int64_t *a) {
-    float f;
+    float f, f2;
     switch (op) {
     case 0:
+        memcpy(&f, &a[15], sizeof(f));
+        memcpy(&f2, &a[16], sizeof(f2));
         return moe_expert_pairs(P(0), P(1), P(2), P(3), P(4), P(5), a[6], a[7], a[8], a[9],
-                                a[10], (int)a[11], (int)a[12]);
+                                a[10], (int)a[11], (int)a[12], P(13), P(14), f, f2);
     case 1:
         memcpy(&f, &a[5], sizeof(f));
         return rms_norm(P(0), P(1), P(2), a[3], a[4], f, (int)a[6]);

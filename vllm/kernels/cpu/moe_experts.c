@@ -1,12 +1,13 @@
 /* CPU expert MLPs for (token, k) pairs: the apply_pairs contract of fused_moe.
  *
- *   out[t, k, :] = topk_w[t, k] * down(act(gate(x[t])) * up(x[t]))   for 0 <= ids[t, k] < G
- *   (other pairs untouched)
+ *   out[t, k, :] = topk_w[t, k] * (down(act(gate(x[t]) + b13g, up(x[t]) + b13u)) + b2)
+ *   for 0 <= ids[t, k] < G (other pairs untouched); the biases are optional (NULL: none).
  *
  * Layout: x [T, H]; weights prepacked at load (ops.prepack): w13 as [H, 2N] (gate
  * columns then up columns) and w2 as [N, H], each in column blocks (see matmul), per expert;
- * ids/topk_w [T, K], out [T, K, H]. x, weights and out share one dtype: f32 or bf16
- * (bf16 products run in pairs as gemm.h says; all accumulation is f32).
+ * biases b13 [G, 2N] (gate then up) and b2 [G, H] as loaded; ids/topk_w [T, K], out [T, K, H].
+ * x, weights, biases and out share one dtype: f32 or bf16 (bf16 products run in pairs as
+ * gemm.h says; all accumulation is f32, and the biases are added to the f32 accumulators).
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is the one chain over the input dim
@@ -23,32 +24,50 @@
 
 #define CHUNK 32      /* tokens of one expert processed together (bounds the scratch) */
 
-/* h[j] = act(gate[j]) * up[j] for j < n. silu uses the vector exp (tail through a padded
- * vector, so each element's arithmetic is the same wherever it sits); gelu is erf-exact. */
-INLINE void activate_mul(const float *gate, const float *up, int64_t n, int act, float *h) {
-    if (act != 0) {
+/* h[j] = act(gate[j], up[j]) for j < n. act 0: silu(gate) * up; 1: gelu(gate) * up (erf-exact);
+ * 2: GPT-OSS's swigluoai: gate clamped above at limit, up to [-limit, limit], then
+ * (up + 1) * gate * sigmoid(alpha * gate). silu and swigluoai use the vector exp (tail through
+ * a padded vector, so each element's arithmetic is the same wherever it sits). */
+INLINE void activate_mul(const float *gate, const float *up, int64_t n, int act, float alpha,
+                         float limit, float *h) {
+    if (act == 1) {
         for (int64_t j = 0; j < n; j++)
             h[j] = 0.5f * gate[j] * (1.0f + erff(gate[j] * 0.70710678118654752f)) * up[j];
         return;
     }
+    const vf lim = splat(limit), neg_lim = splat(-limit);
     for (int64_t j = 0; j < n; j += LANES) {
         const int64_t w = n - j < LANES ? n - j : LANES;
         float g[LANES] = {0}, u[LANES] = {0};
         memcpy(g, gate + j, (size_t)w * 4);
         memcpy(u, up + j, (size_t)w * 4);
-        const vf gv = *(vf *)g;
-        vf hv = gv / (1.0f + vexp(-gv)) * *(vf *)u;
+        vf gv = *(vf *)g, uv = *(vf *)u, hv;
+        if (act == 0) {
+            hv = gv / (1.0f + vexp(-gv)) * uv;
+        } else {
+            gv = vselect(gv > lim, lim, gv);        /* NaN stays NaN, as torch's clamp */
+            uv = vselect(uv > lim, lim, vselect(uv < neg_lim, neg_lim, uv));
+            hv = (uv + 1.0f) * (gv * (1.0f / (1.0f + vexp(-(gv * alpha)))));
+        }
         memcpy(h + j, &hv, (size_t)w * 4);
     }
+}
+
+/* v[m * n + j] += bias[j] for m < M, j < n (bias in the kernel's dtype; NULL: nothing). */
+INLINE void add_bias(float *v, const void *bias, int bf16, int64_t M, int64_t n) {
+    if (!bias) return;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < n; j++) v[m * n + j] += load1(bias, bf16, j);
 }
 
 /* One expert over M of its pairs: rows of x -> out rows, through scratch. The matmuls take
  * their activations in the weights' dtype (gemm.h), so in bf16 the gathered rows stay bf16 and
  * the hidden activation h is rounded to bf16 (as the model's torch forward rounds it). Inlined
  * with a constant bf16 so each dtype gets its own vectorised loops. */
-INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf16,
-                         const float *topk_w, const int64_t *pairs, int64_t M, int64_t K,
-                         int64_t H, int64_t N, int act, void *out, float *scratch) {
+INLINE void expert_chunk(const void *x, const void *w13, const void *w2, const void *b13,
+                         const void *b2, int bf16, const float *topk_w, const int64_t *pairs,
+                         int64_t M, int64_t K, int64_t H, int64_t N, int act, float alpha,
+                         float limit, void *out, float *scratch) {
     /* scratch: xs [CHUNK, H] (x's dtype), gu [CHUNK, 2N], h [CHUNK, N], y [CHUNK, H] (f32),
      * hb [CHUNK, N] (bf16 h) */
     float *xs = scratch, *gu = xs + CHUNK * H, *h = gu + CHUNK * 2 * N, *y = h + CHUNK * N;
@@ -57,14 +76,16 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf1
     for (int64_t m = 0; m < M; m++)
         memcpy((char *)xs + m * H * esz, (const char *)x + pairs[m] / K * H * esz, H * esz);
     matmul(xs, M, w13, bf16, H, 2 * N, gu);
+    add_bias(gu, b13, bf16, M, 2 * N);
     for (int64_t m = 0; m < M; m++)
-        activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, h + m * N);
+        activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, alpha, limit, h + m * N);
     if (bf16) {
         int64_t j = 0;
         for (; j + LANES <= M * N; j += LANES) storev(hb, 1, j, *(const vf *)(h + j));
         for (; j < M * N; j++) hb[j] = f32_to_bf16(h[j]);
     }
     matmul(bf16 ? (const void *)hb : h, M, w2, bf16, N, H, y);
+    add_bias(y, b2, bf16, M, H);
     for (int64_t m = 0; m < M; m++) {
         const float wt = topk_w[pairs[m]];
         int64_t j = 0;
@@ -74,10 +95,12 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, int bf1
     }
 }
 
-/* Returns 0, or -1 when scratch could not be allocated (out is then partly written). */
+/* Returns 0, or -1 when scratch could not be allocated (out is then partly written).
+ * b13/b2 may be NULL; alpha and limit are read for act 2 only. */
 int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float *topk_w,
                      const int64_t *ids, void *out, int64_t T, int64_t K, int64_t G, int64_t H,
-                     int64_t N, int bf16, int act) {
+                     int64_t N, int bf16, int act, const void *b13, const void *b2, float alpha,
+                     float limit) {
     const int64_t P = T * K;
     int64_t *start = calloc((size_t)G + 1, sizeof(int64_t));
     int64_t *order = malloc((size_t)(P ? P : 1) * sizeof(int64_t));
@@ -113,10 +136,14 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
                 const int64_t M = start[e + 1] - s < CHUNK ? start[e + 1] - s : CHUNK;
                 const char *e13 = (const char *)w13 + e * w13_stride;
                 const char *e2 = (const char *)w2 + e * w2_stride;
+                const void *eb13 = b13 ? (const char *)b13 + e * 2 * N * esz : NULL;
+                const void *eb2 = b2 ? (const char *)b2 + e * H * esz : NULL;
                 if (bf16)
-                    expert_chunk(x, e13, e2, 1, topk_w, order + s, M, K, H, N, act, out, scratch);
+                    expert_chunk(x, e13, e2, eb13, eb2, 1, topk_w, order + s, M, K, H, N, act,
+                                 alpha, limit, out, scratch);
                 else
-                    expert_chunk(x, e13, e2, 0, topk_w, order + s, M, K, H, N, act, out, scratch);
+                    expert_chunk(x, e13, e2, eb13, eb2, 0, topk_w, order + s, M, K, H, N, act,
+                                 alpha, limit, out, scratch);
             }
         }
         free(scratch);

@@ -17,6 +17,8 @@ _ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    # Nemotron-H's MLPs and experts (HF ReLUSquaredActivation): square(relu(x)).
+    "relu2": lambda x: torch.square(F.relu(x)),
 }
 
 

@@ -92,7 +92,8 @@ def _yarn(base: float, exponents: torch.Tensor, dim: int, params: dict,
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** exponents
     extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolate
+    # (1 - extrapolate), not ramp: transformers' expression, equal to it bit for bit.
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
     return inv_freq, float(attention_factor)
 
 

@@ -7,6 +7,9 @@ written by ``save_pretrained``, or fused (``...experts.gate_up_proj`` [E, 2N, H]
 Quantized experts (per expert only) carry more tensors per projection
 (``...experts.{e}.gate_proj.weight_scale``, ``.qweight``, ``.g_idx`` ...): the layer's quant
 method declares them (``checkpoint_tensors``) and maps each to its layout (``load_transform``).
+Layers with expert biases (``FusedMoE(bias=True)``) also take ``...experts.{e}.<proj>.bias``
+per projection, in any scheme, as loaded. Model files whose checkpoints store experts another
+way translate them into these names first (GPT-OSS: ``gpt_oss.per_expert_tensors``).
 """
 from __future__ import annotations
 
@@ -34,10 +37,14 @@ _ROLE = {"w1": "gate", "w3": "up", "w2": "down"}
 
 # What the checkpoint holds per expert projection when the method declares nothing.
 _UNQUANTIZED = (CheckpointTensor("weight"),)
+# Expert biases (``...experts.{e}.gate_proj.bias``), whatever the scheme: model dtype, loaded as
+# they are (no ``load_transform``).
+_BIAS = CheckpointTensor("bias")
 
 
 def _specs(layer: FusedMoE) -> tuple:
-    return getattr(layer.quant_method, "checkpoint_tensors", None) or _UNQUANTIZED
+    specs = getattr(layer.quant_method, "checkpoint_tensors", None) or _UNQUANTIZED
+    return (*specs, _BIAS) if layer.has_bias else specs
 
 
 def _expert_params(name: str, layer: FusedMoE) -> set[str]:
@@ -107,7 +114,7 @@ def _load_expert(name: str, tensor: torch.Tensor, moe: dict[str, FusedMoE],
         if spec.shared:
             qm.load_shared(layer, f"{kind}_{suffix}", tensor)
         else:
-            if hasattr(qm, "load_transform"):
+            if spec is not _BIAS and hasattr(qm, "load_transform"):
                 tensor = qm.load_transform(suffix, kind, tensor)
             layer.load_expert_weight(f"{kind}_{suffix}", tensor, e, shard)
         pending.discard((m["mod"], e, shard, suffix))
@@ -117,8 +124,8 @@ def _load_expert(name: str, tensor: torch.Tensor, moe: dict[str, FusedMoE],
         layer = moe[m["mod"]]
         if _specs(layer) is not _UNQUANTIZED:
             raise ValueError("fused expert tensors (gate_up_proj/down_proj) are only supported "
-                             "for unquantized experts; quantized checkpoints store experts one "
-                             "by one")
+                             "for unquantized experts without biases; quantized checkpoints "
+                             "store experts one by one")
         fused = m["proj"] == "gate_up_proj"
         layer.load_expert_weight("w13_weight" if fused else "w2_weight", tensor, None, None)
         for e in range(layer.num_experts):

@@ -4,7 +4,7 @@ The kernel reads each expert's weights packed for its register tiles: input dim 
 column blocks that are each one contiguous stream (``vllm/kernels/cpu/gemm.h``).
 ``vllm/kernels/cpu/ops.prepack`` makes that layout once per expert at load (the quant method's
 ``process_expert``), so the host store and the slots hold it too: w13 [E, 2N, K] -> [E, 2N*K],
-w2 [E, K, N] -> [E, K*N].
+w2 [E, K, N] -> [E, K*N]; expert biases (w13_bias [E, 2N], w2_bias [E, K]) stay as loaded.
 One call per layer (or per expert-cache wave): pairs are grouped by expert inside the kernel,
 each expert's weights are read once per call, and each pair's value is independent of the other
 pairs in the call (see the invariant in the C file), so cached and uncached runs agree bitwise.
@@ -17,16 +17,19 @@ import torch
 
 from vllm.kernels.cpu.graph import launch
 from vllm.kernels.cpu.ops import KERNEL_DTYPES as _DTYPES
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 
-_ACTIVATIONS = {"silu": 0, "gelu": 1}
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2}
 
 
 def expert_pairs_cpu(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                     activation: str = "silu") -> None:
+                     activation: str | MoEActivation = "silu", b13: torch.Tensor | None = None,
+                     b2: torch.Tensor | None = None) -> None:
     """The contract of ``torch_ref.expert_pairs_ref`` on packed weights: out[t, k] =
     w[t, k] * expert(x[t]) for pairs with 0 <= topk_ids < w13p.shape[0]; others untouched.
-    x [T, K]; w13p [G, 2N*K] = prepack(w13); w2p [G, K*N] = prepack(w2); out [T, top_k, K]."""
+    x [T, K]; w13p [G, 2N*K] = prepack(w13); w2p [G, K*N] = prepack(w2); out [T, top_k, K];
+    optional biases b13 [G, 2N], b2 [G, K] in x's dtype."""
     if torch.compiler.is_compiling():
         raise RuntimeError("the cpu_kernel MoE backend cannot be traced by torch.compile: "
                            "use moe_backend='grouped_mm' for compiled graphs")
@@ -48,12 +51,28 @@ def expert_pairs_cpu(x: torch.Tensor, w13p: torch.Tensor, w2p: torch.Tensor,
         raise ValueError(f"expert_pairs_cpu: x {tuple(x.shape)}, topk_weights "
                          f"{tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}, out "
                          f"{tuple(out.shape)} do not match [T, K], [T, top_k], [T, top_k, K]")
+    b13, b2 = (_bias(b, (G, n), dtype, name) for b, n, name in
+               ((b13, two_n, "b13"), (b2, H, "b2")))
+    act = MoEActivation.of(activation)
     x, w13p, w2p = x.contiguous(), w13p.contiguous(), w2p.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
     rc = launch(
         "moe_expert_pairs", x.data_ptr(), w13p.data_ptr(), w2p.data_ptr(), wts.data_ptr(),
         ids.data_ptr(),
-        out.data_ptr(), T, top_k, G, H, two_n // 2, _DTYPES[dtype], _ACTIVATIONS[activation])
+        out.data_ptr(), T, top_k, G, H, two_n // 2, _DTYPES[dtype], _ACTIVATIONS[act.name],
+        None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(),
+        act.alpha, act.limit)
     if rc:
         raise MemoryError("expert_pairs_cpu: the kernel could not allocate its scratch")
+
+
+def _bias(b: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
+          name: str) -> torch.Tensor | None:
+    """A bias the kernel can read in place: contiguous [G, n] in the kernel's dtype."""
+    if b is None:
+        return None
+    if tuple(b.shape) != shape or b.dtype != dtype:
+        raise ValueError(f"expert_pairs_cpu: {name} is {tuple(b.shape)} {b.dtype}, must be "
+                         f"{list(shape)} {dtype}")
+    return b.contiguous()

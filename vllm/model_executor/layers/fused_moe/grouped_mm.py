@@ -10,8 +10,8 @@ bitwise equal to ``torch_ref.expert_pairs_ref`` (tested).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.platforms import Platform
 
 
@@ -32,9 +32,11 @@ def grouped_mm_refusal(hidden_size: int, intermediate_size: int, dtype: torch.dt
 
 def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
-                         activation: str = "silu") -> None:
+                         activation: str | MoEActivation = "silu",
+                         b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
     """Same contract as ``torch_ref.expert_pairs_ref``: out[t, k] = w[t, k] * expert(x[t]) for pairs
-    with topk_ids >= 0 (ids index w13/w2's leading dim); other pairs are left untouched."""
+    with topk_ids >= 0 (ids index w13/w2's leading dim, and the optional biases b13 [G, 2N],
+    b2 [G, H]); other pairs are left untouched."""
     T, top_k = topk_ids.shape
     if x.device.type == "cpu" and not torch.compiler.is_compiling() and not (topk_ids >= 0).any():
         # An empty wave of the expert cache. torch's CPU _grouped_mm runs one GEMM per group even
@@ -50,10 +52,15 @@ def expert_pairs_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     counts.index_add_(0, key, torch.ones_like(key, dtype=torch.int32))
     offs = counts[:groups].cumsum(0, dtype=torch.int32)                # [G] group end offsets
     rows = x[order // top_k]                                           # [P, H]
+    # Each sorted pair's bias row (skipped pairs read row 0; their results are discarded).
+    bias_row = torch.where(valid, flat, 0)[order]                      # [P]
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)  # [P, 2N]
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate)
-    y = torch._grouped_mm(act * up, w2.transpose(1, 2), offs=offs)     # [P, H]
+    if b13 is not None:
+        gate_up = gate_up + b13.to(x.dtype)[bias_row]
+    y = torch._grouped_mm(MoEActivation.of(activation)(gate_up), w2.transpose(1, 2),
+                          offs=offs)                                   # [P, H]
+    if b2 is not None:
+        y = y + b2.to(x.dtype)[bias_row]
     y = y * topk_weights.reshape(-1).to(x.dtype)[order, None]
     out_flat = out.view(T * top_k, out.shape[-1])  # explicit: T may be 0
     # Rows past the last offset (skipped pairs) are garbage from _grouped_mm: keep old values.

@@ -20,6 +20,7 @@ from vllm.model_executor.forward_context import get_attn_metadata
 from vllm.model_executor.layers.fused_moe.expert_cache import (CachedWeightProvider,
                                                                WeightProvider, cache_enabled,
                                                                make_weight_provider)
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.fused_moe.router import RouterConfig, select_experts
 from vllm.model_executor.layers.quantization import get_moe_quant_method
 from vllm.model_executor.layers.quantization.base import FusedMoEMethodBase, MoEShape
@@ -38,29 +39,33 @@ class FusedMoE(nn.Module):
                  renormalize: bool = True, scoring_func: str = "softmax",
                  num_expert_group: int | None = None, topk_group: int | None = None,
                  routed_scaling_factor: float = 1.0, use_correction_bias: bool = False,
-                 activation: str = "silu", params_dtype: torch.dtype | None = None,
-                 quant_method: FusedMoEMethodBase | None = None, prefix: str = ""):
+                 activation: str | MoEActivation = "silu", params_dtype: torch.dtype | None = None,
+                 quant_method: FusedMoEMethodBase | None = None, prefix: str = "",
+                 bias: bool = False):
         super().__init__()
         cfg = get_current_vllm_config()
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.prefix = prefix
-        self.activation = activation
-        """Expert activation; quant methods read it in get_moe_quant_method."""
+        try:
+            self.activation = MoEActivation.of(activation)
+            """Expert activation (name and parameters); quant methods read it in
+            get_moe_quant_method."""
+        except ValueError as err:
+            raise ValueError(f"{prefix}: {err}") from None
+        self.has_bias = bias
+        """Experts carry biases (w13_bias [E, 2N], w2_bias [E, H]; GPT-OSS)."""
         m = re.search(r"layers\.(\d+)\.", prefix + ".")
         self.layer_index = int(m.group(1)) if m else 0
-        if activation not in ("silu", "gelu"):
-            raise ValueError(f"{prefix}: activation={activation!r} is invalid: must be 'silu' or "
-                             "'gelu'")
         self.router_config = RouterConfig(top_k, renormalize, scoring_func, num_expert_group,
                                           topk_group, routed_scaling_factor, num_experts)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False)
                                         if use_correction_bias else None)
         if quant_method is None and cfg is not None and getattr(cfg, "quant_config", None):
             quant_method = get_moe_quant_method(cfg.quant_config, self)
-        self.quant_method = quant_method or UnquantizedFusedMoEMethod(activation)
+        self.quant_method = quant_method or UnquantizedFusedMoEMethod(self.activation)
         shape = MoEShape(num_experts, hidden_size, intermediate_size,
-                         params_dtype or torch.get_default_dtype())
+                         params_dtype or torch.get_default_dtype(), bias)
         self._moe_cache_config = cfg.moe_cache_config if cfg is not None else None
         # Cached experts are created in host memory: they become the store, never touching the
         # device. Uncached ones are created on the ambient (compute) device.

@@ -13,9 +13,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vllm.kernels.cpu.ops import moe_sum
 from vllm.platforms import Platform, native_kernels
+
+MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+BIAS_NAMES = ("w13_bias", "w2_bias")
+"""Expert biases, when a layer has them: [G, 2N] (gate then up, after the first projection) and
+[G, H] (after the second), in the activation dtype; backends read them from ``weights``."""
+
+
+@dataclass(frozen=True)
+class MoEActivation:
+    """The gated activation between an expert's projections: gate_up [P, 2N] (gate columns, then
+    up columns) -> [P, N]. "silu"/"gelu": act(gate) * up. "swigluoai" (GPT-OSS): gate clamped
+    above at ``limit``, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha *
+    gate). The torch code here is the one definition the torch backends share, so they agree
+    bitwise, and a value never depends on the other rows in the call."""
+    name: str = "silu"
+    alpha: float = 1.702
+    """swigluoai only: the sigmoid's gain."""
+    limit: float = 7.0
+    """swigluoai only: the clamp of gate (above) and up (both sides)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in MOE_ACTIVATIONS:
+            raise ValueError(f"activation={self.name!r} is invalid: must be one of "
+                             f"{list(MOE_ACTIVATIONS)}")
+
+    @classmethod
+    def of(cls, activation: "str | MoEActivation") -> "MoEActivation":
+        """A name (default parameters) or an MoEActivation -> an MoEActivation."""
+        return activation if isinstance(activation, cls) else cls(activation)
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.name == "silu":
+            return F.silu(gate) * up
+        if self.name == "gelu":
+            return F.gelu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        # sigmoid as 1 / (1 + exp(-z)): torch's CPU sigmoid rounds a contiguous tensor's tail
+        # elements (scalar path) differently from the rest, so a value would depend on how many
+        # pairs share the call (a cache wave vs the whole step); exp, + and / do not.
+        sig = 1 / (1 + torch.exp(-(gate * self.alpha)))
+        return (up + 1) * (gate * sig)
 
 
 @dataclass(frozen=True)
@@ -25,19 +69,22 @@ class MoEKernelQuery:
     scheme: str
     """"unquantized" or a quantization scheme (``vllm.config.quantization.SCHEMES``)."""
     activation: str
-    """"silu" or "gelu" (gated: act(gate) * up)."""
+    """One of MOE_ACTIVATIONS (``MoEActivation.name``)."""
     dtype: torch.dtype
     """Activation (model) dtype."""
     hidden_size: int
     intermediate_size: int
     platform: Platform
+    has_bias: bool = False
+    """The experts carry biases (w13_bias [G, 2N], w2_bias [G, H]; GPT-OSS)."""
 
     def describe(self) -> str:
         cap = self.platform.get_device_capability()
         sm = f" (SM {cap})" if cap is not None else ""
         return (f"scheme {self.scheme}, activation {self.activation}, dtype "
                 f"{str(self.dtype).replace('torch.', '')}, hidden_size {self.hidden_size}, "
-                f"intermediate_size {self.intermediate_size} on {self.platform.name}{sm}")
+                f"intermediate_size {self.intermediate_size}{', biased' if self.has_bias else ''} "
+                f"on {self.platform.name}{sm}")
 
 
 class MoEExperts:

@@ -9,6 +9,7 @@ the reason and the backends that would. The choice is logged once per distinct d
 Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16, unquantized), ``grouped_mm``
 (``torch._grouped_mm``, unquantized; CUDA needs SM 9.0 and bf16) and ``torch`` (the per-expert
 loop reference: every scheme, every platform; quantized experts are dequantized per expert).
+All three take every activation (``MOE_ACTIVATIONS``) and expert biases.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from vllm.model_executor.layers.backend_registry import BackendRegistry
 from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
 from vllm.model_executor.layers.fused_moe.grouped_mm import (expert_pairs_grouped,
                                                              grouped_mm_refusal)
-from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts, MoEKernelQuery
+from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, MOE_ACTIVATIONS,
+                                                                 MoEActivation, MoEExperts,
+                                                                 MoEKernelQuery)
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop, expert_pairs_ref
 
 Dequantize = Callable[[dict[str, torch.Tensor], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
@@ -32,7 +35,7 @@ Dequantize = Callable[[dict[str, torch.Tensor], torch.dtype], tuple[torch.Tensor
 @dataclass(frozen=True)
 class MoEBackend:
     name: str
-    make: Callable[[str, Dequantize | None], MoEExperts]
+    make: Callable[[MoEActivation, Dequantize | None], MoEExperts]
     """(activation, dequantize or None for unquantized) -> the layer's experts computation."""
     schemes: tuple[str, ...] | None = None
     """Schemes handled; None = every scheme."""
@@ -41,6 +44,8 @@ class MoEBackend:
     dtypes: tuple[torch.dtype, ...] | None = None
     """Activation dtypes; None = any."""
     activations: tuple[str, ...] = ("silu", "gelu")
+    bias: bool = False
+    """Adds expert biases (w13_bias, w2_bias) when the layer has them."""
     min_capability: int | None = None
     """Lowest compute capability as an SM number (90 = 9.0), where the platform has one."""
     max_capability: int | None = None
@@ -59,6 +64,8 @@ class MoEBackend:
             return f"it takes dtypes {[str(d) for d in self.dtypes]}, not {q.dtype}"
         if q.activation not in self.activations:
             return f"it implements activations {list(self.activations)}, not {q.activation!r}"
+        if q.has_bias and not self.bias:
+            return "it does not add expert biases (w13_bias/w2_bias)"
         reason = self._capability_refusal(q)
         if reason is None and self.needs_native_kernels and \
                 not q.platform.has_native_kernels(q.dtype):
@@ -106,27 +113,29 @@ class CpuKernelExperts(MoEExperts):
     """The C kernel (``cpu_kernel.py``) over weights prepacked for its register tiles."""
     name = "cpu_kernel"
 
-    def __init__(self, activation: str):
+    def __init__(self, activation: MoEActivation):
         self.activation = activation
 
     def pack(self, tensors):
-        return {n: prepack(t) for n, t in tensors.items()}
+        # Biases are read as loaded; only the weights take the GEMM's layout.
+        return {n: t if n in BIAS_NAMES else prepack(t) for n, t in tensors.items()}
 
     def apply_pairs(self, weights, x, topk_weights, ids, out):
         expert_pairs_cpu(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids, out,
-                         self.activation)
+                         self.activation, weights.get("w13_bias"), weights.get("w2_bias"))
 
 
 class GroupedMMExperts(MoEExperts):
     """``torch._grouped_mm`` over the loaded layout (``grouped_mm.py``)."""
     name = "grouped_mm"
 
-    def __init__(self, activation: str):
+    def __init__(self, activation: MoEActivation):
         self.activation = activation
 
     def apply_pairs(self, weights, x, topk_weights, ids, out):
         expert_pairs_grouped(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
-                             out, self.activation)
+                             out, self.activation, weights.get("w13_bias"),
+                             weights.get("w2_bias"))
 
 
 class TorchExperts(MoEExperts):
@@ -134,18 +143,19 @@ class TorchExperts(MoEExperts):
     activation dtype first, reading only the rows ``ids`` name (slot rows when cached)."""
     name = "torch"
 
-    def __init__(self, activation: str, dequantize: Dequantize | None = None):
+    def __init__(self, activation: MoEActivation, dequantize: Dequantize | None = None):
         self.activation, self.dequantize = activation, dequantize
 
     def apply_pairs(self, weights, x, topk_weights, ids, out):
+        biases = weights.get("w13_bias"), weights.get("w2_bias")
         if self.dequantize is None:
             expert_pairs_ref(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
-                             out, self.activation)
+                             out, self.activation, *biases)
             return
         rows = next(iter(weights.values())).shape[0]                  # E experts or N slots
         deq = self.dequantize
         expert_pairs_loop(x, rows, lambda e: deq({n: t[e] for n, t in weights.items()}, x.dtype),
-                          topk_weights, ids, out, self.activation)
+                          topk_weights, ids, out, self.activation, *biases)
 
 
 def _grouped_mm_check(q: MoEKernelQuery) -> str | None:
@@ -154,8 +164,10 @@ def _grouped_mm_check(q: MoEKernelQuery) -> str | None:
 
 register_moe_backend(MoEBackend(
     "cpu_kernel", lambda act, deq: CpuKernelExperts(act), schemes=("unquantized",),
-    platforms=("cpu",), dtypes=(torch.float32, torch.bfloat16), needs_native_kernels=True))
+    platforms=("cpu",), dtypes=(torch.float32, torch.bfloat16), activations=MOE_ACTIVATIONS,
+    bias=True, needs_native_kernels=True))
 register_moe_backend(MoEBackend(
     "grouped_mm", lambda act, deq: GroupedMMExperts(act), schemes=("unquantized",),
-    platforms=("cpu", "cuda"), min_capability=90, check=_grouped_mm_check))
-register_moe_backend(MoEBackend("torch", TorchExperts))
+    platforms=("cpu", "cuda"), activations=MOE_ACTIVATIONS, bias=True, min_capability=90,
+    check=_grouped_mm_check))
+register_moe_backend(MoEBackend("torch", TorchExperts, activations=MOE_ACTIVATIONS, bias=True))

@@ -20,5 +20,8 @@ def get_moe_quant_method(qc: QuantConfig, layer: Any) -> FusedMoEMethodBase | No
     if qc.scheme == "w4a16-gptq":
         from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
         return GptqMoEMethod(qc.group_size, qc.sym, qc.desc_act, qc.checkpoint_format, activation)
+    if qc.scheme == "mxfp4":
+        from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+        return Mxfp4MoEMethod(activation)
     from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod
     return Nvfp4MoEMethod(activation)

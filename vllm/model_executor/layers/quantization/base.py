@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.fused_moe.modular_kernel import (MoEExperts, MoEKernelQuery,
+from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, MoEActivation,
+                                                                 MoEExperts, MoEKernelQuery,
                                                                  combine_pairs)
 from vllm.model_executor.layers.fused_moe.registry import Dequantize, select_moe_backend
 from vllm.model_executor.layers.scratch import scratch
@@ -28,14 +29,18 @@ class MoEShape:
     hidden_size: int
     intermediate_size: int
     params_dtype: torch.dtype
+    has_bias: bool = False
+    """Experts carry biases: w13_bias [E, 2N] ([gate; up], added after the first projection)
+    and w2_bias [E, K] (after the second), in ``params_dtype`` whatever the scheme."""
+
 
 
 class FusedMoEMethodBase:
     scheme: str = ""
     """The scheme's name as backends declare it ("unquantized", "fp8-block", ...)."""
 
-    def __init__(self, activation: str = "silu"):
-        self.activation = activation
+    def __init__(self, activation: "str | MoEActivation" = "silu"):
+        self.activation = MoEActivation.of(activation)
         self.kernel: MoEExperts | None = None
         """Set by ``select_kernel``."""
 
@@ -48,6 +53,20 @@ class FusedMoEMethodBase:
         """Register the layer's expert parameters (on ``device``) as loading targets."""
         raise NotImplementedError
 
+    @staticmethod
+    def create_biases(layer: nn.Module, shape: MoEShape,
+                      device: torch.device | None) -> tuple[str, ...]:
+        """Register the expert biases when ``shape.has_bias`` (expert-indexed like the weights,
+        so they move with their expert); returns their names."""
+        if not shape.has_bias:
+            return ()
+        E, K, N = shape.num_experts, shape.hidden_size, shape.intermediate_size
+        for name, size in zip(BIAS_NAMES, (2 * N, K)):
+            layer.register_parameter(name, nn.Parameter(
+                torch.zeros(E, size, dtype=shape.params_dtype, device=device),
+                requires_grad=False))
+        return BIAS_NAMES
+
     def expert_tensor_names(self) -> tuple[str, ...]:
         """Names of the layer's tensors with a leading expert dimension. Each moves with its expert."""
         raise NotImplementedError
@@ -58,8 +77,9 @@ class FusedMoEMethodBase:
 
     def select_kernel(self, shape: MoEShape, platform: Platform, requested: str = "auto") -> None:
         """Choose the expert backend for this layer through the registry (once, at build)."""
-        query = MoEKernelQuery(self.scheme, self.activation, shape.params_dtype,
-                               shape.hidden_size, shape.intermediate_size, platform)
+        query = MoEKernelQuery(self.scheme, self.activation.name, shape.params_dtype,
+                               shape.hidden_size, shape.intermediate_size, platform,
+                               shape.has_bias)
         self.kernel = select_moe_backend(query, requested).make(self.activation,
                                                                 self.dequantizer())
 

@@ -57,11 +57,12 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer: nn.Module, shape: MoEShape, device: torch.device | None) -> None:
         specs = self.layout(shape)
-        self._names = tuple(specs)
         for name, spec in specs.items():
             t = torch.full((shape.num_experts, *spec.shape), spec.fill, dtype=spec.dtype,
                            device=device)
             layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        # Biases stay in the model dtype: only the weights are quantized.
+        self._names = (*specs, *self.create_biases(layer, shape, device))
         for ct in self.checkpoint_tensors:
             if ct.shared:
                 for proj in ("w13", "w2"):
