@@ -222,3 +222,20 @@ def test_output_kind_final_only_reports_each_request_once(tiny_model_factory):
             [(c.index, c.token_ids, c.text) for c in want.outputs]
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind=RequestOutputKind.DELTA)
+
+
+def test_shutdown_at_interpreter_exit_reports_cleanly(tiny_model_factory):
+    """An LLM still alive when the script ends shuts down before module teardown: the expert
+    cache's summary is logged and nothing is printed as an ignored exception (a ``__del__``
+    at exit ran after module globals were cleared and raised TypeError)."""
+    import subprocess
+    import sys
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    script = ("from vllm import LLM, SamplingParams\n"
+              f"llm = LLM(model={path!r}, moe_expert_cache_size=2, dtype='float32')\n"
+              "llm.generate(['hello'], SamplingParams(max_tokens=3))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+    assert "at shutdown: expert cache" in proc.stderr + proc.stdout

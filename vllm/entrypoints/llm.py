@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Sequence
 
 from vllm.engine.arg_utils import EngineArgs
@@ -18,6 +19,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        # Not __del__: at interpreter exit a __del__ may run after module globals are torn
+        # down; a finalizer runs from atexit first, or when the LLM is collected.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -80,11 +84,6 @@ class LLM:
             engine.abort_request([i for i in request_ids if i not in done])
             raise
         return [done[i] for i in request_ids]
-
-    def __del__(self):
-        engine = getattr(self, "llm_engine", None)
-        if engine is not None:
-            engine.shutdown()
 
 
 def _as_prompt_list(prompts) -> list:
