@@ -133,3 +133,34 @@ def test_bf16_checkpoint(tmp_path, tokens):
     err = (out - ref).abs()
     assert err.max() <= 1.5 * hf_err.max(), (err.max(), hf_err.max())
     assert err.mean() <= 1.5 * hf_err.mean(), (err.mean(), hf_err.mean())
+
+
+# (arch, config overrides, which layers slide): transformers' three ways of saying it.
+_WINDOWS = [
+    ("MixtralForCausalLM", dict(sliding_window=4), [True, True]),
+    ("Qwen3MoeForCausalLM", dict(sliding_window=4, use_sliding_window=True), [True, True]),
+    ("Qwen3ForCausalLM", dict(sliding_window=4, use_sliding_window=True,
+                              layer_types=["full_attention", "sliding_attention"]),
+     [False, True]),
+    ("Qwen2MoeForCausalLM", dict(sliding_window=4, use_sliding_window=True,
+                                 max_window_layers=2), [True, False]),
+    ("Qwen2MoeForCausalLM", dict(sliding_window=4, use_sliding_window=False), [False, False]),
+]
+
+
+@pytest.mark.parametrize("arch,overrides,sliding", _WINDOWS)
+def test_sliding_window_layers_match_transformers(arch, overrides, sliding, tmp_path, tokens):
+    """Prompts past the window: every logit row (prefill chunks and decodes) equals transformers'
+    sliding-window masks, layer by layer as its config says."""
+    hf = build_checkpoint(arch, tmp_path, **overrides)
+    model = get_model(make_vllm_config(tmp_path))
+    windows = [layer.self_attn.attn.options.sliding_window for layer in model.model.layers]
+    assert windows == [4 if s else None for s in sliding]
+    ids = tokens(13)
+    ref = hf_logits(hf, ids)
+    drv = PagedDriver(model)
+    torch.testing.assert_close(drv.step([("a", ids[:5])])["a"], ref[:5], **TOL)
+    torch.testing.assert_close(drv.step([("a", ids[5:10])])["a"], ref[5:10], **TOL)
+    for p in range(10, 13):
+        torch.testing.assert_close(drv.step([("a", [ids[p]])], num_decodes=1)["a"],
+                                   ref[p:p + 1], **TOL)

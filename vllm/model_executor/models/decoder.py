@@ -5,14 +5,13 @@ most checkpoint tensors load by name; expert tensors go through ``FusedMoE.load_
 """
 from __future__ import annotations
 
-import logging
+import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.activation import get_act_and_mul_fn, sigmoid_gated_add
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
@@ -22,8 +21,6 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.weight_loading import load_decoder_weights
 
-logger = init_logger(__name__)
-
 
 def config_attr(hf_config: Any, *names: str, default: Any = None) -> Any:
     """First non-None attribute among ``names`` (configs rename fields across versions)."""
@@ -32,6 +29,21 @@ def config_attr(hf_config: Any, *names: str, default: Any = None) -> Any:
         if value is not None:
             return value
     return default
+
+
+def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window as transformers applies it, or None for full attention.
+
+    ``layer_types`` (Qwen2-MoE, Qwen3, ...) name the sliding layers; without it a configured
+    ``sliding_window`` applies to every layer (Mistral, Mixtral, Qwen3-MoE). A window of 0 or
+    ``use_sliding_window: false`` means none (Qwen2-MoE keeps the size and zeroes it so)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        return window if types[layer_idx] == "sliding_attention" else None
+    return window
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -73,11 +85,10 @@ class DecoderAttention(nn.Module):
             eps = hf_config.rms_norm_eps
             self.q_norm, self.k_norm = RMSNorm(D, eps), RMSNorm(D, eps)
         self.rotary_emb = get_rope(hf_config, D)
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            log_once(logger, logging.WARNING, f"sliding_window={window} is ignored: every layer "
-                     "attends to the full context (outputs differ past the window)")
-        self.attn = Attention(self.num_heads, D, self.num_kv_heads, D ** -0.5, prefix=f"{prefix}.attn")
+        m = re.search(r"layers\.(\d+)\.", prefix + ".")
+        window = sliding_window_of(hf_config, int(m.group(1)) if m else 0)
+        self.attn = Attention(self.num_heads, D, self.num_kv_heads, D ** -0.5,
+                              prefix=f"{prefix}.attn", sliding_window=window)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [T], hidden_states [T, H] -> [T, H]."""
