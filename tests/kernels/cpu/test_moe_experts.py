@@ -91,6 +91,28 @@ def test_biases_and_swigluoai_match_reference(H, N, dtype, tol):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("H,N", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_non_gated_relu2_matches_reference(H, N, dtype, tol, bias):
+    """Nemotron-H's experts: w13 is the up projection alone [E, N, H], relu(up)^2, no gate.
+    Squaring grows the values: the tolerance scales with the output's magnitude (bf16: the
+    kernel rounds the f32 hidden once, the reference not at all)."""
+    x, w13, w2, w, ids = _case(37, H=H, N=N, dtype=dtype, seed=N + 1, skip_frac=0.2)
+    w13 = (w13[:, :N] * 0.5).contiguous()
+    g = torch.Generator().manual_seed(H)
+    b13, b2 = (torch.randn(8, n, generator=g).to(dtype) if bias else None for n in (N, H))
+    got = torch.zeros(37, 2, H, dtype=dtype)
+    expert_pairs_cpu(x, prepack(w13), prepack(w2), w, ids, got, "relu2_no_mul", b13, b2)
+    want = torch.zeros(37, 2, H)
+    expert_pairs_ref(x.float(), w13.float(), w2.float(), w.float(), ids, want, "relu2_no_mul",
+                     *(None if b is None else b.float() for b in (b13, b2)))
+    torch.testing.assert_close(got.float(), want, atol=tol * max(1.0, want.abs().max().item()),
+                               rtol=tol)
+    with pytest.raises(ValueError, match=r"do not match \[T, K\], \[G, N\*K\]"):
+        expert_pairs_cpu(x, prepack(w13), prepack(w2[:, :, :-1]), w, ids, got, "relu2_no_mul")
+
+
 def test_skipped_and_out_of_range_pairs_untouched():
     x, w13, w2, w, ids = _case(40, skip_frac=0.4, seed=3)
     ids[0, 0] = 8                                  # == E: out of range, skipped like -1

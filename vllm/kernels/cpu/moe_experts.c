@@ -2,10 +2,12 @@
  *
  *   out[t, k, :] = topk_w[t, k] * (down(act(gate(x[t]) + b13g, up(x[t]) + b13u)) + b2)
  *   for 0 <= ids[t, k] < G (other pairs untouched); the biases are optional (NULL: none).
+ *   Non-gated experts (act 3, Nemotron-H): down(relu(up(x[t]) + b13)^2) + b2, same weighting.
  *
  * Layout: x [T, H]; weights prepacked at load (ops.prepack): w13 as [H, 2N] (gate
- * columns then up columns) and w2 as [N, H], each in column blocks (see matmul), per expert;
- * biases b13 [G, 2N] (gate then up) and b2 [G, H] as loaded; ids/topk_w [T, K], out [T, K, H].
+ * columns then up columns; [H, N], up alone, for act 3) and w2 as [N, H], each in column
+ * blocks (see matmul), per expert; biases b13 [G, 2N] (gate then up; [G, N] for act 3) and
+ * b2 [G, H] as loaded; ids/topk_w [T, K], out [T, K, H].
  * x, weights, biases and out share one dtype: f32 or bf16 (bf16 products run in pairs as
  * gemm.h says; all accumulation is f32, and the biases are added to the f32 accumulators).
  *
@@ -53,6 +55,14 @@ INLINE void activate_mul(const float *gate, const float *up, int64_t n, int act,
     }
 }
 
+/* h[j] = relu(up[j])^2 for j < n (act 3: not gated). NaN stays NaN, as torch's relu. */
+INLINE void relu_squared(const float *up, int64_t n, float *h) {
+    for (int64_t j = 0; j < n; j++) {
+        const float v = up[j] < 0.0f ? 0.0f : up[j];
+        h[j] = v * v;
+    }
+}
+
 /* v[m * n + j] += bias[j] for m < M, j < n (bias in the kernel's dtype; NULL: nothing). */
 INLINE void add_bias(float *v, const void *bias, int bf16, int64_t M, int64_t n) {
     if (!bias) return;
@@ -75,10 +85,14 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, const v
     const size_t esz = bf16 ? 2 : 4;
     for (int64_t m = 0; m < M; m++)
         memcpy((char *)xs + m * H * esz, (const char *)x + pairs[m] / K * H * esz, H * esz);
-    matmul(xs, M, w13, bf16, H, 2 * N, gu);
-    add_bias(gu, b13, bf16, M, 2 * N);
-    for (int64_t m = 0; m < M; m++)
-        activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, alpha, limit, h + m * N);
+    const int64_t R = act == 3 ? N : 2 * N;     /* w13 columns: [gate | up], or up alone */
+    matmul(xs, M, w13, bf16, H, R, gu);
+    add_bias(gu, b13, bf16, M, R);
+    if (act == 3)
+        relu_squared(gu, M * N, h);
+    else
+        for (int64_t m = 0; m < M; m++)
+            activate_mul(gu + m * 2 * N, gu + m * 2 * N + N, N, act, alpha, limit, h + m * N);
     if (bf16) {
         int64_t j = 0;
         for (; j + LANES <= M * N; j += LANES) storev(hb, 1, j, *(const vf *)(h + j));
@@ -124,7 +138,8 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
         free(fill);
     }
     const size_t esz = bf16 ? 2 : 4;
-    const size_t w13_stride = (size_t)2 * N * H * esz, w2_stride = (size_t)H * N * esz;
+    const int64_t R = act == 3 ? N : 2 * N;     /* w13 columns per expert */
+    const size_t w13_stride = (size_t)R * H * esz, w2_stride = (size_t)H * N * esz;
     #pragma omp parallel
     {
         float *scratch = malloc(sizeof(float) * CHUNK * (size_t)(2 * H + 4 * N));
@@ -136,7 +151,7 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
                 const int64_t M = start[e + 1] - s < CHUNK ? start[e + 1] - s : CHUNK;
                 const char *e13 = (const char *)w13 + e * w13_stride;
                 const char *e2 = (const char *)w2 + e * w2_stride;
-                const void *eb13 = b13 ? (const char *)b13 + e * 2 * N * esz : NULL;
+                const void *eb13 = b13 ? (const char *)b13 + e * R * esz : NULL;
                 const void *eb2 = b2 ? (const char *)b2 + e * H * esz : NULL;
                 if (bf16)
                     expert_chunk(x, e13, e2, eb13, eb2, 1, topk_w, order + s, M, K, H, N, act,

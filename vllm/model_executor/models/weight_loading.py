@@ -47,6 +47,12 @@ def _specs(layer: FusedMoE) -> tuple:
     return (*specs, _BIAS) if layer.has_bias else specs
 
 
+def _shards(layer: FusedMoE) -> tuple[str, ...]:
+    """The projections a layer's experts load: gate, up, down; up and down when not gated
+    (Nemotron-H: ``experts.{e}.up_proj`` is the whole w13)."""
+    return ("w1", "w3", "w2") if layer.activation.gated else ("w3", "w2")
+
+
 def _expert_params(name: str, layer: FusedMoE) -> set[str]:
     qm = layer.quant_method
     shared = getattr(qm, "shared_param_names", lambda: ())()
@@ -65,7 +71,7 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     pending = {n for n in params if n not in expert_params}
     # (layer, expert, shard, suffix) still to load.
     pending_experts = {(n, e, s, c.suffix) for n, m in moe.items() for e in range(m.num_experts)
-                       for s in ("w1", "w3", "w2") for c in _specs(m) if c.required}
+                       for s in _shards(m) for c in _specs(m) if c.required}
     tied = bool(getattr(model, "tie_word_embeddings", False))
     rename = getattr(model, "rename_checkpoint_tensor", lambda n: n)
     loaded: set[str] = set()
@@ -127,6 +133,9 @@ def _load_expert(name: str, tensor: torch.Tensor, moe: dict[str, FusedMoE],
                              "for unquantized experts without biases; quantized checkpoints "
                              "store experts one by one")
         fused = m["proj"] == "gate_up_proj"
+        if fused and not layer.activation.gated:
+            raise ValueError("a fused gate_up_proj tensor for non-gated experts: expected "
+                             "per-expert up_proj tensors")
         layer.load_expert_weight("w13_weight" if fused else "w2_weight", tensor, None, None)
         for e in range(layer.num_experts):
             for shard in (("w1", "w3") if fused else ("w2",)):

@@ -64,8 +64,13 @@ class FusedMoE(nn.Module):
         if quant_method is None and cfg is not None and getattr(cfg, "quant_config", None):
             quant_method = get_moe_quant_method(cfg.quant_config, self)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod(self.activation)
+        if not self.activation.gated and self.quant_method.scheme != "unquantized":
+            raise ValueError(f"{prefix}: non-gated experts (activation "
+                             f"{self.activation.name!r}) are supported unquantized only, not "
+                             f"as {self.quant_method.scheme!r}")
         shape = MoEShape(num_experts, hidden_size, intermediate_size,
-                         params_dtype or torch.get_default_dtype(), bias)
+                         params_dtype or torch.get_default_dtype(), bias,
+                         self.activation.gated)
         self._moe_cache_config = cfg.moe_cache_config if cfg is not None else None
         # Cached experts are created in host memory: they become the store, never touching the
         # device. Uncached ones are created on the ambient (compute) device.
@@ -94,6 +99,7 @@ class FusedMoE(nn.Module):
         name: a parameter of this layer with a leading expert dim (e.g. "w13_weight").
         expert_id None: ``loaded`` holds all experts (fused checkpoints); else one expert.
         shard "w1"/"w3": the gate/up half of dim 0 of one expert's w13 tensor; None: the whole.
+        Non-gated experts (``activation.gated`` False): "w3" (up) is the whole w13, no "w1".
         """
         param = getattr(self, name, None)
         if param is None:
@@ -102,7 +108,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{self.prefix}.{name}: shard={shard!r} is invalid: must be one of "
                              f"{sorted(_SHARDS)} or None")
         dst = param.data if expert_id is None else param.data[expert_id]
-        if shard is not None and _SHARDS[shard][1] is not None:
+        if not self.activation.gated and shard == "w1":
+            raise ValueError(f"{self.prefix}.{name}: these experts are not gated (activation "
+                             f"{self.activation.name!r}): they have no gate projection")
+        if shard is not None and _SHARDS[shard][1] is not None and self.activation.gated:
             half = dst.shape[0] // 2
             dst = dst[:half] if _SHARDS[shard][1] == 0 else dst[half:]
         if tuple(dst.shape) != tuple(loaded.shape):

@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from vllm.kernels.cpu.ops import moe_sum
 from vllm.platforms import Platform, native_kernels
 
-MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+GATED_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+"""Activations of gated experts: w13 holds [gate; up] (2N rows)."""
+NON_GATED_ACTIVATIONS = ("relu2_no_mul",)
+"""Activations of non-gated experts (Nemotron-H): w13 holds the up projection only (N rows)."""
+MOE_ACTIVATIONS = GATED_ACTIVATIONS + NON_GATED_ACTIVATIONS
 BIAS_NAMES = ("w13_bias", "w2_bias")
 """Expert biases, when a layer has them: [G, 2N] (gate then up, after the first projection) and
 [G, H] (after the second), in the activation dtype; backends read them from ``weights``."""
@@ -26,11 +30,12 @@ BIAS_NAMES = ("w13_bias", "w2_bias")
 
 @dataclass(frozen=True)
 class MoEActivation:
-    """The gated activation between an expert's projections: gate_up [P, 2N] (gate columns, then
-    up columns) -> [P, N]. "silu"/"gelu": act(gate) * up. "swigluoai" (GPT-OSS): gate clamped
-    above at ``limit``, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha *
-    gate). The torch code here is the one definition the torch backends share, so they agree
-    bitwise, and a value never depends on the other rows in the call."""
+    """The activation between an expert's projections. Gated: gate_up [P, 2N] (gate columns,
+    then up columns) -> [P, N]. "silu"/"gelu": act(gate) * up. "swigluoai" (GPT-OSS): gate
+    clamped above at ``limit``, up clamped to [-limit, limit], then (up + 1) * gate *
+    sigmoid(alpha * gate). Not gated: "relu2_no_mul" (Nemotron-H): up [P, N] -> relu(up)^2.
+    The torch code here is the one definition the torch backends share, so they agree bitwise,
+    and a value never depends on the other rows in the call."""
     name: str = "silu"
     alpha: float = 1.702
     """swigluoai only: the sigmoid's gain."""
@@ -47,7 +52,14 @@ class MoEActivation:
         """A name (default parameters) or an MoEActivation -> an MoEActivation."""
         return activation if isinstance(activation, cls) else cls(activation)
 
+    @property
+    def gated(self) -> bool:
+        """Whether the first projection is [gate; up] (else the up projection alone)."""
+        return self.name not in NON_GATED_ACTIVATIONS
+
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.gated:                      # relu2_no_mul, as HF's ReLUSquaredActivation
+            return torch.square(F.relu(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         if self.name == "silu":
             return F.silu(gate) * up

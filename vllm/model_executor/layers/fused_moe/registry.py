@@ -9,7 +9,8 @@ the reason and the backends that would. The choice is logged once per distinct d
 Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16, unquantized), ``grouped_mm``
 (``torch._grouped_mm``, unquantized; CUDA needs SM 9.0 and bf16) and ``torch`` (the per-expert
 loop reference: every scheme, every platform; quantized experts are dequantized per expert).
-All three take every activation (``MOE_ACTIVATIONS``) and expert biases.
+All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gated ones, and the
+non-gated ``relu2_no_mul`` whose w13 holds the up projection only).
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ def expert_pairs_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     >= 0; pairs with a negative id are left untouched.
 
     x [T, K_h]; w13 [E', 2N, K_h]; w2 [E', K_h, N]; topk_* [T, top_k]; out [T, top_k, K_h];
-    optional biases b13 [E', 2N], b2 [E', K_h].
+    optional biases b13 [E', 2N], b2 [E', K_h]. A non-gated activation (``relu2_no_mul``) has
+    N rows in w13 and b13 (the up projection alone).
     Each expert sees its tokens in ascending token order, so a pair's value does not depend on
     which other experts are computed in the same call.
     """

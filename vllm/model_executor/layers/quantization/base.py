@@ -32,6 +32,13 @@ class MoEShape:
     has_bias: bool = False
     """Experts carry biases: w13_bias [E, 2N] ([gate; up], added after the first projection)
     and w2_bias [E, K] (after the second), in ``params_dtype`` whatever the scheme."""
+    gated: bool = True
+    """w13 is [gate; up] (2N rows); False: the up projection alone (N rows; Nemotron-H's
+    relu2_no_mul), and so is w13_bias."""
+
+    @property
+    def w13_rows(self) -> int:
+        return self.intermediate_size * (2 if self.gated else 1)
 
 
 
@@ -60,8 +67,8 @@ class FusedMoEMethodBase:
         so they move with their expert); returns their names."""
         if not shape.has_bias:
             return ()
-        E, K, N = shape.num_experts, shape.hidden_size, shape.intermediate_size
-        for name, size in zip(BIAS_NAMES, (2 * N, K)):
+        E, K = shape.num_experts, shape.hidden_size
+        for name, size in zip(BIAS_NAMES, (shape.w13_rows, K)):
             layer.register_parameter(name, nn.Parameter(
                 torch.zeros(E, size, dtype=shape.params_dtype, device=device),
                 requires_grad=False))
