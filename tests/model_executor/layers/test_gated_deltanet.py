@@ -122,6 +122,63 @@ def test_registry_torch_everywhere_fla_only_on_cuda():
             select_gdn_backend(GdnQuery(cuda, torch.bfloat16), "fla")
 
 
+def _fake_fla(monkeypatch):
+    """Installs a stand-in ``fla.ops.gated_delta_rule`` whose two functions keep fla's calling
+    convention (batch 1 with ``cu_seqlens`` for varlen prefill, states [N, H, Dk, Dv], q/k with
+    as many heads as v) and compute with transformers' torch versions of them (what
+    transformers calls when fla is missing): the fla backend's plumbing runs without CUDA."""
+    import sys
+    import types
+
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    def chunk(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm_in_kernel=False):
+        assert q.shape[0] == 1 and q.shape[2] == v.shape[2] and g.dtype == torch.float32
+        outs, finals = [], []
+        bounds = cu_seqlens.tolist()
+        for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            init = None if initial_state is None else initial_state[i:i + 1]
+            o, f = hf.torch_chunk_gated_delta_rule(
+                q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], initial_state=init,
+                output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            outs.append(o)
+            finals.append(f)
+        return torch.cat(outs, 1), torch.cat(finals) if output_final_state else None
+
+    def recurrent(q, k, v, g, beta, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False):
+        assert q.shape[1] == 1 and q.shape[2] == v.shape[2]
+        return hf.torch_recurrent_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    ops = types.SimpleNamespace(chunk_gated_delta_rule=chunk,
+                                fused_recurrent_gated_delta_rule=recurrent)
+    for name, mod in (("fla", types.SimpleNamespace()), ("fla.ops", types.SimpleNamespace()),
+                      ("fla.ops.gated_delta_rule", ops)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_fla_backend_plumbing_equals_torch(monkeypatch):
+    """The fla backend's argument passing (varlen boundaries, grouped value heads repeated for
+    q/k, initial and final states, the in-kernel l2norm) against the torch backend, over two
+    prefill sequences with stored states and a batch of decodes. fla's kernels themselves
+    need CUDA: not yet run on a GPU."""
+    from vllm.model_executor.layers.gated_deltanet import registry
+    _fake_fla(monkeypatch)
+    fla, ref = registry.get_gdn_backend("fla"), registry.get_gdn_backend("torch")
+    q, k, v, g, beta = (t[0] for t in inputs(B=1, T=21))      # [T, H, D], Hv = 2 Hk
+    init = torch.randn(2, 4, 8, 6)
+    for got, want in zip(fla.chunk(q, k, v, g, beta, [0, 9, 21], init),
+                         ref.chunk(q, k, v, g, beta, [0, 9, 21], init)):
+        torch.testing.assert_close(got, want, **TOL)
+    state = torch.randn(3, 4, 8, 6)
+    for got, want in zip(fla.recurrent(q[:3], k[:3], v[:3], g[:3], beta[:3], state.clone()),
+                         ref.recurrent(q[:3], k[:3], v[:3], g[:3], beta[:3], state.clone())):
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def _layer(seed=0):
     cfg = transformers.Qwen3NextConfig(hidden_size=16, linear_num_key_heads=1,
                                        linear_num_value_heads=2, linear_key_head_dim=4,

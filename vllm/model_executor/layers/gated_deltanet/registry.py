@@ -113,6 +113,10 @@ def gdn_backend_names() -> tuple[str, ...]:
     return _REGISTRY.names()
 
 
+def get_gdn_backend(name: str) -> GdnBackend:
+    return _REGISTRY.get(name)
+
+
 def select_gdn_backend(q: GdnQuery, requested: str = "auto") -> GdnBackend:
     """The backend for ``q``: ``requested`` if it can run it (else ValueError naming why), or for
     "auto" fla on CUDA where importable, else torch."""
