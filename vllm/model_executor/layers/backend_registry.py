@@ -9,6 +9,7 @@ and the backends that would. Each distinct choice is logged once.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Generic, Iterable, Protocol, TypeVar
 
@@ -28,6 +29,20 @@ class Backend(Protocol):
 
 
 B = TypeVar("B", bound=Backend)
+
+
+def platform_package_refusal(platforms: tuple[str, ...] | None, platform_name: str,
+                             modules: tuple[str, ...] = (), install: str = "") -> str | None:
+    """The common refusal of a kernel backend: it runs only on ``platforms`` (None = all) and
+    needs ``modules`` importable (checked without importing; ``install`` names what to pip
+    install, default the first missing module)."""
+    if platforms is not None and platform_name not in platforms:
+        return f"it runs on {list(platforms)}, not {platform_name!r}"
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"the {missing[0]!r} module is not installed (pip install "
+                f"{install or missing[0].replace('_', '-')})")
+    return None
 
 
 class BackendRegistry(Generic[B]):

@@ -17,13 +17,13 @@ other platform ever imports it. Not yet run on a GPU. "auto" tries ``Platform.gd
 """
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from vllm.model_executor.layers.backend_registry import BackendRegistry
+from vllm.model_executor.layers.backend_registry import (BackendRegistry,
+                                                         platform_package_refusal)
 from vllm.model_executor.layers.gated_deltanet import torch_ref
 from vllm.platforms import Platform
 
@@ -50,11 +50,8 @@ class GdnBackend:
     """What to install for ``module``, named in the refusal."""
 
     def refusal(self, q: GdnQuery) -> str | None:
-        if self.platforms is not None and q.platform.name not in self.platforms:
-            return f"it runs on {list(self.platforms)}, not {q.platform.name!r}"
-        if self.module is not None and importlib.util.find_spec(self.module) is None:
-            return f"it needs the {self.package} package (module {self.module!r}), not installed"
-        return None
+        return platform_package_refusal(self.platforms, q.platform.name,
+                                        (self.module,) if self.module else (), self.package)
 
 
 def _torch_chunk(q, k, v, g, beta, starts: list[int], initial: torch.Tensor | None):

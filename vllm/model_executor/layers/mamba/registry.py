@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from vllm.model_executor.layers.backend_registry import BackendRegistry
+from vllm.model_executor.layers.backend_registry import (BackendRegistry,
+                                                         platform_package_refusal)
 from vllm.model_executor.layers.mamba import ssd_torch
 from vllm.platforms import Platform
 
@@ -53,13 +54,7 @@ class MambaBackend:
     """Python packages that must be installed (checked without importing them)."""
 
     def refusal(self, q: MambaQuery) -> str | None:
-        if self.platforms is not None and q.platform.name not in self.platforms:
-            return f"it runs on {list(self.platforms)}, not {q.platform.name!r}"
-        missing = [p for p in self.packages if importlib.util.find_spec(p) is None]
-        if missing:
-            return (f"the {missing[0]!r} package is not installed (pip install "
-                    f"{missing[0].replace('_', '-')})")
-        return None
+        return platform_package_refusal(self.platforms, q.platform.name, self.packages)
 
 
 _REGISTRY: BackendRegistry[MambaBackend] = BackendRegistry("Mamba", "mamba_backend")
