@@ -4,6 +4,14 @@ teacher forcing on held-out text, and expert-cache hit rate / bytes copied per t
     python benchmarks/benchmark_quantization.py                    # vllm.DEFAULT_MODEL if present
     python benchmarks/benchmark_quantization.py --model DIR --tokens 512 --json
     python benchmarks/benchmark_quantization.py --tiny             # random Qwen3-MoE, byte tokens
+    python benchmarks/benchmark_quantization.py --speed            # decode tok/s per scheme
+
+``--speed``: per scheme (bf16 beside fp8-tensor/channel/block and w4a16-gptq, all run in bf16),
+load time, bytes per expert (what a cache miss copies) and greedy decode tokens/s of ``vllm.LLM``
+at batch 1 and 32, without the expert cache and with N = E/4 slots, on a random Qwen3-MoE of
+``--speed-shape`` (default: E=32, top-4, hidden 512, expert intermediate 256, 4 layers: bf16
+experts 100 MB, over a 32 MB L3), on the MoE backend ``--moe-backend`` picks (auto: the C kernel
+on CPU).
 
 Teacher forcing: the held-out text (a stdlib module the default model never trained on) is fed
 one token per step (batch 1, decode steps over a paged KV cache, like the engine's decode), and
@@ -28,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vllm  # noqa: E402
 from tools.quantize_checkpoint import main as quantize_main  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig,  # noqa: E402
-                         SchedulerConfig, VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, ModelConfig,  # noqa: E402
+                         MoECacheConfig, SchedulerConfig, VllmConfig)
 from vllm.model_executor.forward_context import (AttentionMetadata,  # noqa: E402
                                                  set_forward_context)
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
@@ -37,6 +45,8 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
 from vllm.config.quantization import SCHEMES  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 
+SPEED_SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
+"""The schemes the C expert kernel runs (``--speed``); FP4 schemes run on the torch backend."""
 HELDOUT = "textwrap.py"   # first of tools/train_default_model.py's HELDOUT_MODULES
 BLOCK = 16
 
@@ -87,26 +97,123 @@ def teacher_forced_argmax(model_dir: str, ids: list[int], cache_size: int) -> tu
     return out, [c.stats() | {"bytes_per_expert": c.store.bytes_per_expert} for c in caches]
 
 
-def expert_bytes(model_dir: str) -> tuple[int, int, int]:
-    """(bytes per expert, experts per layer, top_k) of the first MoE layer, as loaded."""
-    cfg = VllmConfig(ModelConfig(model_dir, dtype="float32"), CacheConfig(), SchedulerConfig(),
-                     MoECacheConfig(), DeviceConfig("cpu"))
+def expert_bytes(model_dir: str, dtype: str = "float32",
+                 backend: str = "auto") -> tuple[int, int, int]:
+    """(bytes per expert, experts per layer, top_k) of the first MoE layer, as loaded (in the
+    layout its MoE backend reads)."""
+    cfg = VllmConfig(ModelConfig(model_dir, dtype=dtype), CacheConfig(), SchedulerConfig(),
+                     MoECacheConfig(), DeviceConfig("cpu"),
+                     kernel_config=KernelConfig(moe_backend=backend))
     layer = next(m for m in get_model(cfg).modules() if isinstance(m, FusedMoE))
     names = layer.quant_method.expert_tensor_names()
     per = sum(getattr(layer, n)[0].numel() * getattr(layer, n).element_size() for n in names)
     return per, layer.num_experts, layer.top_k
 
 
-def main() -> None:
+def build_speed_model(path: str, hidden: int, inter: int, experts: int, layers: int) -> None:
+    """A random Qwen3-MoE (top-4) in bf16 with the shipped model's tokenizer and vocabulary."""
+    import shutil
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=hidden // 8, intermediate_size=2 * inter,
+        moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=4,
+        norm_topk_prob=True, max_position_embeddings=4096, initializer_range=0.05,
+        torch_dtype="bfloat16")
+    transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval().save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(vllm.DEFAULT_MODEL, f), path)
+
+
+def _prompts(b: int) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + j) % 2000 + 3 for j in range(8)]} for i in range(b)]
+
+
+def load_engine(model_dir: str, cache: int, backend: str, batches: list[int]):
+    """-> (LLM, load seconds), warmed up at each batch size (which captures the CPU graphs)."""
+    import time
+    from vllm import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, dtype="bfloat16", moe_expert_cache_size=cache, moe_backend=backend,
+              max_model_len=64, seed=0, kv_cache_memory_bytes=64 << 20)
+    load_s = time.perf_counter() - t0
+    for b in batches:
+        llm.generate(_prompts(b), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    return llm, load_s
+
+
+def decode_rate(llm, b: int, tokens: int) -> float:
+    """Greedy tokens/s of one generate call: b 8-token prompts, ``tokens`` new tokens each."""
+    import time
+    from vllm import SamplingParams
+    t0 = time.perf_counter()
+    llm.generate(_prompts(b), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    return b * tokens / (time.perf_counter() - t0)
+
+
+def speed(args, work: str) -> None:
+    """Every (scheme, cache) engine is loaded first, then timed round-robin, ``speed_reps``
+    rounds, each row's median reported: on a shared machine the load drifts, and interleaving
+    gives every row the same drift."""
+    H, I, E, L = args.speed_shape
+    model = os.path.join(work, "bf16")
+    build_speed_model(model, H, I, E, L)
+    rows, engines, batches = [], [], [1, 32]
+    for scheme in ["bf16", *args.schemes]:
+        qdir = model
+        if scheme != "bf16":
+            qdir = os.path.join(work, scheme)
+            with contextlib.redirect_stdout(sys.stderr):
+                quantize_main(["--model", model, "--out", qdir, "--scheme", scheme])
+        per, _, _ = expert_bytes(qdir, "bfloat16", args.moe_backend)
+        for cache in (0, E // 4):
+            llm, load_s = load_engine(qdir, cache, args.moe_backend, batches)
+            engines.append(llm)
+            rows.append({"scheme": scheme, "cache": cache, "bytes_per_expert": per,
+                         "load_s": load_s, "backend": llm.llm_engine.runner.moe_layers[0]
+                         .quant_method.backend_name})
+    rates = [{b: [] for b in batches} for _ in rows]
+    for _ in range(args.speed_reps):
+        for llm, r in zip(engines, rates):
+            for b in batches:
+                r[b].append(decode_rate(llm, b, args.speed_tokens))
+    for row, r in zip(rows, rates):
+        row |= {f"tok_s_b{b}": sorted(v)[len(v) // 2] for b, v in r.items()}
+    if args.json:
+        print(json.dumps({"shape": dict(hidden=H, moe_intermediate=I, experts=E, layers=L),
+                          "threads": torch.get_num_threads(), "rows": rows}))
+        return
+    print(f"Qwen3-MoE random, bf16: hidden {H}, expert intermediate {I}, E={E}, top-4, {L} "
+          f"layers; {torch.get_num_threads()} thread(s); {args.speed_tokens} new tokens/seq, "
+          f"median of {args.speed_reps} interleaved rounds")
+    print(f"{'scheme':<12} {'backend':<10} {'cache N':>7} {'B/expert':>9} {'load s':>7} "
+          f"{'tok/s b1':>9} {'tok/s b32':>10}")
+    for r in rows:
+        print(f"{r['scheme']:<12} {r['backend']:<10} {r['cache']:>7} {r['bytes_per_expert']:>9} "
+              f"{r['load_s']:>7.2f} {r['tok_s_b1']:>9.1f} {r['tok_s_b32']:>10.1f}")
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="float model dir (default: vllm.DEFAULT_MODEL)")
     p.add_argument("--tiny", action="store_true", help="use a random tiny Qwen3-MoE instead")
     p.add_argument("--tokens", type=int, default=256, help="held-out tokens (teacher forced)")
     p.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    torch.set_num_threads(1)
+    p.add_argument("--speed", action="store_true", help="decode tok/s per scheme (see above)")
+    p.add_argument("--speed-shape", type=int, nargs=4, default=[512, 256, 32, 4],
+                   metavar=("HIDDEN", "INTER", "EXPERTS", "LAYERS"))
+    p.add_argument("--speed-tokens", type=int, default=32, help="new tokens per sequence")
+    p.add_argument("--speed-reps", type=int, default=5, help="timed calls per row (median)")
+    p.add_argument("--moe-backend", default="auto", help="--speed: MoE backend of every run")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     work = tempfile.mkdtemp(prefix="bench-quant-")
+    if args.speed:
+        args.schemes = [s for s in args.schemes if s in SPEED_SCHEMES]
+        return speed(args, work)
     model = args.model or vllm.DEFAULT_MODEL
     if args.tiny or not os.path.isdir(model):
         model = os.path.join(work, "tiny")

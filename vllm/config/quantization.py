@@ -3,7 +3,10 @@ method of each layer is chosen above this, in ``model_executor/layers/quantizati
 
 Understood (expert weights only; everything else in the model stays unquantized):
   * compressed-tensors (llm-compressor): one config group of 8-bit float weights, strategy
-    "tensor", "channel" or "block" -> schemes fp8-tensor / fp8-channel / fp8-block;
+    "tensor", "channel" or "block" -> schemes fp8-tensor / fp8-channel / fp8-block; INT4
+    "pack-quantized" W4A16 (group / channel) -> w4a16-gptq; "nvfp4-pack-quantized" -> nvfp4
+    (the last two are converted to those schemes' layouts at load time:
+    model_executor/layers/quantization/compressed_tensors.py);
   * quant_method "fp8" (Hugging Face / DeepSeek): weight_block_size [bo, bi] -> fp8-block with
     ``weight_scale_inv``; without a block size -> fp8-tensor with ``weight_scale``;
   * quant_method "gptq": bits 4, group_size, sym, desc_act, checkpoint_format gptq|gptq_v2;
@@ -76,19 +79,34 @@ def _fail(what: str, allowed: str) -> ValueError:
 
 def _parse_compressed_tensors(qc: dict) -> QuantConfig:
     groups = list((qc.get("config_groups") or {}).values())
+    supported = ("8-bit float weights (fp8 tensor/channel/block), pack-quantized 4-bit int "
+                 "weights (group/channel, W4A16), nvfp4-pack-quantized")
     if len(groups) != 1:
-        raise _fail(f"{len(groups)} config_groups", "exactly one group (FP8 weights)")
+        raise _fail(f"{len(groups)} config_groups", f"exactly one group of {supported}")
     w = groups[0].get("weights") or {}
-    if w.get("type") != "float" or w.get("num_bits") != 8:
-        raise _fail(f"weights type={w.get('type')!r} num_bits={w.get('num_bits')!r}",
-                    "8-bit float weights (fp8 tensor/channel/block)")
+    fmt = groups[0].get("format") or qc.get("format")
+    ignore = tuple(qc.get("ignore") or ())
     strategy = w.get("strategy")
-    if strategy not in ("tensor", "channel", "block"):
-        raise _fail(f"weights strategy={strategy!r}", "tensor, channel, block")
-    block = tuple(w.get("block_structure") or (128, 128)) if strategy == "block" else None
-    # compressed-tensors names a block scale weight_scale (HF/DeepSeek: weight_scale_inv).
-    return QuantConfig(f"fp8-{strategy}", "compressed-tensors", tuple(qc.get("ignore") or ()),
-                       block, scale_name="weight_scale")
+    kind = (w.get("type"), w.get("num_bits"))
+    if kind == ("float", 8):
+        if strategy not in ("tensor", "channel", "block"):
+            raise _fail(f"weights strategy={strategy!r}", "tensor, channel, block")
+        block = tuple(w.get("block_structure") or (128, 128)) if strategy == "block" else None
+        # compressed-tensors names a block scale weight_scale (HF/DeepSeek: weight_scale_inv).
+        return QuantConfig(f"fp8-{strategy}", "compressed-tensors", ignore, block,
+                           scale_name="weight_scale")
+    if kind == ("int", 4) and fmt == "pack-quantized" and strategy in ("group", "channel"):
+        if groups[0].get("input_activations"):
+            raise _fail("int4 weights with quantized activations", "W4A16 (weight-only)")
+        gs = int(w.get("group_size") or -1) if strategy == "group" else -1
+        # actorder "group" / true (compressed-tensors < 0.12) stores weight_g_idx; "weight" not.
+        return QuantConfig("w4a16-gptq", "compressed-tensors", ignore, group_size=gs,
+                           sym=bool(w.get("symmetric", True)),
+                           desc_act=w.get("actorder") in ("group", True))
+    if kind == ("float", 4) and fmt == "nvfp4-pack-quantized" and w.get("group_size") == 16:
+        return QuantConfig("nvfp4", "compressed-tensors", ignore)
+    raise _fail(f"weights type={w.get('type')!r} num_bits={w.get('num_bits')!r} "
+                f"strategy={strategy!r} format={fmt!r}", supported)
 
 
 def _parse_gptq(qc: dict) -> QuantConfig:

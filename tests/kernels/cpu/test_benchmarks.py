@@ -49,3 +49,19 @@ def test_profile_decode_step_splits_the_step(capsys):
 def test_profile_decode_step_needs_the_kernels(torch_paths):
     with pytest.raises(SystemExit):
         _load("profile_decode_step").main(["--steps", "1"])
+
+
+def test_benchmark_quantization_speed_rows(capsys):
+    """--speed on a tiny shape: a row per scheme and cache size, quantized rows on the C kernel."""
+    _load("benchmark_quantization").main(
+        ["--speed", "--speed-shape", "64", "32", "8", "1", "--speed-tokens", "2",
+         "--speed-reps", "1", "--schemes", "fp8-block", "w4a16-gptq", "--json"])
+    import json
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = result["rows"]
+    assert [(r["scheme"], r["cache"]) for r in rows] == [
+        (s, n) for s in ("bf16", "fp8-block", "w4a16-gptq") for n in (0, 2)]
+    assert all(r["backend"] == "cpu_kernel" and r["tok_s_b1"] > 0 and r["tok_s_b32"] > 0
+               for r in rows)
+    bf16, gptq = rows[0]["bytes_per_expert"], rows[-1]["bytes_per_expert"]
+    assert gptq < bf16 / 2

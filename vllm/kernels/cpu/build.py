@@ -42,6 +42,9 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {
     "moe_expert_pairs": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT,
                          _INT, _PTR, _PTR, ctypes.c_float, ctypes.c_float],
+    "moe_expert_pairs_quant": [_PTR] * 12 + [_I64] * 5 + [_INT, _INT, _PTR, _PTR,
+                                                        ctypes.c_float, ctypes.c_float, _INT,
+                                                        _I64, _I64, _I64],
     "pack_block_width": [],
     "rms_norm": [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, _INT],
     "rope_cos_sin": [_PTR, _PTR, ctypes.c_float, _I64, _I64, _PTR],

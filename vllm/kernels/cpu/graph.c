@@ -17,6 +17,11 @@
 int moe_expert_pairs(const void *, const void *, const void *, const float *, const int64_t *,
                      void *, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, const void *,
                      const void *, float, float);
+int moe_expert_pairs_quant(const void *, const void *, const void *, const float *,
+                           const float *, const float *, const float *, const int32_t *,
+                           const int32_t *, const float *, const int64_t *, void *, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int, int, const void *,
+                           const void *, float, float, int, int64_t, int64_t, int64_t);
 int rms_norm(const void *, const void *, void *, int64_t, int64_t, float, int);
 int rope_cos_sin(const int64_t *, const float *, float, int64_t, int64_t, float *);
 int rotary_embedding(const float *, const void *, const void *, void *, void *, int64_t, int64_t,
@@ -43,8 +48,8 @@ int expert_copy(const void *, void *, int64_t, const int64_t *, const int64_t *,
 static const char GRAPH_OPS[] =
     "moe_expert_pairs,rms_norm,rope_cos_sin,rotary_embedding,dense_linear,paged_attention,"
     "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding,silu_and_mul,"
-    "sigmoid_gate_add,moe_residency_step,expert_copy";
-static const int64_t NARGS[] = {17, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9};
+    "sigmoid_gate_add,moe_residency_step,expert_copy,moe_expert_pairs_quant";
+static const int64_t NARGS[] = {17, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 22, 9, 27};
 #define NUM_OPS ((int64_t)(sizeof(NARGS) / sizeof(NARGS[0])))
 
 const char *graph_op_names(void) { return GRAPH_OPS; }
@@ -127,6 +132,13 @@ static int run_node(int64_t op, const int64_t *a) {
                                   P(18), P(19), P(20), P(21));
     case 16:
         return expert_copy(P(0), P(1), a[2], P(3), P(4), P(5), a[6], a[7], a[8]);
+    case 17:
+        memcpy(&f, &a[21], sizeof(f));
+        memcpy(&f2, &a[22], sizeof(f2));
+        return moe_expert_pairs_quant(P(0), P(1), P(2), P(3), P(4), P(5), P(6), P(7), P(8),
+                                      P(9), P(10), P(11), a[12], a[13], a[14], a[15], a[16],
+                                      (int)a[17], (int)a[18], P(19), P(20), f, f2, (int)a[23],
+                                      a[24], a[25], a[26]);
     }
     return -3;
 }

@@ -11,6 +11,10 @@
  * x, weights, biases and out share one dtype: f32 or bf16 (bf16 products run in pairs as
  * gemm.h says; all accumulation is f32, and the biases are added to the f32 accumulators).
  *
+ * Quantized experts (moe_expert_pairs_quant: FP8 e4m3 and INT4 GPTQ, weight-only): the same
+ * computation over codes packed by the cpu_kernel backend (qgemm.h: layout and dequantization),
+ * gate and up as two matrices [N, H] (each with its own group table), down as one [H, N].
+ *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is the one chain over the input dim
  * that gemm.h states for its dtype, whatever register tile computed it. So a batch split into
@@ -22,6 +26,7 @@
 #include <string.h>
 
 #include "gemm.h"
+#include "qgemm.h"
 #include "vec.h"
 
 #define CHUNK 32      /* tokens of one expert processed together (bounds the scratch) */
@@ -70,11 +75,30 @@ INLINE void add_bias(float *v, const void *bias, int bf16, int64_t M, int64_t n)
         for (int64_t j = 0; j < n; j++) v[m * n + j] += load1(bias, bf16, j);
 }
 
+/* One expert's weights as the chunk reads them: packed w13/w2 (unquantized), or quantized
+ * matrices q13[0] (gate; up alone when not gated), q13[1] (up) and q2 (down). */
+typedef struct {
+    const void *w13, *w2;      /* NULL when quantized */
+    qmat q13[2], q2;
+    void *wbuf;                /* quantized: the thread's BLOCK * max(H, N) f32 block buffer */
+} expert_w;
+
+/* gu [M, R] = xs @ w13: [gate | up] columns, or up alone (R = N). */
+INLINE void first_projection(const expert_w *ew, const void *xs, int64_t M, int bf16, int64_t H,
+                             int64_t N, int64_t R, float *gu) {
+    if (ew->w13) {
+        matmul(xs, M, ew->w13, bf16, H, R, gu);
+        return;
+    }
+    qmatmul(xs, M, &ew->q13[0], bf16, H, N, gu, R, ew->wbuf);
+    if (R == 2 * N) qmatmul(xs, M, &ew->q13[1], bf16, H, N, gu + N, R, ew->wbuf);
+}
+
 /* One expert over M of its pairs: rows of x -> out rows, through scratch. The matmuls take
  * their activations in the weights' dtype (gemm.h), so in bf16 the gathered rows stay bf16 and
  * the hidden activation h is rounded to bf16 (as the model's torch forward rounds it). Inlined
  * with a constant bf16 so each dtype gets its own vectorised loops. */
-INLINE void expert_chunk(const void *x, const void *w13, const void *w2, const void *b13,
+INLINE void expert_chunk(const void *x, const expert_w *ew, const void *b13,
                          const void *b2, int bf16, const float *topk_w, const int64_t *pairs,
                          int64_t M, int64_t K, int64_t H, int64_t N, int act, float alpha,
                          float limit, void *out, float *scratch) {
@@ -86,7 +110,7 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, const v
     for (int64_t m = 0; m < M; m++)
         memcpy((char *)xs + m * H * esz, (const char *)x + pairs[m] / K * H * esz, H * esz);
     const int64_t R = act == 3 ? N : 2 * N;     /* w13 columns: [gate | up], or up alone */
-    matmul(xs, M, w13, bf16, H, R, gu);
+    first_projection(ew, xs, M, bf16, H, N, R, gu);
     add_bias(gu, b13, bf16, M, R);
     if (act == 3)
         relu_squared(gu, M * N, h);
@@ -98,7 +122,8 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, const v
         for (; j + LANES <= M * N; j += LANES) storev(hb, 1, j, *(const vf *)(h + j));
         for (; j < M * N; j++) hb[j] = f32_to_bf16(h[j]);
     }
-    matmul(bf16 ? (const void *)hb : h, M, w2, bf16, N, H, y);
+    if (ew->w2) matmul(bf16 ? (const void *)hb : h, M, ew->w2, bf16, N, H, y);
+    else qmatmul(bf16 ? (const void *)hb : h, M, &ew->q2, bf16, N, H, y, H, ew->wbuf);
     add_bias(y, b2, bf16, M, H);
     for (int64_t m = 0; m < M; m++) {
         const float wt = topk_w[pairs[m]];
@@ -109,55 +134,95 @@ INLINE void expert_chunk(const void *x, const void *w13, const void *w2, const v
     }
 }
 
-/* Returns 0, or -1 when scratch could not be allocated (out is then partly written).
- * b13/b2 may be NULL; alpha and limit are read for act 2 only. */
-int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float *topk_w,
-                     const int64_t *ids, void *out, int64_t T, int64_t K, int64_t G, int64_t H,
-                     int64_t N, int bf16, int act, const void *b13, const void *b2, float alpha,
-                     float limit) {
+/* A layer's expert weights (rows of every tensor: experts, or cache slots). Quantized:
+ * codes in w13/w2 (gate then up in w13), scale (and int4 zero) tables [ng, R] and [ng2, H]
+ * per expert, group tables g13 [2, H] and g2 [1, N], per expert (gstride 1) or shared (0). */
+typedef struct {
+    const void *w13, *w2;
+    const float *s13, *s2, *z13, *z2;
+    const int32_t *g13, *g2;
+    int64_t ng13, ng2, gstride;
+    int qtype;                  /* -1 unquantized, 0 fp8, 1 int4 */
+} layer_w;
+
+static expert_w expert_weights(const layer_w *L, int64_t e, int64_t H, int64_t N, int64_t R,
+                               int bf16) {
+    expert_w ew;
+    memset(&ew, 0, sizeof(ew));
+    if (L->qtype < 0) {
+        const size_t esz = bf16 ? 2 : 4;
+        ew.w13 = (const char *)L->w13 + e * (size_t)R * H * esz;
+        ew.w2 = (const char *)L->w2 + e * (size_t)H * N * esz;
+        return ew;
+    }
+    const int int4 = L->qtype == 1;
+    const size_t half = int4 ? (size_t)N * H / 2 : (size_t)N * H;     /* bytes of [N, H] */
+    const uint8_t *w13 = (const uint8_t *)L->w13 + e * (R / N) * half;
+    const int32_t *g13 = L->g13 + e * L->gstride * 2 * H, *g2 = L->g2 + e * L->gstride * N;
+    const int64_t s13 = e * L->ng13 * R, s2 = e * L->ng2 * H;
+    for (int h = 0; h < 2; h++)
+        ew.q13[h] = (qmat){w13 + h * half, L->s13 + s13 + h * N,
+                           int4 ? L->z13 + s13 + h * N : NULL, g13 + h * H, R, int4};
+    ew.q2 = (qmat){(const uint8_t *)L->w2 + e * half, L->s2 + s2, int4 ? L->z2 + s2 : NULL,
+                   g2, H, int4};
+    return ew;
+}
+
+/* Counting sort of the valid pairs by expert (stable: each expert sees ascending pairs):
+ * start [G + 1], order [P]. Returns -1 when out of memory. */
+static int sort_pairs(const int64_t *ids, int64_t P, int64_t G, int64_t *start, int64_t *order) {
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0 && ids[p] < G) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < G; e++) start[e + 1] += start[e];
+    int64_t *fill = malloc((size_t)G * sizeof(int64_t) + 1);
+    if (!fill) return -1;
+    memcpy(fill, start, (size_t)G * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0 && ids[p] < G) order[fill[ids[p]]++] = p;
+    free(fill);
+    return 0;
+}
+
+/* Returns 0, or -1 when scratch could not be allocated (out is then partly written). */
+static int run_pairs(const void *x, const layer_w *L, const float *topk_w, const int64_t *ids,
+                     void *out, int64_t T, int64_t K, int64_t G, int64_t H, int64_t N, int bf16,
+                     int act, const void *b13, const void *b2, float alpha, float limit) {
     const int64_t P = T * K;
     int64_t *start = calloc((size_t)G + 1, sizeof(int64_t));
     int64_t *order = malloc((size_t)(P ? P : 1) * sizeof(int64_t));
     int failed = 0;
-    if (!start || !order) { free(start); free(order); return -1; }
-    /* Counting sort of valid pairs by expert; stable, so each expert sees ascending pairs. */
-    for (int64_t p = 0; p < P; p++)
-        if (ids[p] >= 0 && ids[p] < G) start[ids[p] + 1]++;
-    for (int64_t e = 0; e < G; e++) start[e + 1] += start[e];
+    if (!start || !order || sort_pairs(ids, P, G, start, order)) {
+        free(start);
+        free(order);
+        return -1;
+    }
     if (start[G] == 0) {        /* no pair (an empty expert-cache wave): no parallel region */
         free(start);
         free(order);
         return 0;
     }
-    {
-        int64_t *fill = malloc((size_t)G * sizeof(int64_t) + 1);
-        if (!fill) { free(start); free(order); return -1; }
-        memcpy(fill, start, (size_t)G * sizeof(int64_t));
-        for (int64_t p = 0; p < P; p++)
-            if (ids[p] >= 0 && ids[p] < G) order[fill[ids[p]]++] = p;
-        free(fill);
-    }
     const size_t esz = bf16 ? 2 : 4;
     const int64_t R = act == 3 ? N : 2 * N;     /* w13 columns per expert */
-    const size_t w13_stride = (size_t)R * H * esz, w2_stride = (size_t)H * N * esz;
     #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * CHUNK * (size_t)(2 * H + 4 * N));
+        const size_t chunk_floats = CHUNK * (size_t)(2 * H + 4 * N);
+        const size_t wbuf_floats = L->qtype < 0 ? 0 : BLOCK * (size_t)(H > N ? H : N);
+        float *scratch = malloc(sizeof(float) * (chunk_floats + wbuf_floats));
         if (!scratch) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t e = 0; e < G; e++) {
-            if (!scratch) continue;
+            if (!scratch || start[e] == start[e + 1]) continue;
+            expert_w ew = expert_weights(L, e, H, N, R, bf16);
+            ew.wbuf = L->qtype < 0 ? NULL : scratch + chunk_floats;
+            const void *eb13 = b13 ? (const char *)b13 + e * R * esz : NULL;
+            const void *eb2 = b2 ? (const char *)b2 + e * H * esz : NULL;
             for (int64_t s = start[e]; s < start[e + 1]; s += CHUNK) {
                 const int64_t M = start[e + 1] - s < CHUNK ? start[e + 1] - s : CHUNK;
-                const char *e13 = (const char *)w13 + e * w13_stride;
-                const char *e2 = (const char *)w2 + e * w2_stride;
-                const void *eb13 = b13 ? (const char *)b13 + e * R * esz : NULL;
-                const void *eb2 = b2 ? (const char *)b2 + e * H * esz : NULL;
                 if (bf16)
-                    expert_chunk(x, e13, e2, eb13, eb2, 1, topk_w, order + s, M, K, H, N, act,
+                    expert_chunk(x, &ew, eb13, eb2, 1, topk_w, order + s, M, K, H, N, act,
                                  alpha, limit, out, scratch);
                 else
-                    expert_chunk(x, e13, e2, eb13, eb2, 0, topk_w, order + s, M, K, H, N, act,
+                    expert_chunk(x, &ew, eb13, eb2, 0, topk_w, order + s, M, K, H, N, act,
                                  alpha, limit, out, scratch);
             }
         }
@@ -166,6 +231,33 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
     free(start);
     free(order);
     return failed ? -1 : 0;
+}
+
+/* Unquantized experts: w13/w2 prepacked (ops.prepack). b13/b2 may be NULL; alpha and limit are
+ * read for act 2 only. */
+int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float *topk_w,
+                     const int64_t *ids, void *out, int64_t T, int64_t K, int64_t G, int64_t H,
+                     int64_t N, int bf16, int act, const void *b13, const void *b2, float alpha,
+                     float limit) {
+    const layer_w L = {w13, w2, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, -1};
+    return run_pairs(x, &L, topk_w, ids, out, T, K, G, H, N, bf16, act, b13, b2, alpha, limit);
+}
+
+/* Quantized experts (qtype 0: fp8 e4m3, 1: int4), packed by the cpu_kernel backend: codes
+ * w13 [G, R * H] / w2 [G, H * N] bytes (int4: half), scales s13 [G, ng13, R], s2 [G, ng2, H]
+ * (f32), int4 zero points z13, z2 likewise (f32; NULL for fp8), group tables g13 [2, H] and
+ * g2 [1, N] (int32) per expert when gstride is 1, one shared table when 0. Other arguments
+ * as moe_expert_pairs. */
+int moe_expert_pairs_quant(const void *x, const void *w13, const void *w2, const float *s13,
+                           const float *s2, const float *z13, const float *z2,
+                           const int32_t *g13, const int32_t *g2, const float *topk_w,
+                           const int64_t *ids, void *out, int64_t T, int64_t K, int64_t G,
+                           int64_t H, int64_t N, int bf16, int act, const void *b13,
+                           const void *b2, float alpha, float limit, int qtype, int64_t ng13,
+                           int64_t ng2, int64_t gstride) {
+    if (qtype != 0 && qtype != 1) return -2;
+    const layer_w L = {w13, w2, s13, s2, z13, z2, g13, g2, ng13, ng2, gstride, qtype};
+    return run_pairs(x, &L, topk_w, ids, out, T, K, G, H, N, bf16, act, b13, b2, alpha, limit);
 }
 
 /* The combine after the pairs: out[t, :] = sum over k = 0 .. K-1, in that order, of

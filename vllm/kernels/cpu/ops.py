@@ -13,18 +13,20 @@ KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """Dtypes the C kernels take, and the code they pass for each."""
 
 
-def prepack(w: torch.Tensor) -> torch.Tensor:
+def prepack(w: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """Linear weight(s) [..., cols, n] (out, in) -> packed [..., cols * n]: for each block of
     ``pack_block_width()`` output columns, that block's [n, width] transpose, row-major (f32),
     or in bf16 its row pairs interleaved, [n // 2, width, 2], then the last row when n is odd
-    (the layouts ``gemm.h`` reads as one stream per block)."""
+    (the layouts ``gemm.h`` reads as one stream per block). ``pairs`` (default: bf16 only)
+    asks for the interleaved layout whatever the dtype (the FP8 codes of ``qgemm.h``)."""
     block = load_cpu_kernels().pack_block_width()
     cols, n, lead = w.shape[-2], w.shape[-1], w.shape[:-2]
     even = n - n % 2
+    interleave = w.dtype == torch.bfloat16 if pairs is None else pairs
     parts = []
     for c in range(0, cols, block):
         blk = w[..., c:c + block, :]                                    # [..., width, n]
-        if w.dtype != torch.bfloat16:
+        if not interleave:
             parts.append(blk.transpose(-1, -2).reshape(*lead, -1))
             continue
         pairs = blk[..., :even].reshape(*lead, blk.shape[-2], even // 2, 2)

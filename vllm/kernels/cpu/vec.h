@@ -162,6 +162,14 @@ INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
 }
 /* acc += lane-wise pair products of a and b. */
 INLINE vf dot_pairs(vf acc, wpair a, wpair b) { return (vf)_mm512_dpbf16_ps((__m512)acc, a, b); }
+/* The pair of f32 rows (even, odd), each rounded to bf16 as f32_to_bf16v rounds. */
+INLINE wpair make_pair(vf even, vf odd) {
+    const vu pr = __builtin_convertvector(f32_to_bf16v(even), vu) |
+                  (__builtin_convertvector(f32_to_bf16v(odd), vu) << 16);
+    wpair w;
+    memcpy(&w, &pr, sizeof(w));
+    return w;
+}
 #else
 typedef struct { vf even, odd; } wpair;
 INLINE wpair load_pair(const bf16_t *w) {
@@ -180,6 +188,12 @@ INLINE vf dot_pair(vf acc, uint32_t a_pair, wpair w) {
 INLINE vf dot_pairs(vf acc, wpair a, wpair b) {
     acc = vfma(a.odd, b.odd, acc);
     return vfma(a.even, b.even, acc);
+}
+INLINE wpair make_pair(vf even, vf odd) {
+    wpair w;
+    w.even = bf16v_to_f32(f32_to_bf16v(even));
+    w.odd = bf16v_to_f32(f32_to_bf16v(odd));
+    return w;
 }
 #endif
 

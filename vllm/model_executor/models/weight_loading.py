@@ -6,7 +6,9 @@ written by ``save_pretrained``, or fused (``...experts.gate_up_proj`` [E, 2N, H]
 ``...experts.down_proj`` [E, H, N]) as held in memory by transformers >= 5.
 Quantized experts (per expert only) carry more tensors per projection
 (``...experts.{e}.gate_proj.weight_scale``, ``.qweight``, ``.g_idx`` ...): the layer's quant
-method declares them (``checkpoint_tensors``) and maps each to its layout (``load_transform``).
+method declares them (``checkpoint_tensors``) and maps each to its layout (``load_transform``),
+under the layer name the declaration gives (``CheckpointTensor.name``: compressed-tensors'
+``weight_packed`` loads into ``w13_qweight``), or only checks it (``check_tensor``).
 Layers with expert biases (``FusedMoE(bias=True)``) also take ``...experts.{e}.<proj>.bias``
 per projection, in any scheme, as loaded. Model files whose checkpoints store experts another
 way translate them into these names first (GPT-OSS: ``gpt_oss.per_expert_tensors``).
@@ -117,12 +119,14 @@ def _load_expert(name: str, tensor: torch.Tensor, moe: dict[str, FusedMoE],
                              "differently than its quantization_config says?)")
         param, shard = _PROJ[proj]
         qm, kind = layer.quant_method, param.split("_")[0]           # "w13" | "w2"
-        if spec.shared:
-            qm.load_shared(layer, f"{kind}_{suffix}", tensor)
+        if spec.check_only:
+            qm.check_tensor(suffix, kind, tensor)
+        elif spec.shared:
+            qm.load_shared(layer, f"{kind}_{spec.name}", tensor)
         else:
             if spec is not _BIAS and hasattr(qm, "load_transform"):
                 tensor = qm.load_transform(suffix, kind, tensor)
-            layer.load_expert_weight(f"{kind}_{suffix}", tensor, e, shard)
+            layer.load_expert_weight(f"{kind}_{spec.name}", tensor, e, shard)
         pending.discard((m["mod"], e, shard, suffix))
         return True
     m = _FUSED.match(name)

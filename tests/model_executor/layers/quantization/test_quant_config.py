@@ -66,6 +66,44 @@ def test_modelopt_nvfp4_in_config_and_hf_quant_config(tmp_path):
     assert qc.scheme == "nvfp4" and get_moe_quant_method(qc, LAYER) is None     # excluded experts
 
 
+def _ct_group(weights, fmt, acts=None):
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts, "format": fmt}},
+            "ignore": ["lm_head"]}
+
+
+@pytest.mark.parametrize("strategy,group_size,sym,want_gs", [
+    ("group", 32, True, 32), ("group", 128, False, 128), ("channel", None, False, -1)])
+def test_compressed_tensors_pack_quantized_maps_to_gptq_layout(strategy, group_size, sym,
+                                                               want_gs):
+    from vllm.model_executor.layers.quantization.compressed_tensors import (
+        CompressedTensorsW4A16MoEMethod)
+    w = {"num_bits": 4, "type": "int", "strategy": strategy, "group_size": group_size,
+         "symmetric": sym}
+    qc = parse_quant_config(_ct_group(w, "pack-quantized"))
+    assert (qc.scheme, qc.quant_method, qc.group_size, qc.sym) == (
+        "w4a16-gptq", "compressed-tensors", want_gs, sym)
+    m = get_moe_quant_method(qc, LAYER)
+    assert isinstance(m, CompressedTensorsW4A16MoEMethod) and m.zero_offset == 0
+    assert [c.suffix for c in m.checkpoint_tensors if c.required] == (
+        ["weight_packed", "weight_scale"] + ([] if sym else ["weight_zero_point"]))
+    with pytest.raises(ValueError, match="quantized activations.*W4A16"):
+        parse_quant_config(_ct_group(w, "pack-quantized", acts={"num_bits": 8, "type": "int"}))
+
+
+def test_compressed_tensors_nvfp4_maps_to_nvfp4_layout():
+    from vllm.model_executor.layers.quantization.compressed_tensors import (
+        CompressedTensorsNvfp4MoEMethod)
+    w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}
+    qc = parse_quant_config(_ct_group(w, "nvfp4-pack-quantized"))
+    assert qc.scheme == "nvfp4"
+    assert isinstance(get_moe_quant_method(qc, LAYER), CompressedTensorsNvfp4MoEMethod)
+    w32 = dict(w, group_size=32, strategy="group")                      # MXFP4A16: not mapped
+    with pytest.raises(ValueError, match="format='mxfp4-pack-quantized'"):
+        parse_quant_config(_ct_group(w32, "mxfp4-pack-quantized"))
+
+
 def test_unquantized_checkpoint_gives_none(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     assert quant_config_from_model_dir(str(tmp_path)) is None

@@ -4,8 +4,8 @@ tensors only in the cached forward, and per-expert post-load repacking into the 
 import pytest
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
-                         set_current_vllm_config)
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
+                         VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod, quantize_fp8
 from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod, quantize_gptq
@@ -80,8 +80,11 @@ SCHEMES = {
 
 
 def vllm_config(cache_size=0):
+    # The torch backend: these tests read the method's layout and spy on its ``dequantize``
+    # (cpu_kernel, the CPU default, packs its own layout: tests/kernels/cpu/
+    # test_moe_experts_quant.py).
     return VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                      DeviceConfig("cpu"))
+                      DeviceConfig("cpu"), kernel_config=KernelConfig(moe_backend="torch"))
 
 
 def float_weights(seed=0, e=E, h=H, n=N):

@@ -11,13 +11,22 @@ each expert's weights are read once per call, and each pair's value is independe
 pairs in the call (see the invariant in the C file), so cached and uncached runs agree bitwise.
 Results differ from ``torch_ref`` by f32 summation order and, in bf16, by where values are
 rounded to bf16 (the hidden activation once, the output once; tested within tolerance).
+
+Quantized experts (FP8 e4m3 tensor/channel/block scales, GPTQ INT4) go through
+``expert_pairs_cpu_quant`` over codes and scale tables packed by ``pack_quantized`` (layout:
+``vllm/kernels/cpu/qgemm.h``), dequantized tile by tile inside the same GEMM: each output equals
+the unquantized kernel's on the dequantized weights, bit for bit.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from vllm.kernels.cpu.graph import launch
 from vllm.kernels.cpu.ops import KERNEL_DTYPES as _DTYPES
+from vllm.kernels.cpu.ops import prepack
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2, "relu2_no_mul": 3}
@@ -80,3 +89,111 @@ def _bias(b: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
         raise ValueError(f"expert_pairs_cpu: {name} is {tuple(b.shape)} {b.dtype}, must be "
                          f"{list(shape)} {dtype}")
     return b.contiguous()
+
+
+# ---- weight-only quantized experts (FP8 e4m3, INT4 GPTQ): vllm/kernels/cpu/qgemm.h ------------
+# Design: the packed layout is what the expert cache's host store holds. The backend's ``pack``
+# runs once per expert at store build (``prepare_expert``, after the method's post-load
+# processing), so a cache miss stays a plain row copy of every expert tensor, the kernel reads
+# slot rows and expert rows alike, and cached == uncached bit for bit. The store keeps the
+# method's tensor names; their contents become the kernel's: codes (pair-interleaved bytes),
+# f32 scale and zero-point tables [groups, columns], int32 group tables.
+QTYPES = {"fp8": 0, "int4": 1}
+_MIN_SCALE = 2.0 ** -117
+"""Smallest nonzero scale packed: |code * scale| >= 2^-126 then (qgemm.h's vcvtne2ps2bf16
+flushes f32 subnormals)."""
+ROLES = ("w13", "w2", "s13", "s2", "z13", "z2", "g13", "g2")
+"""What the kernel reads: codes, scales, zero points, group tables of w13 and w2."""
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How a quant method's expert tensors become the kernel's (``cpu_kernel_layout()``)."""
+    kind: str
+    """"fp8" (e4m3 codes) or "int4" (values 0..15, zero points)."""
+    names: dict[str, str]
+    """Role (``ROLES``) -> the method's expert tensor name holding it after packing. fp8 has no
+    z13/z2, and no g13/g2 when its groups are ``block_in`` rows (shared by all experts)."""
+    canonical: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    """One expert's tensors (method layout) -> role -> w13 uint8 [R, H], w2 uint8 [H, N] (codes,
+    output rows first), s13 f32 [groups, R], s2 [groups, H] (scale of group g, column c), z13/z2
+    likewise (int4), g13 int32 [2, H] (gate, up), g2 [1, N] (int4: GPTQ's g_idx)."""
+    block_in: int | None = None
+    """fp8: input rows per scale group (128 for block scales); None: one group."""
+
+
+def pack_codes(codes: torch.Tensor, int4: bool) -> torch.Tensor:
+    """uint8 codes [cols, n] -> the stream qgemm.h reads: gemm.h's column blocks with input-row
+    pairs interleaved (fp8), or each pair in one byte, row 2p in the low nibble (int4)."""
+    if not int4:
+        return prepack(codes, pairs=True)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"int4 codes need an even input dim, got {codes.shape[-1]}")
+    pairs = prepack(codes, pairs=True).view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous()
+
+
+def pack_quantized(layout: QuantLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One expert's tensors (method layout) -> the same names holding the kernel's layout."""
+    c = layout.canonical(tensors)
+    int4 = layout.kind == "int4"
+    for r in ("s13", "s2"):
+        tiny = c[r][(c[r] != 0) & (c[r].abs() < _MIN_SCALE)]
+        if tiny.numel():
+            raise ValueError(f"{layout.names[r]} holds a scale of {tiny.abs().min().item():.3g}, "
+                             f"below 2^-117: the cpu_kernel backend's bf16 rounding would flush "
+                             f"its products; use moe_backend='torch'")
+    n = c["w13"].shape[0] // 2
+    packed = {"w13": torch.cat([pack_codes(c["w13"][:n], int4), pack_codes(c["w13"][n:], int4)]),
+              "w2": pack_codes(c["w2"], int4)}
+    packed |= {r: c[r].to(torch.float32).reshape(-1).contiguous() for r in ("s13", "s2", "z13", "z2")
+               if r in layout.names}
+    packed |= {r: c[r].to(torch.int32).contiguous() for r in ("g13", "g2") if r in layout.names}
+    out = dict(tensors)
+    out.update({layout.names[r]: t for r, t in packed.items()})
+    return out
+
+
+def expert_pairs_cpu_quant(x: torch.Tensor, layout: QuantLayout, w: dict[str, torch.Tensor],
+                           shared_groups: tuple[torch.Tensor, torch.Tensor] | None,
+                           topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                           activation: MoEActivation, b13: torch.Tensor | None = None,
+                           b2: torch.Tensor | None = None) -> None:
+    """``expert_pairs_cpu`` on quantized experts: ``w`` role -> [G, ...] packed tensors
+    (``pack_quantized`` rows); ``shared_groups`` (g13 [2, H], g2 [1, N]) when the layout has
+    no per-expert group tables."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError("the cpu_kernel MoE backend cannot be traced by torch.compile")
+    dtype, H = x.dtype, x.shape[-1]
+    T, top_k = topk_ids.shape
+    G, N = w["w2"].shape[0], w["w2"].shape[-1] * (2 if layout.kind == "int4" else 1) // max(H, 1)
+    R = N * (2 if activation.gated else 1)
+    if dtype not in _DTYPES or out.dtype != dtype or not out.is_contiguous() or \
+            tuple(out.shape) != (T, top_k, H) or x.shape[0] != T or N == 0:
+        raise ValueError(f"expert_pairs_cpu_quant: x {tuple(x.shape)} {x.dtype}, out "
+                         f"{tuple(out.shape)} {out.dtype}, codes {tuple(w['w2'].shape)} do not "
+                         f"fit [T, K] f32/bf16, [T, top_k, K] contiguous")
+    g13, g2 = (w["g13"], w["g2"]) if shared_groups is None else shared_groups
+    ng13, ng2 = w["s13"].shape[-1] // R, w["s2"].shape[-1] // H
+    per_byte = 2 if layout.kind == "int4" else 1
+    if tuple(w["w13"].shape) != (G, R * H // per_byte) or w["s13"].shape != (G, ng13 * R) or \
+            w["s2"].shape != (G, ng2 * H) or g13.shape[-1] != H or g2.shape[-1] != N or \
+            not ng13 or not ng2:
+        raise ValueError(f"expert_pairs_cpu_quant: packed codes {tuple(w['w13'].shape)}, "
+                         f"{tuple(w['w2'].shape)}, scales {tuple(w['s13'].shape)}, "
+                         f"{tuple(w['s2'].shape)} do not fit H={H}, N={N} ({layout.kind})")
+    b13, b2 = (_bias(b, (G, m), dtype, name) for b, m, name in ((b13, R, "b13"), (b2, H, "b2")))
+    z13, z2 = w.get("z13"), w.get("z2")
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    wts = topk_weights.to(torch.float32).contiguous()
+    ptr = lambda t: None if t is None else t.data_ptr()            # noqa: E731
+    rc = launch(
+        "moe_expert_pairs_quant", x.data_ptr(), w["w13"].data_ptr(),
+        w["w2"].data_ptr(), w["s13"].data_ptr(), w["s2"].data_ptr(), ptr(z13), ptr(z2),
+        g13.data_ptr(), g2.data_ptr(), wts.data_ptr(), ids.data_ptr(), out.data_ptr(), T, top_k,
+        G, H, N, _DTYPES[dtype], _ACTIVATIONS[activation.name], ptr(b13), ptr(b2),
+        activation.alpha, activation.limit, QTYPES[layout.kind], ng13, ng2,
+        int(shared_groups is None))
+    if rc:
+        raise MemoryError("expert_pairs_cpu_quant: the kernel could not allocate its scratch")

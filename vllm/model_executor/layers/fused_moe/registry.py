@@ -6,7 +6,8 @@ against them. "auto" tries the platform's preference order (``Platform.moe_backe
 any other registered backend; a forced name that cannot run the layer is an error that names
 the reason and the backends that would. The choice is logged once per distinct decision.
 
-Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16, unquantized), ``grouped_mm``
+Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16: unquantized, FP8 tensor/channel/block and
+GPTQ INT4 weights dequantized tile by tile inside its GEMM), ``grouped_mm``
 (``torch._grouped_mm``, unquantized; CUDA needs SM 9.0 and bf16) and ``torch`` (the per-expert
 loop reference: every scheme, every platform; quantized experts are dequantized per expert).
 All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gated ones, and the
@@ -21,13 +22,20 @@ import torch
 
 from vllm.kernels.cpu.ops import prepack
 from vllm.model_executor.layers.backend_registry import BackendRegistry
-from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
+from vllm.model_executor.layers.fused_moe.cpu_kernel import (QuantLayout, expert_pairs_cpu,
+                                                            expert_pairs_cpu_quant,
+                                                            pack_quantized)
 from vllm.model_executor.layers.fused_moe.grouped_mm import (expert_pairs_grouped,
                                                              grouped_mm_refusal)
-from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, MOE_ACTIVATIONS,
+from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, GATED_ACTIVATIONS,
+                                                                 MOE_ACTIVATIONS,
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop, expert_pairs_ref
+
+CPU_KERNEL_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
+"""Schemes the C expert kernel runs: unquantized, and weight-only FP8 / INT4 dequantized inside
+its GEMM (vllm/kernels/cpu/qgemm.h)."""
 
 Dequantize = Callable[[dict[str, torch.Tensor], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """One expert's tensors (row e of each), dtype -> (w13 [2N, K], w2 [K, N]) in that dtype."""
@@ -111,19 +119,57 @@ def select_moe_backend(q: MoEKernelQuery, requested: str = "auto") -> MoEBackend
 
 # ---- built-in backends ---------------------------------------------------------------------
 class CpuKernelExperts(MoEExperts):
-    """The C kernel (``cpu_kernel.py``) over weights prepacked for its register tiles."""
+    """The C kernel (``cpu_kernel.py``) over weights prepacked for its register tiles; for a
+    quantized scheme (``bind_scheme``), over codes and scale tables packed by the method's
+    ``cpu_kernel_layout()``, dequantized tile by tile inside the GEMM."""
     name = "cpu_kernel"
 
     def __init__(self, activation: MoEActivation):
         self.activation = activation
+        self.qlayout: QuantLayout | None = None
+        self._groups: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def bind_scheme(self, method) -> None:
+        """Called once by the quant method after selection: a quantized scheme gives its layout."""
+        if method.scheme != "unquantized":
+            self.qlayout = method.cpu_kernel_layout()
 
     def pack(self, tensors):
-        # Biases are read as loaded; only the weights take the GEMM's layout.
-        return {n: t if n in BIAS_NAMES else prepack(t) for n, t in tensors.items()}
+        if self.qlayout is None:
+            # Biases are read as loaded; only the weights take the GEMM's layout.
+            return {n: t if n in BIAS_NAMES else prepack(t) for n, t in tensors.items()}
+        one = tensors[self.qlayout.names["w13"]].dim() == 2          # one expert, or [E, ...]
+        w13 = tensors[self.qlayout.names["w13"]]
+        if "g13" not in self.qlayout.names:     # made here, never while a CPU graph captures
+            self._shared_groups(w13.shape[-1], w13.shape[-2] // 2)
+        if one:
+            return pack_quantized(self.qlayout, tensors)
+        per = [pack_quantized(self.qlayout, {n: t[e] for n, t in tensors.items()})
+               for e in range(w13.shape[0])]
+        return {n: torch.stack([p[n] for p in per]) for n in tensors}
+
+    def _shared_groups(self, H: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8's group tables (row i in group i // block_in), the same for every expert."""
+        if (H, N) not in self._groups:
+            b = self.qlayout.block_in
+            self._groups[H, N] = ((torch.arange(H, dtype=torch.int32) // (b or H)).repeat(2, 1),
+                                  (torch.arange(N, dtype=torch.int32) // (b or N))[None])
+        return self._groups[H, N]
 
     def apply_pairs(self, weights, x, topk_weights, ids, out):
-        expert_pairs_cpu(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids, out,
-                         self.activation, weights.get("w13_bias"), weights.get("w2_bias"))
+        biases = weights.get("w13_bias"), weights.get("w2_bias")
+        if self.qlayout is None:
+            expert_pairs_cpu(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
+                             out, self.activation, *biases)
+            return
+        lay = self.qlayout
+        w = {r: weights[n] for r, n in lay.names.items()}
+        shared = None
+        if "g13" not in w:
+            H = x.shape[-1]
+            shared = self._shared_groups(H, w["w2"].shape[-1] // H)   # fp8: a byte a weight
+        expert_pairs_cpu_quant(x, lay, w, shared, topk_weights, ids, out, self.activation,
+                               *biases)
 
 
 class GroupedMMExperts(MoEExperts):
@@ -163,10 +209,17 @@ def _grouped_mm_check(q: MoEKernelQuery) -> str | None:
     return grouped_mm_refusal(q.hidden_size, q.intermediate_size, q.dtype, q.platform)
 
 
+def _cpu_kernel_check(q: MoEKernelQuery) -> str | None:
+    if q.scheme != "unquantized" and q.activation not in GATED_ACTIVATIONS:
+        return (f"its quantized path runs gated activations only, not {q.activation!r} "
+                "(the quantized layouts fuse gate and up)")
+    return None
+
+
 register_moe_backend(MoEBackend(
-    "cpu_kernel", lambda act, deq: CpuKernelExperts(act), schemes=("unquantized",),
+    "cpu_kernel", lambda act, deq: CpuKernelExperts(act), schemes=CPU_KERNEL_SCHEMES,
     platforms=("cpu",), dtypes=(torch.float32, torch.bfloat16), activations=MOE_ACTIVATIONS,
-    bias=True, needs_native_kernels=True))
+    bias=True, needs_native_kernels=True, check=_cpu_kernel_check))
 register_moe_backend(MoEBackend(
     "grouped_mm", lambda act, deq: GroupedMMExperts(act), schemes=("unquantized",),
     platforms=("cpu", "cuda"), activations=MOE_ACTIVATIONS, bias=True, min_capability=90,

@@ -17,6 +17,11 @@ def get_moe_quant_method(qc: QuantConfig, layer: Any) -> FusedMoEMethodBase | No
     if qc.scheme.startswith("fp8"):
         from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
         return Fp8MoEMethod(qc.scheme[4:], qc.block, activation, qc.scale_name)
+    if qc.quant_method == "compressed-tensors" and qc.scheme in ("w4a16-gptq", "nvfp4"):
+        from vllm.model_executor.layers.quantization import compressed_tensors as ct
+        if qc.scheme == "nvfp4":
+            return ct.CompressedTensorsNvfp4MoEMethod(activation)
+        return ct.CompressedTensorsW4A16MoEMethod(qc.group_size, qc.sym, qc.desc_act, activation)
     if qc.scheme == "w4a16-gptq":
         from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
         return GptqMoEMethod(qc.group_size, qc.sym, qc.desc_act, qc.checkpoint_format, activation)

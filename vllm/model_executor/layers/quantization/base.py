@@ -89,6 +89,11 @@ class FusedMoEMethodBase:
                                shape.has_bias)
         self.kernel = select_moe_backend(query, requested).make(self.activation,
                                                                 self.dequantizer())
+        # A backend that runs quantized schemes itself (cpu_kernel) asks the method for its
+        # layout (``cpu_kernel_layout``) before packing.
+        bind = getattr(self.kernel, "bind_scheme", None)
+        if bind is not None:
+            bind(self)
 
     # ---- post-load processing ------------------------------------------------------------------
     def process_expert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ Checkpoint tensors per expert projection (out x in):
   weight_scale      float32 [] or [1]  (per tensor, compressed-tensors / vLLM fp8)
                     float32 [out, 1]   (per channel, compressed-tensors "channel")
   weight_scale_inv  float32 [ceil(out/bo), ceil(in/bi)]  (block, HF/DeepSeek "fp8" with
-                    weight_block_size [bo, bi]; despite the name, weight = fp8 * weight_scale_inv)
+                    weight_block_size [bo, bi]; despite the name, weight = fp8 * weight_scale_inv;
+                    float8_e8m0fnu powers of two with scale_fmt "ue8m0")
   input_scale       float32 [] (optional, static activation scale; shared by all experts)
 Dequantized weight = float(weight) * scale broadcast to [out, in]. Activations stay in the model
 dtype (W8A16); the input scale is kept for kernels that quantize activations.
@@ -27,6 +28,7 @@ from vllm.model_executor.layers.quantization.utils import (FP8_E4M3_MAX, ceil_di
                                                            expand_block_scale, to_e4m3)
 
 FP8_STRATEGIES = ("tensor", "channel", "block")
+_E8M0 = tuple(getattr(torch, n) for n in ("float8_e8m0fnu",) if hasattr(torch, n))
 
 
 class Fp8MoEMethod(QuantizedFusedMoEMethod):
@@ -64,7 +66,10 @@ class Fp8MoEMethod(QuantizedFusedMoEMethod):
         if suffix == "weight":
             check_dtype("weight", tensor, torch.float8_e4m3fn)
             return tensor
-        check_dtype(suffix, tensor, torch.float32, torch.bfloat16, torch.float16)
+        # transformers' fp8 writer with scale_fmt "ue8m0" stores powers of two as e8m0; they
+        # widen exactly into the layer's float32 scales.
+        check_dtype(suffix, tensor, torch.float32, torch.bfloat16, torch.float16,
+                    *_E8M0)
         if self.strategy == "tensor":
             return scalar_to(tensor, (1,))
         if self.strategy == "channel" and tensor.dim() == 1:
@@ -88,6 +93,33 @@ class Fp8MoEMethod(QuantizedFusedMoEMethod):
                   for h in (0, 1)]
         w2 = w2 * expand_block_scale(s2, *w2.shape, bo, bi)
         return torch.cat(halves).to(dtype), w2.to(dtype)
+
+    def cpu_kernel_layout(self):
+        """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm.h): e4m3
+        codes, and each scale expanded to a [groups, columns] f32 table (one group for tensor
+        and channel scales; input blocks of block[1] rows for block scales)."""
+        from vllm.model_executor.layers.fused_moe.cpu_kernel import QuantLayout
+        s = self.scale_name
+        return QuantLayout("fp8", {"w13": "w13_weight", "w2": "w2_weight", "s13": f"w13_{s}",
+                                   "s2": f"w2_{s}"}, self._kernel_tensors,
+                           self.block[1] if self.block else None)
+
+    def _kernel_tensors(self, t):
+        s = self.scale_name
+        w13, w2 = t["w13_weight"], t["w2_weight"]
+        N, K = w13.shape[0] // 2, w13.shape[1]
+        s13, s2 = t[f"w13_{s}"].float(), t[f"w2_{s}"].float()
+        if self.strategy == "tensor":
+            s13, s2 = s13.repeat_interleave(N)[None], s2.expand(K)[None]
+        elif self.strategy == "channel":
+            s13, s2 = s13.reshape(1, 2 * N), s2.reshape(1, K)
+        else:
+            bo = self.block[0]
+            nb = s13.shape[0] // 2                   # block rows per half
+            s13 = torch.cat([s13[h * nb:(h + 1) * nb].repeat_interleave(bo, 0)[:N]
+                             for h in (0, 1)]).t()               # [ceil(K/bi), 2N]
+            s2 = s2.repeat_interleave(bo, 0)[:K].t()            # [ceil(N/bi), K]
+        return {"w13": w13.view(torch.uint8), "w2": w2.view(torch.uint8), "s13": s13, "s2": s2}
 
 
 # ---- offline quantizer (tools/quantize_checkpoint.py, tests) ----------------------------------

@@ -109,6 +109,27 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
         w2 = self._dequant(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"], t["w2_g_idx"])
         return w13.to(dtype), w2.to(dtype)
 
+    def cpu_kernel_layout(self):
+        """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm.h): int4
+        values, f32 scale and zero-point tables [groups, columns], g_idx as loaded (act order
+        included: the kernel looks up each input row's group)."""
+        from vllm.model_executor.layers.fused_moe.cpu_kernel import QuantLayout
+        roles = {"w13": "qweight", "w2": "qweight", "s13": "scales", "s2": "scales",
+                 "z13": "qzeros", "z2": "qzeros", "g13": "g_idx", "g2": "g_idx"}
+        return QuantLayout("int4", {r: f"{'w13' if r.endswith('13') else 'w2'}_{n}"
+                                    for r, n in roles.items()}, self._kernel_tensors)
+
+    def _kernel_tensors(self, t):
+        """The values ``_dequant`` computes with: q, zero (with the format's offset), scale."""
+        out = {}
+        for p in ("w13", "w2"):
+            out[p] = self.unpacked_weight(t[f"{p}_qweight"]).to(torch.uint8)         # [R, C]
+            zeros = unpack_int4(t[f"{p}_qzeros"], dim=0) + self.zero_offset           # [R, G]
+            out[f"s{p[1:]}"] = t[f"{p}_scales"].float().t()                          # [G, R]
+            out[f"z{p[1:]}"] = zeros.float().t()
+            out[f"g{p[1:]}"] = t[f"{p}_g_idx"]
+        return out
+
 
 # ---- offline quantizer (round to nearest in the GPTQ storage format) ------------------------
 def quantize_gptq(w: torch.Tensor, group_size: int, sym: bool, desc_act: bool = False,

@@ -31,6 +31,17 @@ class CheckpointTensor:
     shared: bool = False
     """One value for all experts (input scales): kept as the max over experts and shards in a
     0-d ``w13_<suffix>`` / ``w2_<suffix>`` param on the compute device; never expert-indexed."""
+    param: str | None = None
+    """The layer's name for it (``w13_<param>``) when it differs from the checkpoint's: a
+    format mapped onto another scheme's layout (compressed-tensors ``weight_packed`` ->
+    ``qweight``)."""
+    check_only: bool = False
+    """Validated by ``check_tensor`` and dropped (compressed-tensors ``weight_shape``)."""
+
+    @property
+    def name(self) -> str:
+        """Suffix of the layer parameter it loads into."""
+        return self.param or self.suffix
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,7 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
                 for proj in ("w13", "w2"):
                     # device=None: the ambient (compute) device, even when experts are born on the
                     # host for the cache; shared tensors never go through the store.
-                    layer.register_parameter(f"{proj}_{ct.suffix}", nn.Parameter(
+                    layer.register_parameter(f"{proj}_{ct.name}", nn.Parameter(
                         torch.zeros((), dtype=torch.float32), requires_grad=False))
 
     def expert_tensor_names(self) -> tuple[str, ...]:
@@ -77,7 +88,7 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
         return self._names
 
     def shared_param_names(self) -> tuple[str, ...]:
-        return tuple(f"{p}_{ct.suffix}" for ct in self.checkpoint_tensors if ct.shared
+        return tuple(f"{p}_{ct.name}" for ct in self.checkpoint_tensors if ct.shared
                      for p in ("w13", "w2"))
 
     # ---- loading -----------------------------------------------------------------------------
@@ -85,6 +96,10 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
         """One checkpoint tensor (one expert, one projection) -> the layer layout of that shard.
         proj: "w13" (gate or up) or "w2". Raise ValueError on a wrong dtype."""
         return tensor
+
+    def check_tensor(self, suffix: str, proj: str, tensor: torch.Tensor) -> None:
+        """Validate a ``check_only`` checkpoint tensor (one expert, one projection)."""
+        raise NotImplementedError(f"{type(self).__name__} declares no check_only tensor")
 
     def load_shared(self, layer: nn.Module, param: str, tensor: torch.Tensor) -> None:
         """Fold one expert's shared scale into the layer's (max over experts and shards)."""

@@ -1,0 +1,195 @@
+"""The C expert kernel on FP8 (tensor, channel, block scales) and INT4 GPTQ experts
+(``qgemm.h``), against a plain torch dequantize-then-matmul reference written here from the
+checkpoint layouts, and bit for bit against the unquantized kernel on the same dequantized
+weights (the kernel dequantizes each weight as float(code - zero) * scale, rounded to the
+activation dtype, then runs the unquantized kernel's chains)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.kernels.cpu.ops import prepack
+from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
+from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts, TorchExperts
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
+from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod, quantize_fp8
+from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod, quantize_gptq
+
+
+# ---- plain references from the checkpoint layout of one projection [out, in] --------------------
+def ref_fp8(ck, block=None):
+    w = ck["weight"].float()
+    if block is None:
+        return w * ck["weight_scale"].float().reshape(-1, 1)          # [1] or [out, 1]
+    bo, bi = block
+    s = ck["weight_scale_inv"].float()
+    rows = torch.arange(w.shape[0]) // bo
+    cols = torch.arange(w.shape[1]) // bi
+    return w * s[rows][:, cols]
+
+
+def ref_gptq(ck, zero_offset=1):
+    qweight, qzeros, scales, g_idx = ck["qweight"], ck["qzeros"], ck["scales"], ck["g_idx"]
+    inp, out = qweight.shape[0] * 8, qweight.shape[1]
+    i = torch.arange(inp)
+    q = (qweight[i // 8] >> (4 * (i % 8))[:, None]) & 15                       # [in, out]
+    g = g_idx.long()
+    o = torch.arange(out)
+    z = ((qzeros[g][:, o // 8] >> (4 * (o % 8))) & 15) + zero_offset            # [in, out]
+    return (scales[g].float() * (q - z).float()).t()
+
+
+SCHEMES = {
+    "fp8-tensor": (lambda: Fp8MoEMethod("tensor"), lambda w: quantize_fp8(w, "tensor"), ref_fp8),
+    "fp8-channel": (lambda: Fp8MoEMethod("channel"), lambda w: quantize_fp8(w, "channel"),
+                    ref_fp8),
+    "fp8-block": (lambda: Fp8MoEMethod("block", (128, 128)), lambda w: quantize_fp8(w, "block"),
+                  lambda ck: ref_fp8(ck, (128, 128))),
+    "fp8-block16x32": (lambda: Fp8MoEMethod("block", (16, 32)),
+                       lambda w: quantize_fp8(w, "block", (16, 32)),
+                       lambda ck: ref_fp8(ck, (16, 32))),
+    "gptq-g32-sym": (lambda: GptqMoEMethod(32, True, False), lambda w: quantize_gptq(w, 32, True),
+                     ref_gptq),
+    "gptq-g64-asym": (lambda: GptqMoEMethod(64, False, False),
+                      lambda w: quantize_gptq(w, 64, False), ref_gptq),
+    "gptq-g128-sym": (lambda: GptqMoEMethod(128, True, False),
+                      lambda w: quantize_gptq(w, 128, True), ref_gptq),
+    "gptq-perchannel-asym": (lambda: GptqMoEMethod(-1, False, False),
+                             lambda w: quantize_gptq(w, -1, False), ref_gptq),
+    "gptq-g32-asym-descact": (lambda: GptqMoEMethod(32, False, True),
+                              lambda w: quantize_gptq(w, 32, False, True), ref_gptq),
+    "gptq-v2-g64": (lambda: GptqMoEMethod(64, False, False, "gptq_v2"),
+                    lambda w: quantize_gptq(w, 64, False, checkpoint_format="gptq_v2"),
+                    lambda ck: ref_gptq(ck, 0)),
+}
+FP8 = [s for s in SCHEMES if s.startswith("fp8")]
+GPTQ = [s for s in SCHEMES if s.startswith("gptq")]
+
+
+def _experts(scheme, E, H, N, seed=0, activation="silu"):
+    """-> (kernel with its packed weights, torch backend with the method's tensors,
+    dequantized w13 [E, 2N, H], w2 [E, H, N] from the reference)."""
+    make, quant, ref = SCHEMES[scheme]
+    method = make()
+    g = torch.Generator().manual_seed(seed)
+    per_expert, w13s, w2s = [], [], []
+    for _ in range(E):
+        cks = [quant(torch.randn(*shape, generator=g) * 0.2) for shape in ((N, H), (N, H), (H, N))]
+        w13s.append(torch.cat([ref(cks[0]), ref(cks[1])]))
+        w2s.append(ref(cks[2]))
+        t = {}
+        for suffix in cks[0]:
+            gate, up, down = (method.load_transform(suffix, p, ck[suffix])
+                              for p, ck in zip(("w13", "w13", "w2"), cks))
+            t[f"w13_{suffix}"], t[f"w2_{suffix}"] = torch.cat([gate, up]), down
+        per_expert.append(method.process_expert(t))
+    stacked = {n: torch.stack([t[n] for t in per_expert]) for n in per_expert[0]}
+    act = MoEActivation.of(activation)
+    kernel = CpuKernelExperts(act)
+    kernel.bind_scheme(method)
+    return (kernel, kernel.pack(stacked), TorchExperts(act, method.dequantizer()), stacked,
+            torch.stack(w13s), torch.stack(w2s))
+
+
+def _routing(T, E, K, seed, skip_frac=0.0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if skip_frac:
+        ids = torch.where(torch.rand(T, K, generator=g) < skip_frac, -1, ids)
+    return ids, torch.rand(T, K, generator=g)
+
+
+def _reference(x, w13, w2, wts, ids, dtype):
+    """Dequantize-then-matmul in f32 on the weights rounded to the activation dtype."""
+    out = torch.zeros(*ids.shape, x.shape[1])
+    w13, w2 = w13.to(dtype).float(), w2.to(dtype).float()
+    for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
+        e = ids[t, k]
+        gate, up = F.linear(x[t].float(), w13[e]).chunk(2)
+        h = F.silu(gate) * up
+        if dtype == torch.bfloat16:
+            h = h.bfloat16().float()
+        out[t, k] = F.linear(h, w2[e]) * wts[t, k]
+    return out
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_dequantize_then_matmul(scheme, dtype):
+    # Odd shapes: H, N not multiples of the 64-column block (FP8: odd input dims too; GPTQ
+    # needs multiples of 8). A ragged last block and columns outside any 16-lane vector.
+    H, N = (200, 37) if scheme in FP8 else (136, 40)
+    E, K, T = 5, 2, 11
+    kernel, packed, torch_be, raw, w13, w2 = _experts(scheme, E, H, N, seed=len(scheme))
+    ids, wts = _routing(T, E, K, seed=H, skip_frac=0.2)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = torch.zeros(T, K, H, dtype=dtype)
+    kernel.apply_pairs(packed, x, wts, ids, got)
+    want = _reference(x, w13, w2, wts, ids, dtype)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # The torch backend (what runs without this kernel) agrees within the same tolerance; in
+    # bf16 it rounds after every op (gate_up, the activation, each product), so relative to
+    # the output's magnitude.
+    via_torch = torch.zeros(T, K, H, dtype=dtype)
+    torch_be.apply_pairs(raw, x, wts, ids, via_torch)
+    scale = 1.0 if dtype == torch.float32 else max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.float(), via_torch.float(), atol=tol * scale, rtol=tol)
+    # Bit for bit the unquantized kernel on the dequantized weights in the activation dtype.
+    plain = torch.zeros(T, K, H, dtype=dtype)
+    expert_pairs_cpu(x, prepack(w13.to(dtype)), prepack(w2.to(dtype)), wts, ids, plain)
+    assert torch.equal(got, plain)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block16x32", "gptq-g32-asym-descact"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_and_slot_rows(scheme, dtype):
+    """Rows together == one by one == split into waves, bitwise; and slot rows (fewer slots
+    than top_k, as an expert cache with N < top_k runs) give the experts' values."""
+    E, K, T, H, N = 6, 3, 23, 80, 48
+    kernel, packed, _, _, _, _ = _experts(scheme, E, H, N, seed=3)
+    ids, wts = _routing(T, E, K, seed=5)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = torch.zeros(T, K, H, dtype=dtype)
+    kernel.apply_pairs(packed, x, wts, ids, whole)
+    alone = torch.zeros_like(whole)
+    for t in range(T):
+        kernel.apply_pairs(packed, x[t:t + 1], wts[t:t + 1], ids[t:t + 1], alone[t:t + 1])
+    assert torch.equal(alone, whole)
+    waves = torch.zeros_like(whole)
+    for lo in range(0, E, 2):                        # two slots < top_k = 3: one wave each
+        resident = torch.tensor([lo, lo + 1])
+        slots = {n: t[resident].clone() for n, t in packed.items()}
+        slot_ids = torch.where((ids >= lo) & (ids < lo + 2), ids - lo, -1)
+        kernel.apply_pairs(slots, x, wts, slot_ids, waves)
+    assert torch.equal(waves, whole)
+
+
+def test_token_count_bounds():
+    """8191 / 8192 / 8193 tokens at a small hidden size: every pair computed, bitwise equal to
+    the unquantized kernel on the dequantized weights."""
+    E, K, H, N = 4, 2, 16, 8
+    for scheme in ("fp8-channel", "gptq-g32-asym-descact"):
+        kernel, packed, _, _, w13, w2 = _experts(scheme, E, H, N, seed=7)
+        p13, p2 = prepack(w13), prepack(w2)
+        for T in (8191, 8192, 8193):
+            ids, wts = _routing(T, E, K, seed=T)
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+            got = torch.full((T, K, H), float("nan"))
+            kernel.apply_pairs(packed, x, wts, ids, got)
+            plain = torch.zeros(T, K, H)
+            expert_pairs_cpu(x, p13, p2, wts, ids, plain)
+            assert torch.equal(got, plain), (scheme, T)
+            torch.testing.assert_close(got[-3:], _reference(x[-3:], w13, w2, wts[-3:],
+                                                            ids[-3:], torch.float32),
+                                       atol=2e-5, rtol=2e-5)
+
+
+def test_scales_too_small_for_the_bf16_rounding_are_refused():
+    kernel, packed, _, raw, _, _ = _experts("fp8-channel", 2, 32, 16)
+    raw = dict(raw)
+    raw["w2_weight_scale"] = raw["w2_weight_scale"].clone()
+    raw["w2_weight_scale"][1, 3] = 2.0 ** -120
+    with pytest.raises(ValueError, match=r"w2_weight_scale holds a scale of .* below 2\^-117"):
+        kernel.pack(raw)
