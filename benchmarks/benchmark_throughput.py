@@ -92,6 +92,13 @@ def run_cache_sweep(args, prompts, out_lens, sizes: list[int], repeat: int) -> l
             row["misses_per_pass"] = d["misses"] / repeat
             row["bytes_copied_per_pass"] = d["bytes_copied"] / repeat
             row["copy_seconds_per_pass"] = row["misses_per_pass"] * copy_seconds_per_expert(llm)
+            if "prefetch_loads" in after:          # --moe-expert-prefetch next-layer
+                p = {k: after[k] - before[n][k] for k in ("prefetch_loads", "prefetch_used",
+                                                          "prefetch_wasted", "prefetch_recalled",
+                                                          "prefetch_needed")}
+                row["prefetch_recall"] = p["prefetch_recalled"] / max(1, p["prefetch_needed"])
+                row["prefetch_loads_per_pass"] = p["prefetch_loads"] / repeat
+                row["prefetch_wasted_per_pass"] = p["prefetch_wasted"] / repeat
         rows.append(row)
     return rows
 

@@ -131,6 +131,9 @@ class SchedulerConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
 
 
+MOE_PREFETCH_MODES = ("off", "next-layer")
+
+
 @dataclass
 class MoECacheConfig:
     cache_size: int = 0
@@ -141,11 +144,18 @@ class MoECacheConfig:
     """If set, record every MoE layer's routing (topk_ids) to this .npz in the shared trace format."""
     routing_trace_scores: bool = False
     """With routing_trace_path: also record the router's softmax over all experts (``scores``)."""
+    prefetch: str = "off"
+    """"off", or "next-layer": at each MoE layer, run the next MoE layer's norm + router on this
+    layer's hidden state and load its predicted experts into that layer's cache early
+    (``fused_moe/next_layer_prefetch.py``); outputs are unchanged."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:
             self.cache_size = 0
         _check_int("moe_expert_cache_size", self.cache_size, 0)
+        if self.prefetch not in MOE_PREFETCH_MODES:
+            raise ValueError(f"moe_expert_prefetch={self.prefetch!r} is invalid: must be one of "
+                             f"{list(MOE_PREFETCH_MODES)}")
         # The name is checked against the policy registry where it is used (config sits below
         # it): EngineArgs.create_engine_config and the cache's get_policy.
         if not isinstance(self.policy, str) or not self.policy:
@@ -214,6 +224,7 @@ class VllmConfig:
             "device": self.device_config.device, "max_model_len": m.max_model_len,
             "moe_expert_cache_size": self.moe_cache_config.cache_size,
             "moe_expert_cache_policy": self.moe_cache_config.policy,
+            "moe_expert_prefetch": self.moe_cache_config.prefetch,
             "quantization": self.quant_config.describe() if self.quant_config else None,
         })
 

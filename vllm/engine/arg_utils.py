@@ -51,6 +51,10 @@ class EngineArgs:
     """Expert slots per MoE layer on the device (0 = off: all experts resident)."""
     moe_expert_cache_policy: str = "auto"
     """Expert-cache eviction policy (auto = the measured best; see docs/expert-cache.md)."""
+    moe_expert_prefetch: str = "off"
+    """Expert-cache prefetch: off, or next-layer (each MoE layer runs the next one's router on
+    its hidden state and loads the predicted experts early; outputs unchanged, decode steps run
+    eagerly; see docs/expert-cache.md)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""
     tensor_parallel_size: int = 1
@@ -123,7 +127,8 @@ class EngineArgs:
         moe = MoECacheConfig(cache_size=self.moe_expert_cache_size,
                              policy=self.moe_expert_cache_policy,
                              routing_trace_path=self.moe_routing_trace_path,
-                             routing_trace_scores=bool(self.moe_routing_trace_scores))
+                             routing_trace_scores=bool(self.moe_routing_trace_scores),
+                             prefetch=self.moe_expert_prefetch)
         config = VllmConfig(model_config, cache_config, scheduler_config, moe,
                             DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
                             kernel_config=KernelConfig(self.moe_backend,

@@ -61,6 +61,8 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache(budget, state_bytes)
         self.routing_recorder = self._attach_routing_recorder()
         self._log_moe_cache_config()
+        self.prefetch_pairs = self._wire_prefetch()
+        """MoE layer pairs with next-layer prefetch (0: off)."""
         self.decode_graphs = self._make_decode_graphs()
 
     # ---- KV cache --------------------------------------------------------------------------
@@ -139,6 +141,10 @@ class ModelRunner:
         """CPU graphs for decode-only steps where they apply (``worker/cpu_graphs.py``)."""
         if not graphs_eligible(self.moe_layers, self.dtype, self.device,
                                self.config.enforce_eager, self.state_layers):
+            return None
+        if self.prefetch_pairs:
+            # The prefetch hooks are Python per layer: a graph replay would skip them.
+            logger.info("decode steps run eagerly (no CPU graphs): next-layer expert prefetch")
             return None
         max_len = self.config.model_config.max_model_len
         return DecodeGraphs(self.model, -(-max_len // self.block_size))
@@ -266,6 +272,22 @@ class ModelRunner:
         for layer in self.moe_layers:
             layer.routing_observer = recorder.observe
         return recorder
+
+    def _wire_prefetch(self) -> int:
+        """``moe_expert_prefetch``: hook each MoE layer to prefetch the next one's experts."""
+        mc = self.config.moe_cache_config
+        if mc.prefetch == "off":
+            return 0
+        if not any(m.expert_cache is not None for m in self.moe_layers):
+            logger.warning("moe_expert_prefetch=%r ignored: no MoE layer has an expert cache",
+                           mc.prefetch)
+            return 0
+        from vllm.model_executor.layers.fused_moe.next_layer_prefetch import (
+            wire_next_layer_prefetch)
+        pairs = wire_next_layer_prefetch(self.model)
+        logger.info("expert prefetch: next-layer, %d MoE layers predicted by the one before",
+                    pairs)
+        return pairs
 
     def _log_moe_cache_config(self) -> None:
         mc = self.config.moe_cache_config

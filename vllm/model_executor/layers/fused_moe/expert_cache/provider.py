@@ -26,6 +26,10 @@ with ``fullgraph=True`` needs ``torch._dynamo.config.capture_dynamic_output_shap
 (the CPU copy uses ``nonzero``, and so does the torch reference kernel); the compiling caller
 sets it, since it is process-global.
 
+``prefetch(predicted_ids)`` (``prefetch.py``) loads predicted experts between two real steps
+without touching the policy or the hit/miss counters; the plan contract above is unchanged by it
+(the real step plans from whatever residency it finds).
+
 Providers are deliberately not ``nn.Module``s: ``model.to(...)`` must never move the host store
 onto the device.
 """
@@ -40,6 +44,8 @@ from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
+from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
+                                                                        wanted_experts)
 from vllm.kernels.cpu.graph import capturing
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
@@ -138,6 +144,11 @@ class CachedWeightProvider(WeightProvider):
         self.non_blocking = store.pinned and self.device != store_device
         self.copy = select_copy(store, self.device)
         self.step: ResidencyStep = select_residency_step(residency, self.device)
+        self.prefetch_state: PrefetchState | None = None
+        """Made by ``enable_prefetch`` (the wiring, or the first ``prefetch``): without
+        prefetch the layer holds none of its [E] tensors."""
+        self._settled = False
+        """A prefetch settled the last real step since it ran (``prepare`` need not)."""
 
     @property
     def cpu_graph_safe(self) -> bool:
@@ -185,26 +196,61 @@ class CachedWeightProvider(WeightProvider):
     def prepare(self, topk_ids: torch.Tensor, row_slots: torch.Tensor | None = None
                 ) -> ExpertPlan:
         T, K = topk_ids.shape
+        if self.prefetching and not self._settled:
+            # Account for the previous real step before this one overwrites its needed set
+            # (a prefetch since then already did).
+            self.prefetch_state.settle(self.residency)
+        self._settled = False
         return ExpertPlan(self, topk_ids, row_slots, num_waves(self.num_experts, T * K,
                                                                self.num_slots))
 
-    def stats(self) -> dict[str, int | float]:
-        """Cumulative counters as Python numbers (the cache's only host sync). Every miss copies
-        one expert, so ``experts_copied`` is the miss count; ``waves`` counts waves that had
-        experts."""
+    @property
+    def prefetching(self) -> bool:
+        """Whether a prefetcher feeds this layer: ``stats`` then has the ``prefetch_*`` keys."""
+        return self.prefetch_state is not None
+
+    def enable_prefetch(self) -> None:
+        if self.prefetch_state is None:
+            self.prefetch_state = PrefetchState(self.num_experts, self.device)
+
+    def prefetch(self, topk_ids: torch.Tensor, row_slots: torch.Tensor | None = None) -> None:
+        """Load experts a predictor expects this layer's next step to need: predicted ids
+        [T, K] (negative: none), at most N experts, most-predicted first (``prefetch.py``).
+        Call between two real steps of this layer, at most once per step; outputs stay
+        bitwise equal (the real step's plan decides), only hits and copies change."""
+        res = self.residency
+        self.enable_prefetch()
+        self.prefetch_state.settle(res)
+        wanted = wanted_experts(topk_ids, self.num_experts, self.num_slots, row_slots)
+        plan = res.load(wanted)
+        self.copy(self.slots, plan)
+        self.prefetch_state.record(res, wanted, plan)
+        self._settled = True
+
+    def stats(self) -> dict[str, int | float | None]:
+        """Cumulative counters as Python numbers (the cache's only host sync). Every miss and
+        every prefetch load copies one expert: ``experts_copied`` = misses + prefetch loads;
+        ``waves`` counts waves that had experts; the ``prefetch_*`` counters (``prefetch.py``)
+        only when ``prefetching``."""
         r = self.residency
         hits, misses, evictions, waves = torch.stack(
             [r.hits, r.misses, r.evictions, r.waves]).tolist()
+        pf: dict = {}
+        if self.prefetching:
+            self.prefetch_state.settle(r)
+            pf = self.prefetch_state.stats(self.store.bytes_per_expert)
+        copied = misses + pf.get("prefetch_loads", 0)
         return {"hits": hits, "misses": misses, "evictions": evictions,
-                "experts_copied": misses,
-                "bytes_copied": misses * self.store.bytes_per_expert,
+                "experts_copied": copied,
+                "bytes_copied": copied * self.store.bytes_per_expert,
                 "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                "waves": waves}
+                "waves": waves, **pf}
 
     def reset_stats(self) -> None:
-        """Zero the counters (residency, policy state and the clock are kept)."""
+        """Zero the counters (residency, policy state, the clock and prefetch flags are kept)."""
+        pf = [self.prefetch_state.counters] if self.prefetching else []
         for t in (self.residency.hits, self.residency.misses, self.residency.evictions,
-                  self.residency.waves):
+                  self.residency.waves, *pf):
             t.zero_()
 
 

@@ -121,12 +121,37 @@ class Residency:
         keep_score, ties broken by the lower expert id. An empty ``needed`` is an exact no-op
         (maps, clock, policy state and every counter unchanged).
         """
-        n, e = self.num_slots, self.num_experts
-        resident = self.slot_of_expert >= 0
-        miss = needed & ~resident
-        num_miss = miss.sum(-1)                                              # [...]
         clock = self.clock
-        score = self.policy.keep_score(self.policy_state, clock)             # [..., E]
+        resident = self.slot_of_expert >= 0
+        plan, num_miss, evicted = self._place(needed)
+        # Policy sees the wave after the victim choice; empty waves change nothing.
+        self.policy.on_access(self.policy_state, needed, clock)
+        hits = (needed & resident).sum(-1)
+        any_needed = needed.any(-1)
+        self.last_hits.copy_(torch.where(any_needed, hits, self.last_hits))
+        self.last_misses.copy_(torch.where(any_needed, num_miss, self.last_misses))
+        self.hits.add_(hits)
+        self.misses.add_(num_miss)
+        self.evictions.add_(evicted.sum(-1))
+        self.waves.add_(any_needed)
+        self.clock.add_(any_needed.unsqueeze(-1) if self.batch_shape else any_needed)
+        return plan
+
+    def load(self, wanted: torch.Tensor) -> LoadPlan:
+        """Make wanted [..., E] bool resident as ``plan`` would (same victims: never a wanted
+        expert), but as no access: policy state, clock and every counter stay as they are, so
+        only the router's real requests teach the policy and count as hits or misses. The
+        prefetcher's entry point (``prefetch.py``); precondition wanted.sum(-1) <= N."""
+        return self._place(wanted)[0]
+
+    def _place(self, needed: torch.Tensor) -> tuple[LoadPlan, torch.Tensor, torch.Tensor]:
+        """Choose victims for the non-resident ``needed`` experts and update both maps.
+        Returns (the plan, misses [...] int64, evicted [..., N] bool: valid entries that
+        replaced an expert)."""
+        n, e = self.num_slots, self.num_experts
+        miss = needed & (self.slot_of_expert < 0)
+        num_miss = miss.sum(-1)                                              # [...]
+        score = self.policy.keep_score(self.policy_state, self.clock)        # [..., E]
         # Rank experts by (score, expert id): a stable sort over ids already in order.
         by_score = torch.sort(score, dim=-1, stable=True).indices
         rank = torch.empty_like(by_score).scatter_(
@@ -146,18 +171,7 @@ class Residency:
         old = torch.gather(self.expert_of_slot, -1, victims)                 # [..., N]
         evicted = valid & (old >= 0)
         self._apply(slots, experts, valid, old, evicted)
-        # Policy sees the wave after the victim choice; empty waves change nothing.
-        self.policy.on_access(self.policy_state, needed, clock)
-        hits = (needed & resident).sum(-1)
-        any_needed = needed.any(-1)
-        self.last_hits.copy_(torch.where(any_needed, hits, self.last_hits))
-        self.last_misses.copy_(torch.where(any_needed, num_miss, self.last_misses))
-        self.hits.add_(hits)
-        self.misses.add_(num_miss)
-        self.evictions.add_(evicted.sum(-1))
-        self.waves.add_(any_needed)
-        self.clock.add_(any_needed.unsqueeze(-1) if self.batch_shape else any_needed)
-        return LoadPlan(slots, experts, valid)
+        return LoadPlan(slots, experts, valid), num_miss, evicted
 
     def _apply(self, slots: torch.Tensor, experts: torch.Tensor, valid: torch.Tensor,
                old: torch.Tensor, evicted: torch.Tensor) -> None:

@@ -1,0 +1,371 @@
+"""Trace-driven expert offload: cache designs compared on one forced routing, in one run.
+
+    python benchmarks/benchmark_expert_offload.py --trace T.npz --shape dsv2-lite|small|tiny
+        [--capacity 8 16 32] [--batch 1 8] [--designs all | resident sync-lfru uva ours ...]
+        [--policy auto] [--layers L] [--max-tokens N] [--sequences odd|even|all]
+        [--dtype bfloat16] [--device cpu|cuda] [--repeat R] [--json] [--out FILE.json]
+
+Random experts of the shape (``SHAPES``: hidden, moe_intermediate; E and top_k come from the
+trace) in one host store shared by every layer (the bytes a miss moves are real, the memory is
+one layer's). The router is replaced by the trace: at step s (``--batch`` sequences interleaved,
+one token each, ``trace.interleave``) layer l's experts are the trace's, so hit rates are real.
+Each layer: h = h + experts(h) with topk weights 1/k, the same input pool for every design.
+
+Designs (``DESIGNS``):
+  resident       all experts on the device: the compute floor.
+  sync-lfru      the upstream proposal (``expert_cache/baseline.py``): Python bookkeeping, LFRU,
+                 one synchronous copy per miss and tensor.
+  uva            kernels read the host store directly, no slots. On CPU that is the uncached
+                 path over the store (the same memory as resident there); on CUDA it needs a
+                 zero-copy view of the pinned store: not implemented, not yet run on a GPU.
+  ours           ``CachedWeightProvider`` with ``--policy``.
+  ours+prefetch  ours, and before layer l runs, layer l+1's predicted experts are prefetched
+                 (``CachedWeightProvider.prefetch``). The trace has no hidden states, so the
+                 engine's predictor (layer l+1's router on layer l's hidden state) cannot run
+                 here; a cross-layer co-occurrence predictor stands in: counts of (expert at l,
+                 expert at l+1) over the *other* sequences of the trace (the even half when
+                 benchmarking the odd half; in-sample with ``--sequences all``); each token's
+                 prediction is the top-k of the summed rows of its layer-l experts. Predictions
+                 are made before timing (they stand in for one [E, H] router matmul).
+Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
+run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
+bytes copied, copy GB/s (bytes copied / wall seconds), the measured copy bandwidth (CPU: memcpy
+of expert rows; CUDA: pinned host to device) and the bound max(compute, bytes copied /
+bandwidth) with compute = the resident design's seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
+from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
+from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWeightProvider,
+                                                                        IdentityProvider,
+                                                                        resolve_policy_name)
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
+from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
+from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
+from vllm.model_executor.layers.fused_moe.expert_cache.trace import (RoutingTrace, interleave,
+                                                                     load_trace)
+from vllm.model_executor.layers.quantization.base import MoEShape
+from vllm.model_executor.layers.quantization.unquantized import UnquantizedFusedMoEMethod
+from vllm.platforms import platform_for
+
+SHAPES = {"dsv2-lite": (2048, 1408), "small": (512, 352), "tiny": (32, 16)}
+"""name -> (hidden, moe_intermediate). dsv2-lite: DeepSeek-V2-Lite's experts (64, top-6 in its
+trace); small: a quarter of each dim, for CPU runs of minutes; tiny: for tests."""
+DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+prefetch")
+CACHED = ("sync-lfru", "ours", "ours+prefetch")
+UVA_CUDA = ("not implemented on CUDA (needs a zero-copy view of the pinned store); "
+            "not yet run on a GPU")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def prepare_trace(path: str, sequences: str = "odd", max_tokens: int | None = None,
+                  layers: int | None = None) -> tuple[RoutingTrace, RoutingTrace]:
+    """(the benchmarked trace, the trace the prefetch predictor is fitted on): ``sequences``
+    all/even/odd, the first ``max_tokens`` tokens, the first ``layers`` MoE layers; the fit
+    trace is the other half (all sequences, in-sample, for "all")."""
+    full = load_trace(path)
+    if layers is not None:
+        full = RoutingTrace(full.experts[:, :layers], full.offsets, dict(full.meta))
+    halves = {"all": range(full.num_sequences), "even": range(0, full.num_sequences, 2),
+              "odd": range(1, full.num_sequences, 2)}
+    other = {"all": "all", "even": "odd", "odd": "even"}[sequences]
+    bench, fit = full.subset(halves[sequences]), full.subset(halves[other])
+    return (bench.truncated(max_tokens) if max_tokens else bench), fit
+
+
+def fit_affinity(trace: RoutingTrace) -> np.ndarray:
+    """[L-1, E, E] float32: A[l, e, f] = tokens routed to e at layer l and f at layer l+1."""
+    E, ids = trace.num_experts, trace.experts.astype(np.int64)          # [T, L, K]
+    out = np.zeros((trace.num_layers - 1, E, E), dtype=np.float32)
+    for l in range(trace.num_layers - 1):
+        pairs = ids[:, l, :, None] * E + ids[:, l + 1, None, :]           # [T, K, K]
+        out[l] = np.bincount(pairs.ravel(), minlength=E * E).reshape(E, E)
+    return out
+
+
+def predict_next(trace: RoutingTrace, affinity: np.ndarray) -> torch.Tensor:
+    """[T, L, K] int64: per token, layer l+1's predicted top-k from its layer-l experts (layer 0
+    gets -1: nothing precedes it)."""
+    ids = torch.from_numpy(trace.experts.astype(np.int64))
+    A = torch.from_numpy(affinity)
+    pred = torch.full_like(ids, -1)
+    for l in range(trace.num_layers - 1):
+        scores = A[l][ids[:, l]].sum(1)                                  # [T, E]
+        pred[:, l + 1] = torch.topk(scores, trace.top_k, dim=-1).indices
+    return pred
+
+
+class Setup:
+    """The experts, the kernel and the forced routing, shared by every design of one run."""
+
+    def __init__(self, trace: RoutingTrace, shape: str, dtype: torch.dtype, device: str,
+                 max_batch: int, seed: int = 0):
+        self.trace, self.device, self.dtype = trace, torch.device(device), dtype
+        self.hidden, inter = SHAPES[shape]
+        E, K = trace.num_experts, trace.top_k
+        self.qm = UnquantizedFusedMoEMethod("silu")
+        self.qm.select_kernel(MoEShape(E, self.hidden, inter, dtype),
+                              platform_for(self.device))
+        g = torch.Generator().manual_seed(seed)
+        w13 = torch.randn(E, 2 * inter, self.hidden, generator=g).mul_(self.hidden ** -0.5)
+        w2 = torch.randn(E, self.hidden, inter, generator=g).mul_(inter ** -0.5)
+        pin = platform_for(self.device).is_pin_memory_available()
+        self.store = HostStore.from_experts(
+            {"w13_weight": w13.to(dtype), "w2_weight": w2.to(dtype)}, self.qm.prepare_expert,
+            pin=pin)
+        del w13, w2
+        self.ids = torch.from_numpy(trace.experts.astype(np.int64))      # [T, L, K]
+        self.topk_weights = torch.full((K,), 1.0 / K, dtype=dtype, device=self.device)
+        # A pool of step inputs [16, max_batch, H], cycled (every design sees the same).
+        self.inputs = torch.randn(16, max_batch, self.hidden, generator=g).to(dtype).to(
+            self.device)
+        self.affinity_pred: torch.Tensor | None = None
+
+    def steps(self, batch: int) -> list[torch.Tensor]:
+        """Per step, the trace tokens of its active lanes ([b] int64)."""
+        return [torch.from_numpy(row[row >= 0]) for row in interleave(self.trace.offsets, batch)]
+
+
+def make_providers(setup: Setup, design: str, capacity: int | None, policy: str) -> list:
+    s, L = setup, setup.trace.num_layers
+    if design == "resident":
+        weights = {n: t.to(s.device) for n, t in s.store.tensors.items()}
+        return [IdentityProvider(weights)] * L
+    if design == "uva":
+        return [IdentityProvider(s.store.tensors)] * L
+    if design == "sync-lfru":
+        return [SyncLFRUProvider(s.store, allocate_slots(s.store, capacity, s.device))
+                for _ in range(L)]
+    name = resolve_policy_name(policy)
+    out = [CachedWeightProvider(s.store, allocate_slots(s.store, capacity, s.device),
+                                Residency(s.trace.num_experts, capacity, get_policy(name),
+                                          s.device), name) for _ in range(L)]
+    for p in out[:1] if design == "ours+prefetch" else ():
+        p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
+    return out
+
+
+def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
+    """Wrap each provider's copy path to count the bytes it moves (one host read per wave: for
+    tests, not for timing). Returns the one-element counter."""
+    counted = [0]
+    for p in providers:
+        if isinstance(p, SyncLFRUProvider):
+            inner = p.copy_expert
+
+            def copy_expert(slot, e, inner=inner):
+                counted[0] += bytes_per_expert
+                inner(slot, e)
+            p.copy_expert = copy_expert
+        else:
+            inner = p.copy
+
+            def copy(slots, plan, inner=inner, p=p):
+                rows = int(plan.valid.sum())
+                counted[0] += rows * sum(t[0].numel() * t.element_size()
+                                         for t in p.slots.values())
+                inner(slots, plan)
+            p.copy = copy
+    return counted
+
+
+def run_design(setup: Setup, design: str, capacity: int | None, batch: int, policy: str,
+               keep_outputs: bool = False, count: bool = False) -> dict:
+    """One cold run of the whole trace. Returns the row (and "_outputs": the last layer's h per
+    step when ``keep_outputs``)."""
+    s = setup
+    if design == "uva" and s.device.type == "cuda":
+        return {"design": design, "capacity": None, "batch": batch, "status": UVA_CUDA}
+    providers = make_providers(s, design, capacity, policy)
+    counted = count_copies(providers, s.store.bytes_per_expert) \
+        if count and design in CACHED else None
+    pred = s.affinity_pred if design == "ours+prefetch" else None
+    steps, L = s.steps(batch), s.trace.num_layers
+    sync = torch.cuda.synchronize if s.device.type == "cuda" else (lambda: None)
+    outputs = []
+    sync()
+    start = time.perf_counter()
+    for i, tokens in enumerate(steps):
+        ids = s.ids[tokens].to(s.device)                                  # [b, L, K]
+        p_ids = pred[tokens].to(s.device) if pred is not None else None
+        w = s.topk_weights.expand(len(tokens), -1)
+        h = s.inputs[i % s.inputs.shape[0], :len(tokens)]
+        for l in range(L):
+            if p_ids is not None and l + 1 < L:
+                providers[l + 1].prefetch(p_ids[:, l + 1])
+            waves = providers[l].prepare(ids[:, l])
+            h = h + s.qm.apply(providers[l].slot_weights(), h, w, waves)
+        if keep_outputs:
+            outputs.append(h.cpu())
+    sync()
+    seconds = time.perf_counter() - start
+    row = {"design": design, "capacity": capacity, "batch": batch, "status": "ok",
+           "tokens": len(s.trace.experts), "seconds": seconds,
+           "tok_s": len(s.trace.experts) / seconds}
+    row.update(_cache_stats(providers, design))
+    if count:
+        row["bytes_copied_counted"] = counted[0] if counted is not None else 0
+    if keep_outputs:
+        row["_outputs"] = outputs
+    return row
+
+
+def _cache_stats(providers: list, design: str) -> dict:
+    if design not in CACHED:
+        return {"hit_rate": 1.0, "hits": None, "misses": 0, "bytes_copied": 0}
+    stats = [p.stats() for p in providers]
+    tot = {k: sum(st[k] for st in stats) for k in ("hits", "misses", "bytes_copied")}
+    out = {**tot, "hit_rate": tot["hits"] / max(1, tot["hits"] + tot["misses"])}
+    if design == "ours+prefetch":
+        pf = {k: sum(st[k] for st in stats) for k in
+              ("prefetch_loads", "prefetch_used", "prefetch_wasted", "prefetch_recalled",
+               "prefetch_needed", "prefetch_bytes", "prefetch_wasted_bytes")}
+        pf["prefetch_recall"] = pf["prefetch_recalled"] / max(1, pf["prefetch_needed"])
+        pf["per_layer_recall"] = [st["prefetch_recall"] for st in stats]
+        out["prefetch"] = pf
+    return out
+
+
+def measure_bandwidth(store: HostStore, device: torch.device, min_seconds: float = 0.3) -> float:
+    """Bytes per second of copying expert rows store -> a device slot (CPU: memcpy; CUDA:
+    pinned host to device, asynchronous copies then one synchronisation)."""
+    dst = allocate_slots(store, 1, device)
+    cuda = device.type == "cuda"
+    moved, start, e = 0, time.perf_counter(), 0
+    while True:
+        for name, src in store.tensors.items():
+            dst[name][0].copy_(src[e % store.num_experts], non_blocking=cuda)
+        moved += store.bytes_per_expert
+        e += 1
+        if e % store.num_experts == 0:
+            if cuda:
+                torch.cuda.synchronize()
+            if time.perf_counter() - start >= min_seconds:
+                return moved / (time.perf_counter() - start)
+
+
+def add_bounds(rows: list[dict], bandwidth: float) -> None:
+    """bound_s = max(compute, bytes copied / bandwidth), compute = the resident row's seconds at
+    the same batch (absent without a resident row)."""
+    compute = {r["batch"]: r["seconds"] for r in rows if r["design"] == "resident"}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["copy_gbps"] = r["bytes_copied"] / r["seconds"] / 1e9
+        if r["batch"] in compute:
+            r["compute_s"] = compute[r["batch"]]
+            r["bound_s"] = max(compute[r["batch"]], r["bytes_copied"] / bandwidth)
+            r["bound_tok_s"] = r["tokens"] / r["bound_s"]
+            r["seconds_over_bound"] = r["seconds"] / r["bound_s"]
+
+
+def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = False) -> dict:
+    trace, fit = prepare_trace(args.trace, args.sequences, args.max_tokens, args.layers)
+    designs = list(DESIGNS) if "all" in args.designs else args.designs
+    for c in args.capacity:
+        if not 1 <= c <= trace.num_experts:
+            raise ValueError(f"--capacity {c} is invalid: must be in [1, {trace.num_experts}]")
+    setup = Setup(trace, args.shape, _DTYPES[args.dtype], args.device, max(args.batch))
+    if "ours+prefetch" in designs:
+        setup.affinity_pred = predict_next(trace, fit_affinity(fit))
+    run_design(setup, "resident", None, 1, args.policy)                   # warm-up (kernels)
+    jobs = [(batch, design, c) for batch in args.batch for design in designs
+            for c in (args.capacity if design in CACHED else [None])]
+    rows: dict = {}
+    # Rounds interleave the jobs, so a shared machine's slow spell hits every design alike;
+    # every round is a cold run with the same counts, its seconds kept.
+    for _ in range(args.repeat):
+        for batch, design, c in jobs:
+            row = run_design(setup, design, c, batch, args.policy, keep_outputs and not rows.get(
+                (batch, design, c)), count)
+            rows.setdefault((batch, design, c), row).setdefault("all_seconds", []).append(
+                row.get("seconds"))
+    rows = list(rows.values())
+    for r in rows:
+        if r["status"] == "ok":
+            r["seconds"] = sorted(r["all_seconds"])[len(r["all_seconds"]) // 2]
+            r["tok_s"] = r["tokens"] / r["seconds"]
+    bandwidth = measure_bandwidth(setup.store, setup.device)
+    add_bounds(rows, bandwidth)
+    E, K = trace.num_experts, trace.top_k
+    return {"trace": args.trace, "sequences": args.sequences, "tokens": len(trace.experts),
+            "layers": trace.num_layers, "device": str(setup.device),
+            "shape": {"name": args.shape, "hidden": setup.hidden, "inter": SHAPES[args.shape][1],
+                      "experts": E, "top_k": K, "dtype": args.dtype,
+                      "bytes_per_expert": setup.store.bytes_per_expert},
+            "policy": resolve_policy_name(args.policy), "bandwidth_gbps": bandwidth / 1e9,
+            "bandwidth_what": "pinned host-to-device" if setup.device.type == "cuda"
+            else "memcpy of expert rows (CPU)",
+            "prefetch_predictor": "cross-layer co-occurrence fitted on the "
+            + ("same sequences (in-sample)" if args.sequences == "all" else "other half"),
+            "rows": rows}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", required=True, help="routing trace .npz (shared trace format)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--capacity", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--designs", nargs="+", default=["all"], choices=["all", *DESIGNS])
+    ap.add_argument("--policy", default="auto", help="ours' eviction policy")
+    ap.add_argument("--layers", type=int, default=None, help="only the first L MoE layers")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--sequences", choices=("all", "even", "odd"), default="odd",
+                    help="benchmarked half (the predictor is fitted on the other)")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="cold runs per row, interleaved; seconds = the median")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat} is invalid: must be >= 1")
+    if any(b < 1 for b in args.batch):
+        ap.error(f"--batch {args.batch} is invalid: every batch must be >= 1")
+    get_policy(args.policy)
+    return args
+
+
+def _print_table(out: dict) -> None:
+    sh = out["shape"]
+    print(f"{out['trace']} ({out['sequences']}, {out['tokens']} tokens, {out['layers']} layers), "
+          f"shape {sh['name']} H={sh['hidden']} I={sh['inter']} E={sh['experts']} "
+          f"k={sh['top_k']} {sh['dtype']} on {out['device']}; bandwidth "
+          f"{out['bandwidth_gbps']:.2f} GB/s ({out['bandwidth_what']})")
+    print("| design | C | batch | tok/s | hit rate | GB copied | copy GB/s | bound tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in out["rows"]:
+        if r["status"] != "ok":
+            print(f"| {r['design']} | | {r['batch']} | {r['status']} | | | | |")
+            continue
+        print(f"| {r['design']} | {r['capacity'] or ''} | {r['batch']} | {r['tok_s']:.1f} | "
+              f"{r['hit_rate']:.3f} | {r['bytes_copied'] / 1e9:.2f} | {r['copy_gbps']:.2f} | "
+              f"{r.get('bound_tok_s', float('nan')):.1f} |")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out = run(args)
+    text = json.dumps(out)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text) if args.json else _print_table(out)
+    return out
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)   # steadier numbers on a shared machine
+    main()
+    sys.exit(0)

@@ -1,0 +1,134 @@
+"""benchmarks/benchmark_expert_offload.py on the tiny shape and a small made-up trace: every
+design computes the same outputs (same forced routing), copies exactly misses x expert bytes
+(+ prefetch loads), and hits as a replay of the trace through the same policy."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prefetch_audit import brute_wanted
+from vllm.model_executor.layers.fused_moe.expert_cache.trace import (RoutingTrace, interleave,
+                                                                     save_trace, step_masks)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import benchmark_expert_cache as replay_bench  # noqa: E402
+import benchmark_expert_offload as bench  # noqa: E402
+
+E, K, L = 8, 2, 3
+CAPS, BATCHES = [2, 4], [1, 3]
+
+
+def _trace(path: str) -> None:
+    """12 sequences; each layer's experts follow the previous layer's (a shifted pick with
+    noise), so the co-occurrence predictor has something to find."""
+    rng = np.random.default_rng(0)
+    lens = rng.integers(3, 9, 12)
+    rows = []
+    popularity = np.linspace(2, 0.5, E) / np.linspace(2, 0.5, E).sum()
+    for _ in range(int(lens.sum())):
+        first = rng.choice(E, K, replace=False, p=popularity)
+        layers = [first]
+        for _ in range(L - 1):
+            nxt = (layers[-1] + 1) % E if rng.random() < 0.7 else rng.choice(E, K, replace=False)
+            layers.append(nxt)
+        rows.append(layers)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    save_trace(path, RoutingTrace(np.array(rows, dtype=np.uint8), offsets,
+                                  {"num_experts": E, "top_k": K}))
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("offload") / "trace.npz")
+    _trace(path)
+    args = bench.parse_args(["--trace", path, "--shape", "tiny", "--dtype", "float32",
+                             "--capacity", *map(str, CAPS), "--batch", *map(str, BATCHES)])
+    return path, args, bench.run(args, keep_outputs=True, count=True)
+
+
+def _rows(out, design, batch):
+    return [r for r in out["rows"] if r["design"] == design and r["batch"] == batch]
+
+
+def test_same_outputs_for_every_design(result):
+    _, _, out = result
+    for batch in BATCHES:
+        rows = [r for r in out["rows"] if r["batch"] == batch]
+        assert {r["design"] for r in rows} == set(bench.DESIGNS)
+        ref = rows[0]["_outputs"]
+        assert len(ref) == len(interleave(bench.prepare_trace(result[0])[0].offsets, batch))
+        for r in rows[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(ref, r["_outputs"])), r["design"]
+
+
+def test_bytes_copied_are_misses_times_expert_bytes(result):
+    _, _, out = result
+    per_expert = out["shape"]["bytes_per_expert"]
+    assert per_expert == 4 * (2 * 16 * 32 + 32 * 16)                  # f32 w13 + w2, tiny
+    for r in out["rows"]:
+        if r["design"] not in bench.CACHED:
+            assert r["bytes_copied"] == 0 and r["misses"] == 0
+            continue
+        loads = r.get("prefetch", {}).get("prefetch_loads", 0)
+        assert r["bytes_copied"] == r["bytes_copied_counted"] == (r["misses"] + loads) * per_expert
+        assert r["copy_gbps"] == pytest.approx(r["bytes_copied"] / r["seconds"] / 1e9)
+        assert r["bound_s"] == pytest.approx(max(r["compute_s"],
+                                                 r["bytes_copied"] / (out["bandwidth_gbps"] * 1e9)))
+
+
+def test_hit_rates_equal_a_replay_through_the_same_policy(result):
+    path, args, out = result
+    trace = bench.prepare_trace(path)[0]
+    for batch in BATCHES:
+        masks = step_masks(trace, batch)
+        needed = int(masks.sum())
+        for design, policy in (("ours", out["policy"]), ("sync-lfru", "lfru")):
+            for r in _rows(out, design, batch):
+                rep = replay_bench.replay(masks, r["capacity"], policy, batch * K)
+                assert (r["hits"], r["misses"]) == (rep.hits, rep.misses), (design, batch)
+        for r in _rows(out, "ours+prefetch", batch):
+            assert r["hits"] + r["misses"] == needed
+
+
+def test_prefetch_recall_against_brute_force(result):
+    path, _, out = result
+    trace, fit = bench.prepare_trace(path)
+    pred = bench.predict_next(trace, bench.fit_affinity(fit)).numpy()          # [T, L, K]
+    for batch in BATCHES:
+        steps = [row[row >= 0] for row in interleave(trace.offsets, batch)]
+        for r in _rows(out, "ours+prefetch", batch):
+            recalled = needed = 0
+            for tokens in steps:
+                for layer in range(1, L):
+                    want = brute_wanted(pred[tokens, layer].tolist(), r["capacity"])
+                    real = set(trace.experts[tokens, layer].ravel().tolist())
+                    recalled, needed = recalled + len(want & real), needed + len(real)
+            pf = r["prefetch"]
+            assert (pf["prefetch_recalled"], pf["prefetch_needed"]) == (recalled, needed)
+            assert pf["per_layer_recall"][0] is None
+            assert pf["prefetch_wasted_bytes"] == pf["prefetch_wasted"] * \
+                out["shape"]["bytes_per_expert"]
+
+
+def test_cli_prints_one_json_object(result, tmp_path, capsys):
+    path = result[0]
+    out_file = tmp_path / "o.json"
+    bench.main(["--trace", path, "--shape", "tiny", "--capacity", "2", "--batch", "2",
+                "--designs", "resident", "ours", "--repeat", "2", "--json", "--out",
+                str(out_file)])
+    out = json.loads(capsys.readouterr().out)
+    assert out == json.loads(out_file.read_text())
+    assert {"trace", "sequences", "tokens", "layers", "device", "shape", "policy",
+            "bandwidth_gbps", "bandwidth_what", "prefetch_predictor", "rows"} <= set(out)
+    assert [r["design"] for r in out["rows"]] == ["resident", "ours"]
+    row = out["rows"][1]
+    assert {"design", "capacity", "batch", "status", "tokens", "seconds", "tok_s", "hit_rate",
+            "hits", "misses", "bytes_copied", "copy_gbps", "compute_s", "bound_s",
+            "bound_tok_s", "seconds_over_bound"} <= set(row)
+    assert row["tok_s"] == pytest.approx(row["tokens"] / row["seconds"])
+    assert len(row["all_seconds"]) == 2 and row["seconds"] == max(row["all_seconds"])  # median
