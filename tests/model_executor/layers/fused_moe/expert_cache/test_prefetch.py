@@ -7,26 +7,10 @@ import torch
 from torch import nn
 
 from prefetch_audit import PrefetchAudit, brute_wanted
-from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
-                         set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import wanted_experts
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-
-E, H, I, K = 8, 32, 16, 2
-
-
-def build(cache_size: int, policy: str = "auto") -> FusedMoE:
-    g = torch.Generator().manual_seed(0)
-    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(),
-                     MoECacheConfig(cache_size=cache_size, policy=policy), DeviceConfig("cpu"))
-    with set_current_vllm_config(cfg):
-        layer = FusedMoE(E, K, H, I, params_dtype=torch.float32)
-    layer.load_expert_weight("w13_weight", torch.randn(E, 2 * I, H, generator=g), None, None)
-    layer.load_expert_weight("w2_weight", torch.randn(E, H, I, generator=g), None, None)
-    layer.finish_loading(torch.device("cpu"))
-    return layer
+from test_provider import E, H, I, K, build  # the shared layer builder
 
 
 def _routing(g: torch.Generator, T: int) -> torch.Tensor:

@@ -17,10 +17,11 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 E, H, I, K = 8, 32, 16, 2
 
 
-def build(cache_size: int) -> FusedMoE:
+def build(cache_size: int, policy: str = "auto") -> FusedMoE:
+    """A float32 FusedMoE layer with random experts, loaded (``test_prefetch.py`` uses it too)."""
     g = torch.Generator().manual_seed(0)
-    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                     DeviceConfig("cpu"))
+    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(),
+                     MoECacheConfig(cache_size=cache_size, policy=policy), DeviceConfig("cpu"))
     with set_current_vllm_config(cfg):
         layer = FusedMoE(E, K, H, I, params_dtype=torch.float32)
     layer.load_expert_weight("w13_weight", torch.randn(E, 2 * I, H, generator=g), None, None)
