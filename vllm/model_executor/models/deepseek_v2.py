@@ -167,10 +167,6 @@ class DeepseekMoE(nn.Module):
             topk_group=topk_group,
             routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
             use_correction_bias=correction_bias, activation="silu", prefix=f"{prefix}.experts")
-        if correction_bias:
-            # HF keeps the bias in f32; FusedMoE makes it in the model dtype (bf16 would round it).
-            self.experts.e_score_correction_bias = nn.Parameter(
-                torch.zeros(E, dtype=torch.float32), requires_grad=False)
         n_shared = getattr(hf_config, "n_shared_experts", 0) or 0
         self.shared_experts = GatedMLP(H, hf_config.moe_intermediate_size * n_shared, act,
                                        bias=bool(getattr(hf_config, "mlp_bias", False))) \

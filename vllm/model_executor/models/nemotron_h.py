@@ -117,9 +117,6 @@ class NemotronHMoE(nn.Module):
             topk_group=hf_config.topk_group if groups > 1 else None,
             routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
             use_correction_bias=True, activation="relu2_no_mul", prefix=f"{prefix}.experts")
-        # HF keeps the bias in f32 (FusedMoE makes it in the model dtype).
-        self.experts.e_score_correction_bias = nn.Parameter(
-            torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.shared_experts = NemotronHMLP(H, hf_config.moe_shared_expert_intermediate_size,
                                            act, bias) \
             if (getattr(hf_config, "n_shared_experts", 1) or 0) > 0 else None

@@ -48,3 +48,16 @@ def test_grouped_topk_matches_reference(use_bias):
     assert [sorted(r) for r in ids.tolist()] == [sorted(r) for r in ref]
     # The bias chooses experts; the weights are the unbiased scores.
     torch.testing.assert_close(weights, logits.sigmoid().gather(1, ids))
+
+
+def test_correction_bias_stays_float32_in_a_bf16_model():
+    """Models are built under their dtype as torch's default; the correction bias must not
+    follow it: bf16 would round biases like 0.30078 vs 0.30117 together and change choices."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = FusedMoE(8, 2, 16, 8, scoring_func="sigmoid", use_correction_bias=True)
+    finally:
+        torch.set_default_dtype(prev)
+    assert layer.e_score_correction_bias.dtype == torch.float32

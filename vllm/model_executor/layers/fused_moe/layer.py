@@ -59,8 +59,11 @@ class FusedMoE(nn.Module):
         self.layer_index = int(m.group(1)) if m else 0
         self.router_config = RouterConfig(top_k, renormalize, scoring_func, num_expert_group,
                                           topk_group, routed_scaling_factor, num_experts)
-        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False)
-                                        if use_correction_bias else None)
+        # f32 as checkpoints and transformers keep it: in the model dtype (bf16) the bias would
+        # be rounded and could change which experts are chosen.
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            if use_correction_bias else None)
         if quant_method is None and cfg is not None and getattr(cfg, "quant_config", None):
             quant_method = get_moe_quant_method(cfg.quant_config, self)
         self.quant_method = quant_method or UnquantizedFusedMoEMethod(self.activation)
