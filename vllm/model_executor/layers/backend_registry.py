@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Generic, Iterable, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, Iterable, Protocol, TypeVar
 
 from vllm.logger import init_logger, log_once
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.platforms import Platform
 
 logger = init_logger(__name__)
 
@@ -29,6 +35,18 @@ class Backend(Protocol):
 
 
 B = TypeVar("B", bound=Backend)
+
+
+@dataclass(frozen=True)
+class OpQuery:
+    """What a kernel backend of one op is chosen for: the op in the model (activation) dtype
+    on a platform. Subclasses name the op in ``what``."""
+    platform: "Platform"
+    dtype: "torch.dtype"
+    what: ClassVar[str] = "an op"
+
+    def describe(self) -> str:
+        return f"{self.what} in {str(self.dtype).replace('torch.', '')} on {self.platform.name}"
 
 
 def platform_package_refusal(platforms: tuple[str, ...] | None, platform_name: str,

@@ -22,19 +22,13 @@ from typing import Callable
 
 import torch
 
-from vllm.model_executor.layers.backend_registry import (BackendRegistry,
+from vllm.model_executor.layers.backend_registry import (BackendRegistry, OpQuery,
                                                          platform_package_refusal)
 from vllm.model_executor.layers.gated_deltanet import torch_ref
-from vllm.platforms import Platform
 
 
-@dataclass(frozen=True)
-class GdnQuery:
-    platform: Platform
-    dtype: torch.dtype
-
-    def describe(self) -> str:
-        return f"a gated delta rule in {self.dtype} on {self.platform.name}"
+class GdnQuery(OpQuery):
+    what = "a gated delta rule"
 
 
 @dataclass(frozen=True)

@@ -18,21 +18,13 @@ from typing import Callable
 
 import torch
 
-from vllm.model_executor.layers.backend_registry import (BackendRegistry,
+from vllm.model_executor.layers.backend_registry import (BackendRegistry, OpQuery,
                                                          platform_package_refusal)
 from vllm.model_executor.layers.mamba import ssd_torch
-from vllm.platforms import Platform
 
 
-@dataclass(frozen=True)
-class MambaQuery:
-    """What a backend is chosen for: one mixer on its platform."""
-    platform: Platform
-    dtype: torch.dtype
-    """The model (activation) dtype."""
-
-    def describe(self) -> str:
-        return f"a Mamba-2 mixer in {str(self.dtype).replace('torch.', '')} on {self.platform.name}"
+class MambaQuery(OpQuery):
+    what = "a Mamba-2 mixer"
 
 
 @dataclass(frozen=True)
