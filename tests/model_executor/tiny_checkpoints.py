@@ -6,8 +6,8 @@ import random
 import torch
 import transformers
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, ModelConfig, MoECacheConfig,
+                         SchedulerConfig, VllmConfig)
 from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.recurrent_state import recurrent_layers
@@ -97,6 +97,14 @@ def build_checkpoint(arch: str, path, dtype: torch.dtype = torch.float32, seed: 
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.to(dtype).save_pretrained(str(path), **kwargs)
     return model.float()
+
+
+def layer_config(cache_size: int = 0, policy: str = "auto",
+                 moe_backend: str = "auto") -> VllmConfig:
+    """A CPU config without a model, for building single layers under it."""
+    return VllmConfig(None, CacheConfig(), SchedulerConfig(),
+                      MoECacheConfig(cache_size=cache_size, policy=policy), DeviceConfig("cpu"),
+                      kernel_config=KernelConfig(moe_backend=moe_backend))
 
 
 def make_vllm_config(path, dtype: str = "float32") -> VllmConfig:

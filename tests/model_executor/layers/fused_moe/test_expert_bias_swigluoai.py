@@ -9,24 +9,17 @@ import torch
 import transformers
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig, set_current_vllm_config)
+from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.grouped_mm import expert_pairs_grouped
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation, MoEKernelQuery
 from vllm.model_executor.layers.fused_moe.registry import MoEBackend, select_moe_backend
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_ref
 from vllm.platforms import platform_for
+from tiny_checkpoints import layer_config as vllm_config
 
 E, H, I, TOP_K = 8, 32, 16, 2
 LIMIT, ALPHA = 0.4, 1.702    # a small limit, so random weights reach both clamps
-
-
-def vllm_config(cache_size=0, moe_backend="auto"):
-    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                     DeviceConfig("cpu"))
-    cfg.kernel_config = KernelConfig(moe_backend=moe_backend)
-    return cfg
 
 
 def hf_mlp(seed=0):
@@ -50,7 +43,7 @@ def our_layer(mlp, cache_size=0, moe_backend="auto", dtype=torch.float32):
     w13 = torch.cat([gu[:, 0::2], gu[:, 1::2]], dim=1)
     b = ex.gate_up_proj_bias.detach()
     b13 = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
-    with set_current_vllm_config(vllm_config(cache_size, moe_backend)):
+    with set_current_vllm_config(vllm_config(cache_size, moe_backend=moe_backend)):
         layer = FusedMoE(E, TOP_K, H, I, activation=MoEActivation("swigluoai", ALPHA, LIMIT),
                          bias=True, params_dtype=dtype)
         for name, t in (("w13_weight", w13), ("w2_weight", ex.down_proj.detach().transpose(1, 2)),

@@ -5,16 +5,11 @@ import math
 import pytest
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
-                         set_current_vllm_config)
+from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from tiny_checkpoints import layer_config as vllm_config
 
 E, H, I = 8, 32, 16
-
-
-def vllm_config(cache_size=0):
-    return VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                      DeviceConfig("cpu"))
 
 
 def per_token_reference(x, logits, w13, w2, top_k, renormalize=True, scoring="softmax",

@@ -11,19 +11,12 @@ import transformers
 from transformers.models.nemotron_h.modeling_nemotron_h import (NemotronHExperts,
                                                                 NemotronHTopkRouter)
 
-from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig, set_current_vllm_config)
+from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+from tiny_checkpoints import layer_config as vllm_config
 
 E, H, I, TOP_K = 8, 32, 16, 2
-
-
-def vllm_config(cache_size=0, moe_backend="auto"):
-    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                     DeviceConfig("cpu"))
-    cfg.kernel_config = KernelConfig(moe_backend=moe_backend)
-    return cfg
 
 
 def hf_modules(seed=0):
@@ -43,7 +36,7 @@ def hf_modules(seed=0):
 
 def our_layer(router, experts, cache_size=0, moe_backend="auto"):
     """FusedMoE loaded expert by expert, as the checkpoint stores them (experts.{e}.up_proj)."""
-    with set_current_vllm_config(vllm_config(cache_size, moe_backend)):
+    with set_current_vllm_config(vllm_config(cache_size, moe_backend=moe_backend)):
         layer = FusedMoE(E, TOP_K, H, I, renormalize=True, scoring_func="sigmoid",
                          num_expert_group=4, topk_group=2, routed_scaling_factor=2.5,
                          use_correction_bias=True, activation="relu2_no_mul")

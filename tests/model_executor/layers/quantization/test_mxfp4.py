@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig, VllmConfig,
-                         set_current_vllm_config)
+from vllm.config import set_current_vllm_config
 from vllm.config.quantization import parse_quant_config
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.quantization import get_moe_quant_method
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+from tiny_checkpoints import layer_config as vllm_config
 
 E, H, N, TOP_K = 6, 64, 32, 2
 ACT = MoEActivation("swigluoai", 1.702, 7.0)
@@ -52,11 +52,6 @@ def ck():
     return {"c13": c13, "s13": s13, "c2": c2, "s2": s2,
             "b13": torch.randn(E, 2 * N, generator=g).bfloat16(),
             "b2": torch.randn(E, H, generator=g).bfloat16()}
-
-
-def vllm_config(cache_size=0):
-    return VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                      DeviceConfig("cpu"))
 
 
 def mxfp4_layer(ck, cache_size=0):

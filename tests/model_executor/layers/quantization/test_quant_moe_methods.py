@@ -4,12 +4,12 @@ tensors only in the cached forward, and per-expert post-load repacking into the 
 import pytest
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig, set_current_vllm_config)
+from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod, quantize_fp8
 from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod, quantize_gptq
 from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod, quantize_nvfp4
+from tiny_checkpoints import layer_config
 
 E, H, N, TOP_K = 8, 64, 48, 2
 
@@ -83,8 +83,7 @@ def vllm_config(cache_size=0):
     # The torch backend: these tests read the method's layout and spy on its ``dequantize``
     # (cpu_kernel, the CPU default, packs its own layout: tests/kernels/cpu/
     # test_moe_experts_quant.py).
-    return VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                      DeviceConfig("cpu"), kernel_config=KernelConfig(moe_backend="torch"))
+    return layer_config(cache_size, moe_backend="torch")
 
 
 def float_weights(seed=0, e=E, h=H, n=N):

@@ -7,22 +7,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
-                         VllmConfig, set_current_vllm_config)
+from vllm.config import MoECacheConfig, set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.expert_cache import policy as policy_mod
 from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CPU_NO_SAVING_MSG,
                                                                         CachedWeightProvider)
 from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from tiny_checkpoints import layer_config as vllm_config
 
 E, H, I = 8, 32, 16
-
-
-def vllm_config(cache_size, policy="auto", moe_backend="auto"):
-    return VllmConfig(model_config=None, cache_config=CacheConfig(),
-                      scheduler_config=SchedulerConfig(),
-                      moe_cache_config=MoECacheConfig(cache_size=cache_size, policy=policy),
-                      device_config=DeviceConfig("cpu"), kernel_config=KernelConfig(moe_backend))
 
 
 def weights(dtype, seed=0):
