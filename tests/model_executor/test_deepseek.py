@@ -207,7 +207,7 @@ def test_fp8_block_checkpoint(tmp_path, block):
 
 def test_fp8_dense_pairs_in_any_order(tmp_path):
     """A sharded checkpoint may list a scale before its weight: the dense pair still meets."""
-    from vllm.model_executor.models.deepseek_v2 import dequantize_dense_fp8
+    from vllm.model_executor.layers.quantization.fp8_dense import dequantize_dense_fp8
     build("DeepseekV3ForCausalLM", tmp_path / "src")
     write_fp8_block(tmp_path / "src", tmp_path / "fp8", (8, 16))
     items = sorted(load_file(os.path.join(tmp_path / "fp8", "model.safetensors")).items())

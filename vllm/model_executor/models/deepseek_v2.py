@@ -19,12 +19,12 @@ neox-style ``RotaryEmbedding`` (its C kernel on CPU) applies.
 FP8 checkpoints (``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3's own format):
 routed experts load through the FP8 block scheme of ``FusedMoE``; every other FP8 linear
 (attention projections, shared experts, dense layers) has no FP8 path here and is dequantized at
-load time into the model dtype (``dequantize_dense_fp8``).
+load time into the model dtype (``quantization/fp8_dense.py``).
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
-from vllm.model_executor.layers.quantization.utils import expand_block_scale
+from vllm.model_executor.layers.quantization.fp8_dense import dequantize_dense_fp8
 from vllm.model_executor.layers.rotary_embedding import _yarn_mscale, get_rope, rope_parameters
 from vllm.model_executor.models.decoder import (DecoderForCausalLM, DecoderLayer, GatedMLP,
                                                 config_attr)
@@ -44,9 +44,7 @@ KV_SHARED = True
 """Give ``Attention`` the latent once (``kv_shared``: a one-plane cache whose values are the
 keys). False passes v = k to a plain two-plane layer (the same results, twice the cache)."""
 
-_EXPERT = re.compile(r"\.experts\.\d+\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FP8_SCALES = ("weight_scale_inv", "weight_scale")
 _LATENT_EPS = 1e-6
 """q_a_layernorm / kv_a_layernorm eps: HF builds them with the RMSNorm default, not rms_norm_eps."""
 
@@ -176,53 +174,6 @@ class DeepseekMoE(nn.Module):
         """x [T, H] -> [T, H]."""
         out = self.experts(x, self.gate(x.float()))                       # router logits f32
         return out if self.shared_experts is None else out + self.shared_experts(x)
-
-
-def dequantize_fp8(w: torch.Tensor, scale: torch.Tensor,
-                   block: tuple[int, int] | None) -> torch.Tensor:
-    """e4m3 weight [out, in] and its scale (one value, [out, 1], or per block) -> float32."""
-    out, inp = w.shape
-    if scale.numel() == 1:
-        return w.float() * scale.float().reshape(())
-    if tuple(scale.shape) == (out, 1):
-        return w.float() * scale.float()
-    bo, bi = block or (128, 128)
-    if tuple(scale.shape) != (-(-out // bo), -(-inp // bi)):
-        raise ValueError(f"scale {tuple(scale.shape)} does not fit weight {(out, inp)} with "
-                         f"weight_block_size {[bo, bi]}")
-    return w.float() * expand_block_scale(scale, out, inp, bo, bi)
-
-
-def dequantize_dense_fp8(weights: Iterable[tuple[str, torch.Tensor]],
-                         block: tuple[int, int] | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass checkpoint tensors through, replacing each non-expert FP8 ``X.weight`` + its
-    ``X.weight_scale_inv`` (or ``weight_scale``) by a float32 ``X.weight``; a dense
-    ``input_scale`` is dropped (activations are not quantized). Expert tensors pass unchanged
-    (``FusedMoE``'s FP8 scheme loads them). Either half of a pair may come first."""
-    held: dict[tuple[str, bool], torch.Tensor] = {}          # (module, is_scale) -> tensor
-    for name, t in weights:
-        module, _, suffix = name.rpartition(".")
-        fp8_weight = suffix == "weight" and t.dtype == torch.float8_e4m3fn
-        is_scale = suffix in _FP8_SCALES
-        if _EXPERT.search(name) or not (fp8_weight or is_scale or suffix == "input_scale"):
-            yield name, t
-            continue
-        if suffix == "input_scale":
-            continue
-        other = held.pop((module, not is_scale), None)
-        if other is None:
-            held[(module, is_scale)] = t
-            continue
-        w, s = (t, other) if fp8_weight else (other, t)
-        try:
-            yield f"{module}.weight", dequantize_fp8(w, s, block)
-        except ValueError as err:
-            raise ValueError(f"checkpoint tensor {module}.weight: {err}") from None
-    if held:
-        (module, is_scale), _ = next(iter(held.items()))
-        missing = "weight (float8_e4m3fn)" if is_scale else "weight_scale_inv"
-        raise ValueError(f"checkpoint tensor {module}.{missing} is missing: an FP8 linear needs "
-                         "its weight and its scale")
 
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
