@@ -2,6 +2,7 @@
 registered backend plugging into FusedMoE without other changes."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig, SchedulerConfig,
                          VllmConfig, set_current_vllm_config)
 from vllm.engine.arg_utils import EngineArgs
-from vllm.model_executor.layers.fused_moe import registry
+from vllm.model_executor.layers.fused_moe import registry, triton_experts
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts, MoEKernelQuery
 from vllm.model_executor.layers.fused_moe.registry import (MoEBackend, moe_backend_names,
@@ -76,11 +77,21 @@ def test_fp4_schemes_get_the_reference_and_refuse_the_rest(scheme):
         select_moe_backend(query(scheme), "cpu_kernel")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("sm,dtype,want", [(70, torch.bfloat16, "torch"),    # bf16 dot: SM 8.0
+                                           (70, torch.float16, "triton"),
+                                           (90, torch.bfloat16, "triton"),
+                                           (120, torch.float32, "triton")])
+def test_auto_on_cuda_by_capability(sm, dtype, want):
+    assert select_moe_backend(query(dtype=dtype, platform=FakeCuda(sm))).name == want
+
+
 @pytest.mark.parametrize("sm,dtype,want", [(80, torch.bfloat16, "torch"),
                                            (90, torch.bfloat16, "grouped_mm"),
                                            (90, torch.float16, "torch"),
                                            (120, torch.bfloat16, "grouped_mm")])
-def test_auto_on_cuda_by_capability(sm, dtype, want):
+def test_auto_on_cuda_without_triton(monkeypatch, sm, dtype, want):
+    monkeypatch.setattr(triton_experts, "triton_refusal", lambda device_type: "no triton here")
     assert select_moe_backend(query(dtype=dtype, platform=FakeCuda(sm))).name == want
 
 

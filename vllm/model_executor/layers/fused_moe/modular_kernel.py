@@ -103,6 +103,11 @@ class MoEExperts:
     """One layer's expert computation (a backend bound to the layer's scheme and activation)."""
 
     name: str = ""
+    cuda_graph_safe: bool = False
+    """``apply_pairs`` enqueues the same kernels with the same shapes for every call of a given
+    [T, top_k], with no host read of device data (group sizes stay on the device): safe to
+    capture in a decode graph (``worker/cuda_graphs.py``). Not the per-expert loop reference,
+    whose ``nonzero`` / ``tolist`` sizes its work on the host."""
 
     def pack(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layout this backend reads, made once after loading from the scheme's layout.

@@ -11,7 +11,9 @@ GPTQ INT4 weights dequantized tile by tile inside its GEMM), ``grouped_mm``
 (``torch._grouped_mm``, unquantized; CUDA needs SM 9.0 and bf16) and ``torch`` (the per-expert
 loop reference: every scheme, every platform; quantized experts are dequantized per expert).
 All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gated ones, and the
-non-gated ``relu2_no_mul`` whose w13 holds the up projection only).
+non-gated ``relu2_no_mul`` whose w13 holds the up projection only). ``triton`` (the Triton
+fused-MoE kernels, ``triton_experts.py``; unquantized, fp16/bf16/fp32, biases, every
+activation) runs on CUDA, or on CPU only under ``TRITON_INTERPRET=1``; not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, GAT
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop, expert_pairs_ref
+from vllm.model_executor.layers.fused_moe.triton_experts import (TRITON_DTYPES, TritonExperts,
+                                                                 triton_moe_refusal)
 
 CPU_KERNEL_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
 """Schemes the C expert kernel runs: unquantized, and weight-only FP8 / INT4 dequantized inside
@@ -123,6 +127,7 @@ class CpuKernelExperts(MoEExperts):
     quantized scheme (``bind_scheme``), over codes and scale tables packed by the method's
     ``cpu_kernel_layout()``, dequantized tile by tile inside the GEMM."""
     name = "cpu_kernel"
+    cuda_graph_safe = True    # one C call over the ids (CPU graphs record it); never on CUDA
 
     def __init__(self, activation: MoEActivation):
         self.activation = activation
@@ -175,6 +180,7 @@ class CpuKernelExperts(MoEExperts):
 class GroupedMMExperts(MoEExperts):
     """``torch._grouped_mm`` over the loaded layout (``grouped_mm.py``)."""
     name = "grouped_mm"
+    cuda_graph_safe = True    # sync-free: group offsets stay on the device
 
     def __init__(self, activation: MoEActivation):
         self.activation = activation
@@ -225,3 +231,7 @@ register_moe_backend(MoEBackend(
     platforms=("cpu", "cuda"), activations=MOE_ACTIVATIONS, bias=True, min_capability=90,
     check=_grouped_mm_check))
 register_moe_backend(MoEBackend("torch", TorchExperts, activations=MOE_ACTIVATIONS, bias=True))
+# Every platform by name: the check refuses all but CUDA, and CPU under TRITON_INTERPRET=1.
+register_moe_backend(MoEBackend(
+    "triton", lambda act, deq: TritonExperts(act), schemes=("unquantized",),
+    dtypes=TRITON_DTYPES, activations=MOE_ACTIVATIONS, bias=True, check=triton_moe_refusal))

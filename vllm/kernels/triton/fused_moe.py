@@ -1,0 +1,255 @@
+"""Triton fused-MoE experts: vLLM's fused_moe design over whatever expert rows it is handed.
+
+The pairs (token t, choice k) of a call are grouped by expert id (``moe_align_block_size``), each
+expert's group padded to a multiple of BLOCK_M, so every BLOCK_M block of the sorted order
+belongs to one expert. A grouped GEMM (``_moe_gemm_kernel``, one program per (M block, N block))
+gathers its A rows by sorted pair id (// top_k for the hidden states), multiplies by that
+expert's weight block and writes the rows back at their pair index. Three launches per call:
+gate_up = x @ w13[e]^T (+ b13[e]) -> activation (``_moe_act_kernel``) -> out = (act @
+w2[e]^T (+ b2[e])) * topk_weight, written straight into the caller's ``out`` [T, K, H]; pairs
+with an id outside [0, G) are never written (the expert cache's waves). ``fused_moe`` adds the
+sum over K.
+
+Ids index the leading dim of the weights: experts, or the expert cache's slots (the cache maps
+expert ids to slot ids before the call; nothing here knows about it). fp32 accumulation; x,
+weights and out in one dtype (fp16, bf16 or fp32; fp32 products are IEEE, not TF32). Index
+arithmetic is int64 wherever a product can pass 2^31. No host read: every size is fixed by
+(T, K, G, BLOCK_M), so a call can be captured in a CUDA graph.
+
+NOT YET RUN ON A GPU: tested under Triton's interpreter on CPU and compiled for SM90/SM120
+(``tests/build/test_triton_compile_fused_moe.py``); block sizes untuned (``fused_moe_config``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton.fused_moe_config import get_moe_config
+
+ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2, "relu2_no_mul": 3}
+"""Activation name (``MoEActivation.name``) -> the kernel's ACT constexpr."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACT_BLOCK_N = 64    # activation columns per program
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert, each group padded to a multiple of ``block_m``.
+
+    topk_ids [T, K] (any int dtype; ids outside [0, num_experts) are skipped) -> (sorted_ids
+    [S] int64: pair indices t * K + k, ascending within each expert, padding = the sentinel
+    P = T * K; block_expert [S // block_m] int64: the expert of each block, -1 past the end;
+    num_padded [1] int64: the padded pair count). S = P + min(E, P) * (block_m - 1) rounded up
+    to a multiple of block_m: the worst case, fixed by the shapes alone (no host read)."""
+    if block_m < 1:
+        raise ValueError(f"moe_align_block_size: block_m={block_m} must be >= 1")
+    if num_experts < 1:
+        raise ValueError(f"moe_align_block_size: num_experts={num_experts} must be >= 1")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise ValueError(f"moe_align_block_size: topk_ids must be integer, not {topk_ids.dtype}")
+    E, dev = num_experts, topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)                     # [P]
+    P = flat.numel()
+    S = triton.cdiv(P + min(E, P) * (block_m - 1), block_m) * block_m
+    key = torch.where((flat >= 0) & (flat < E), flat, E)            # [P] skipped pairs -> E
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    counts.index_add_(0, key, torch.ones_like(key))
+    counts = counts[:E]                                             # [E] pairs per expert
+    padded = (counts + block_m - 1) // block_m * block_m            # [E]
+    padded_end = padded.cumsum(0)                                   # [E] inclusive ends
+    order = torch.argsort(key, stable=True)                         # [P] pairs by expert
+    sorted_key = key[order]                                         # [P]
+    e = sorted_key.clamp(max=E - 1)
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[e]   # [P] rank in group
+    dest = torch.where(sorted_key < E, padded_end[e] - padded[e] + rank, S)   # S = dropped
+    sorted_ids = torch.full((S + 1,), P, dtype=torch.int64, device=dev)
+    sorted_ids.scatter_(0, dest, order)
+    block_start = torch.arange(0, S, block_m, device=dev)           # [S // block_m]
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < E, block_expert, -1)
+    return sorted_ids[:S], block_expert, padded_end[-1:].clone()
+
+
+@triton.jit
+def _moe_gemm_kernel(
+        a_ptr, b_ptr, bias_ptr, c_ptr, w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+        N, K, P, num_m_blocks, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+        stride_bias_e, stride_cm, stride_cn,
+        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[r, n] = (A[r // ROW_DIV] @ B[e]^T + bias[e])[n] (* w[r]) for the sorted pair rows r of
+    one M block (expert e) and one N block. A [*, K]; B [G, N, K]; bias [G, N]; C [P, N]."""
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n_blocks                   # M blocks of a group share B's columns
+    first_m = (pid // group) * GROUP_M
+    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.load(sorted_ptr + offs_m)              # [BLOCK_M] int64 pair ids, P = padding
+    row_ok = rows < P
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rows // ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn
+              + offs_k[:, None] * stride_bk)         # [BLOCK_K, BLOCK_N] tile of B[e]^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n, mask=n_ok,
+                       other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if MUL_WEIGHT:
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        acc *= w.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_act_kernel(in_ptr, out_ptr, sorted_ptr, num_padded_ptr, N, P, stride_in, stride_out,
+                    alpha, limit, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """out[r, :N] = act(in[r]) for the sorted pair rows r of one M block: gated (ACT 0-2) in
+    = [gate (N) | up (N)]; relu2_no_mul (ACT 3) in = up (N). fp32 math, one rounding."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < P)[:, None] & (cols < N)[None, :]
+    src = in_ptr + rows[:, None] * stride_in + cols[None, :]
+    if ACT == 3:
+        up = tl.maximum(tl.load(src, mask=mask, other=0.0).to(tl.float32), 0.0)
+        y = up * up
+    else:
+        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(src + N, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            y = gate / (1.0 + tl.exp(-gate)) * up
+        elif ACT == 1:
+            y = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+        else:                                        # GPT-OSS: clamp, then (up + 1) * glu
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            y = (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * alpha))))
+    dst = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
+          w: torch.Tensor | None, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+          row_div: int, cfg: dict[str, int]) -> None:
+    """c [P, N] rows of the aligned pairs = a[rows // row_div] @ b[e]^T (+ bias) (* w)."""
+    sorted_ids, block_expert, num_padded = align
+    N, K = b.shape[1], b.shape[2]
+    num_m = block_expert.numel()
+    block_k = cfg["BLOCK_K"] if a.dtype != torch.float32 else max(16, cfg["BLOCK_K"] // 2)
+    grid = (num_m * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, b, bias if bias is not None else b, c, w if w is not None else a, sorted_ids,
+        block_expert, num_padded, N, K, c.shape[0], num_m, a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2), bias.stride(0) if bias is not None else 0,
+        c.stride(0), c.stride(1), ROW_DIV=row_div, MUL_WEIGHT=w is not None,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _activation(gate_up: torch.Tensor, act: torch.Tensor, align, activation: str, alpha: float,
+                limit: float, block_m: int) -> None:
+    sorted_ids, block_expert, num_padded = align
+    N = act.shape[1]
+    grid = (block_expert.numel(), triton.cdiv(N, ACT_BLOCK_N))
+    _moe_act_kernel[grid](gate_up, act, sorted_ids, num_padded, N, act.shape[0],
+                          gate_up.stride(0), act.stride(0), float(alpha), float(limit),
+                          ACT=ACTIVATION_CODES[activation], BLOCK_M=block_m,
+                          BLOCK_N=ACT_BLOCK_N)
+
+
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2) -> None:
+    """Clear errors for shapes, dtypes and devices the kernels cannot take."""
+    def fail(msg: str):
+        raise ValueError(f"triton fused_moe: {msg}")
+    if activation not in ACTIVATION_CODES:
+        fail(f"activation={activation!r} is invalid: must be one of {list(ACTIVATION_CODES)}")
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        fail(f"need x [T, H], w13 [G, 2N or N, H], w2 [G, H, N]; got x {tuple(x.shape)}, "
+             f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    (T, H), (G, H2, N) = x.shape, w2.shape
+    rows = 2 * N if activation != "relu2_no_mul" else N
+    if tuple(w13.shape) != (G, rows, H) or H2 != H:
+        fail(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)} "
+             f"and activation {activation!r}: need w13 ({G}, {rows}, {H}), w2 ({G}, {H}, {N})")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        fail(f"need topk_ids and topk_weights [T={T}, K]; got {tuple(topk_ids.shape)} and "
+             f"{tuple(topk_weights.shape)}")
+    if out is not None and (tuple(out.shape) != (T, topk_ids.shape[1], H) or
+                            not out.is_contiguous()):
+        fail(f"out must be a contiguous [T, K, H] = {(T, topk_ids.shape[1], H)} tensor, got "
+             f"{tuple(out.shape)} with strides {out.stride()}")
+    if x.dtype not in DTYPES:
+        fail(f"x.dtype={x.dtype} is not supported: must be one of {list(DTYPES)}")
+    named = {"w13": w13, "w2": w2, "out": out, "b13": b13, "b2": b2}
+    for name, t in named.items():
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            fail(f"{name} is {t.dtype} on {t.device}; x is {x.dtype} on {x.device}")
+    if topk_ids.device != x.device or topk_weights.device != x.device:
+        fail(f"topk_ids ({topk_ids.device}) and topk_weights ({topk_weights.device}) must be on "
+             f"x's device {x.device}")
+    for name, t, want in (("b13", b13, (G, rows)), ("b2", b2, (G, H))):
+        if t is not None and (tuple(t.shape) != want or t.stride(-1) != 1):
+            fail(f"{name} must be a row-contiguous {want} tensor, got {tuple(t.shape)}")
+
+
+def fused_moe_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                    activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    config: dict[str, int] | None = None, device_name: str = "") -> None:
+    """out[t, k] = topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for ids in [0, G); other
+    pairs untouched. x [T, H]; w13 [G, 2N, H] ([gate; up]; [G, N, H] up alone for
+    relu2_no_mul); w2 [G, H, N]; optional b13 [G, 2N or N], b2 [G, H]; out [T, K, H]
+    contiguous. ``config``: block sizes (default: ``get_moe_config`` for ``device_name``)."""
+    _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2)
+    T, K = topk_ids.shape
+    G, H, N = w2.shape
+    P = T * K
+    if P == 0:
+        return
+    cfg = config or get_moe_config(G, N, T, device_name)
+    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G)
+    gate_up = x.new_empty(P, w13.shape[1])           # [P, 2N] rows of the call's pairs
+    _gemm(x, w13, b13, gate_up, None, align, K, cfg)
+    act = x.new_empty(P, N)                          # [P, N]
+    _activation(gate_up, act, align, activation, alpha, limit, cfg["BLOCK_M"])
+    w = topk_weights.reshape(P)                      # [P] pair weights
+    _gemm(act, w2, b2, out.view(P, H), w, align, 1, cfg)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
+              limit: float = 7.0, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              config: dict[str, int] | None = None, device_name: str = "") -> torch.Tensor:
+    """x [T, H] -> [T, H]: ``fused_moe_pairs`` into zeros, summed over the K pairs of each
+    token (skipped pairs add 0)."""
+    T, K = topk_ids.shape
+    out = x.new_zeros(T, K, x.shape[-1])             # [T, K, H]
+    fused_moe_pairs(x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit, b13, b2,
+                    config, device_name)
+    return out.sum(dim=1)
