@@ -15,6 +15,13 @@ from vllm.platforms import platform_for
 from .test_attention import BS, D, HKV, HQ, NB, make_attention, mixed_batch, run_mixed_batch
 
 
+@pytest.fixture(autouse=True)
+def _no_triton_interpreter(monkeypatch):
+    """The registry as a CPU install sees it: without TRITON_INTERPRET (which tests/conftest.py
+    sets), triton_paged does not run on CPU (tests/.../test_triton_paged.py covers it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _query(dtype=torch.float32, contiguous=True, device="cpu") -> AttentionQuery:
     return AttentionQuery(platform_for(device), dtype, D, contiguous)
 
@@ -50,9 +57,11 @@ def test_auto_picks_torch_for_float16_and_for_a_non_contiguous_cache():
 
 
 def test_auto_off_cpu_and_on_a_platform_without_a_list():
-    """CUDA lists only torch_sdpa; a device type without a platform ("meta") lists nothing and
-    falls through to the backends that run anywhere. Pure selection: no device is touched."""
-    assert select_attention_backend(_query(device="cuda")).name == "torch_sdpa"
+    """CUDA lists triton_paged (triton is a test dependency), then torch_sdpa for what it
+    refuses; a device type without a platform ("meta") lists nothing and falls through to the
+    backends that run anywhere. Pure selection: no device is touched."""
+    assert select_attention_backend(_query(device="cuda")).name == "triton_paged"
+    assert select_attention_backend(_query(contiguous=False, device="cuda")).name == "torch_sdpa"
     assert select_attention_backend(_query(device="meta")).name == "torch_sdpa"
     with pytest.raises(ValueError, match=r"it runs on \['cpu'\], not 'cuda'"):
         select_attention_backend(_query(device="cuda"), "cpu_paged")

@@ -20,6 +20,10 @@ from vllm.platforms import native_kernels
 
 class CpuPagedAttention(AttentionImpl):
     name = "cpu_paged"
+    cuda_graph_safe = True
+    """Two C calls per step reading lengths from ``seq_lens`` (a decode-only step's
+    ``token_rows_and_lens``), PAD_SLOT_ID rows skipped: what CPU graphs record, and what the CUDA
+    decode graphs' eager capturer replays in the CPU tests (it never runs on CUDA)."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  prefix: str = "", options: AttentionOptions = AttentionOptions()):

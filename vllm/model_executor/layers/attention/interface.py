@@ -51,6 +51,12 @@ class AttentionOptions:
 class AttentionImpl:
     name = ""
     """The registered backend name (``registry.py``)."""
+    cuda_graph_safe: bool = False
+    """Its forward enqueues the same kernels with the same shapes for every decode-only step of a
+    given batch size, reading lengths only from device tensors (``seq_lens``, ``block_tables``,
+    ``slot_mapping``; never the host lists ``seq_lens_cpu`` / ``query_lens_cpu``, which a
+    captured step fixes to placeholders) and skipping ``PAD_SLOT_ID`` rows in its KV write: safe
+    to capture in a decode graph (``worker/cuda_graphs.py``)."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  prefix: str = "", options: AttentionOptions = AttentionOptions()):

@@ -2,7 +2,8 @@
 
 The layer owns its KV cache (bound by the model runner) and the backend implementation chosen
 for that cache when it is bound (``registry.py``: the C kernel ``cpu_paged`` on CPU in
-f32/bf16, else ``torch_sdpa``), which writes the step's keys and values and attends. Without
+f32/bf16, the Triton kernels ``triton_paged`` on CUDA, else ``torch_sdpa``), which writes the
+step's keys and values and attends. Without
 metadata (a plain forward) the whole input is one causal sequence; with metadata but no cache
 (a dummy/profiling run) each sequence attends only its own new tokens.
 

@@ -8,21 +8,25 @@ bound, with the layer's features) against them. "auto" tries the platform's pref
 (``Platform.attention_backends``), then any other registered backend; a forced name that cannot
 run the query is an error that names the reason and the backends that would. The choice is logged once per distinct decision.
 
-Built in: ``cpu_paged`` (the C kernel, ``cpu_paged.py``: CPU, f32/bf16, contiguous cache) and
-``torch_sdpa`` (``torch_sdpa.py``: every platform, dtype and layout); both implement every
-feature.
+Built in: ``cpu_paged`` (the C kernel, ``cpu_paged.py``: CPU, f32/bf16, contiguous cache),
+``triton_paged`` (``triton_paged.py``: the Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1;
+f16/bf16/f32, contiguous cache) and ``torch_sdpa`` (``torch_sdpa.py``: every platform, dtype and
+layout); all implement every feature.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from vllm.kernels.cpu.ops import KERNEL_DTYPES
+from vllm.kernels.triton import triton_refusal
 from vllm.model_executor.layers.attention.cpu_paged import CpuPagedAttention
 from vllm.model_executor.layers.attention.interface import (ATTENTION_FEATURES, AttentionImpl,
                                                             AttentionOptions)
 from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
+from vllm.model_executor.layers.attention.triton_paged import TritonPagedAttention
 from vllm.model_executor.layers.backend_registry import BackendRegistry
 from vllm.platforms import Platform
 
@@ -60,6 +64,8 @@ class AttentionBackend:
     """The platform's compiled kernels must be loaded and take the cache dtype."""
     features: frozenset[str] = frozenset()
     """The optional layer features it implements (of ``ATTENTION_FEATURES``)."""
+    check: Callable[[AttentionQuery], str | None] | None = None
+    """Further requirement (a package, the device type): the reason it fails, or None."""
 
     def refusal(self, q: AttentionQuery) -> str | None:
         """Why this backend cannot run the query (the first requirement that fails), or None."""
@@ -74,7 +80,7 @@ class AttentionBackend:
         if self.needs_native_kernels and not q.platform.has_native_kernels(q.dtype):
             return (f"the {q.platform.name} kernels are not built or do not take {q.dtype} "
                     "(no C compiler, or VLLM_CPU_KERNELS=0)")
-        return None
+        return self.check(q) if self.check is not None else None
 
     def make(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
              prefix: str = "", options: AttentionOptions = AttentionOptions()) -> AttentionImpl:
@@ -105,5 +111,9 @@ def select_attention_backend(q: AttentionQuery, requested: str = "auto") -> Atte
 register_attention_backend(AttentionBackend(
     "cpu_paged", CpuPagedAttention, platforms=("cpu",), dtypes=tuple(KERNEL_DTYPES),
     needs_contiguous_cache=True, needs_native_kernels=True, features=ATTENTION_FEATURES))
+register_attention_backend(AttentionBackend(
+    "triton_paged", TritonPagedAttention, dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    needs_contiguous_cache=True, features=ATTENTION_FEATURES,
+    check=lambda q: triton_refusal(q.platform.device_type)))
 register_attention_backend(AttentionBackend("torch_sdpa", TorchSdpaAttention,
                                             features=ATTENTION_FEATURES))

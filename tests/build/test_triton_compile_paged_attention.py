@@ -1,0 +1,95 @@
+"""The Triton paged-attention kernels (``vllm/kernels/triton/paged_attention.py``) compile for
+SM90 and SM120 without a GPU, in bf16 and fp16, plain and with a sliding window and sinks,
+decode-only and mixed, and at MLA's one-plane D = 576: what the interpreter cannot catch (a
+non-constexpr global, an op without a lowering, a loop-carried type mismatch). Compiling is not
+running: results on a GPU are the ``gpu`` test of tests/kernels/triton/test_triton_paged_attention.py.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+# A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
+# decorated under it cannot be compiled.
+SCRIPT = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from vllm.kernels.triton import paged_attention as m
+
+SCALARS = {"scale_log2": "fp32", "window": "i32", "B": "i32", "num_slots": "i64"}
+INDEX = {"block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr"}
+
+
+def compile_one(fn, dtype, cc, consts):
+    def arg_type(a):
+        if a in consts:
+            return "constexpr"
+        if a in SCALARS or a.startswith("stride"):
+            return SCALARS.get(a, "i32")
+        return "*i64" if a in INDEX else "*fp32" if a == "sinks_ptr" else "*" + dtype
+    sig = {a: arg_type(a) for a in fn.arg_names}
+    src = triton.compiler.ASTSource(
+        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": m.NUM_WARPS})
+    return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+
+
+def attention(d, shared, decode_only, window_sinks, bs=16):
+    return dict(GROUP=8 if shared else 4, NUM_KV_HEADS=1 if shared else 2, HEAD_DIM=d,
+                BLOCK_SIZE=bs, BLOCK_D=triton.next_power_of_2(d), BLOCK_N=m.block_n_for(d),
+                BLOCK_B=m.BLOCK_B, DECODE_ONLY=decode_only, HAS_WINDOW=window_sinks,
+                HAS_SINKS=window_sinks)
+
+
+out = {}
+for cc in (90, 120):
+    for dtype in ("bf16", "fp16"):
+        for variant, consts in (("decode", attention(128, False, True, False)),
+                                ("mixed_window_sinks", attention(128, False, False, True)),
+                                ("mla576", attention(576, True, True, True))):
+            out[f"attn/{cc}/{dtype}/{variant}"] = compile_one(m._paged_attention_kernel, dtype,
+                                                              cc, consts)
+        for d, has_v in ((128, True), (576, False)):
+            consts = dict(NUM_KV_HEADS=2, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+                          HAS_V=has_v)
+            out[f"write/{cc}/{dtype}/{d}"] = compile_one(m._write_kv_kernel, dtype, cc, consts)
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cc", [90, 120])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("variant", ["decode", "mixed_window_sinks", "mla576"])
+def test_paged_attention_compiles(compiled, cc, dtype, variant):
+    k = compiled[f"attn/{cc}/{dtype}/{variant}"]
+    assert k["cubin"] > 0
+    assert f".target sm_{cc}a" in k["ptx"]
+    assert "ex2.approx" in k["ptx"]                      # the softmax's exp2
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cc", [90, 120])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [128, 576])
+def test_write_kv_cache_compiles(compiled, cc, dtype, d):
+    k = compiled[f"write/{cc}/{dtype}/{d}"]
+    assert k["cubin"] > 0 and f".target sm_{cc}a" in k["ptx"]

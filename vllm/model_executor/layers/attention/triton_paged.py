@@ -1,0 +1,38 @@
+"""The Triton attention backend (``triton_paged``, ``vllm/kernels/triton/paged_attention.py``):
+one launch writes the step's keys (and values) into the paged cache, skipping PAD_SLOT_ID rows;
+one launch attends every query token of the step, decodes and prefill chunks alike, reading the
+cache in place through the block table (GQA, sliding window, sinks and a one-plane
+``kv_shared`` cache all in the kernel).
+
+CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (how it is tested without a GPU); NOT YET RUN ON
+A GPU. ``cuda_graph_safe``: a decode-only step launches the same two kernels with the same grid
+for a given batch size and reads every length from the metadata's device tensors
+(``seq_lens``, ``block_tables``, ``slot_mapping``), never from the host lists.
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.forward_context import AttentionMetadata
+from vllm.model_executor.layers.attention.interface import AttentionImpl, AttentionOptions
+
+
+class TritonPagedAttention(AttentionImpl):
+    name = "triton_paged"
+    cuda_graph_safe = True
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 prefix: str = "", options: AttentionOptions = AttentionOptions()):
+        super().__init__(num_heads, head_dim, num_kv_heads, scale, prefix, options)
+        # Imported here: triton is optional, and the registry refuses this backend without it.
+        from vllm.kernels.triton import paged_attention
+        self._ops = paged_attention
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                kv_cache: torch.Tensor, md: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        self._ops.write_kv_cache(k, v, md.slot_mapping, kv_cache)
+        return self._ops.paged_attention(
+            q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale,
+            decode_only=md.num_decodes == q.shape[0], window=self.options.sliding_window,
+            sinks=sinks)
