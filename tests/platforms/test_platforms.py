@@ -87,3 +87,44 @@ def test_cuda_residency_step_without_triton_falls_back_with_a_warning(monkeypatc
         assert "'triton' package" in vllm_log.text and "pip install triton" in vllm_log.text
     finally:
         cuda_platform._triton_residency_step.cache_clear()
+
+
+def test_cuda_elementwise_ops_are_the_triton_kernels():
+    pytest.importorskip("triton")
+    from vllm.kernels.triton import elementwise as ew
+    from vllm.platforms import elementwise_ops
+    ops = platform_for("cuda").elementwise_ops()
+    assert (ops.rms_norm, ops.silu_and_mul, ops.gelu_and_mul, ops.rotary_embedding) == (
+        ew.rms_norm, ew.silu_and_mul, ew.gelu_and_mul, ew.rotary_embedding)
+    cuda = torch.device("cuda")
+    assert elementwise_ops(torch.bfloat16, cuda) is ops and elementwise_ops(torch.float16, cuda)
+    assert elementwise_ops(torch.float64, cuda) is None                 # not a dtype they take
+
+
+def test_cpu_has_no_elementwise_ops_even_under_the_interpreter():
+    """CPU keeps its C kernels (the Triton ops are tested directly, interpreted)."""
+    from vllm.platforms import elementwise_ops
+    assert platform_for("cpu").elementwise_ops() is None
+    assert elementwise_ops(torch.float32, torch.device("cpu")) is None
+
+
+def test_elementwise_ops_never_while_compiling(monkeypatch):
+    pytest.importorskip("triton")
+    from vllm.platforms import elementwise_ops
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert elementwise_ops(torch.float16, torch.device("cuda")) is None
+
+
+def test_cuda_elementwise_ops_without_triton_are_none_with_a_warning(monkeypatch, vllm_log):
+    import sys
+
+    from vllm.platforms import cuda as cuda_platform
+    monkeypatch.setitem(sys.modules, "vllm.kernels.triton.elementwise", None)  # ImportError
+    cuda_platform._triton_elementwise_ops.cache_clear()
+    try:
+        assert platform_for("cuda").elementwise_ops() is None
+        assert platform_for("cuda").elementwise_ops() is None               # cached: one warning
+        assert vllm_log.text.count("'triton' package") == 1
+        assert "pip install triton" in vllm_log.text and "rotary" in vllm_log.text
+    finally:
+        cuda_platform._triton_elementwise_ops.cache_clear()

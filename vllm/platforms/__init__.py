@@ -10,7 +10,8 @@ import torch
 
 from vllm.platforms.cpu import CpuPlatform
 from vllm.platforms.cuda import CudaPlatform
-from vllm.platforms.interface import DeviceCapability, Platform, UnspecifiedPlatform
+from vllm.platforms.interface import (DeviceCapability, ElementwiseOps, Platform,
+                                      UnspecifiedPlatform)
 
 _PLATFORMS: dict[str, Platform] = {"cpu": CpuPlatform(), "cuda": CudaPlatform()}
 DEVICE_TYPES = tuple(_PLATFORMS)
@@ -48,11 +49,21 @@ def native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
             and platform_for(device).has_native_kernels(dtype))
 
 
+def elementwise_ops(dtype: torch.dtype, device: torch.device) -> ElementwiseOps | None:
+    """The platform's fused kernels for ``dtype`` tensors on ``device`` (RMSNorm, gated
+    activations, rotary), or None: the op then asks ``native_kernels``. Never while torch.compile
+    traces (compiled graphs hold the torch ops)."""
+    if torch.compiler.is_compiling():
+        return None
+    ops = platform_for(device).elementwise_ops()
+    return ops if ops is not None and dtype in ops.dtypes else None
+
+
 def __getattr__(name: str):
     if name == "current_platform":
         return platform_for(resolve_device("auto"))
     raise AttributeError(f"module 'vllm.platforms' has no attribute {name!r}")
 
 
-__all__ = ["DeviceCapability", "Platform", "platform_for", "resolve_device", "native_kernels",
-           "current_platform", "DEVICE_TYPES"]
+__all__ = ["DeviceCapability", "ElementwiseOps", "Platform", "platform_for", "resolve_device",
+           "native_kernels", "elementwise_ops", "current_platform", "DEVICE_TYPES"]

@@ -25,6 +25,24 @@ class DeviceCapability:
         return f"{self.major}.{self.minor}"
 
 
+@dataclass(frozen=True)
+class ElementwiseOps:
+    """A platform's fused kernels for a layer's small ops, one launch each, with the semantics of
+    the layers' torch paths (the CUDA platform's: ``vllm/kernels/triton/elementwise.py``, where
+    each signature is documented)."""
+    dtypes: tuple[torch.dtype, ...]
+    """Dtypes every op takes."""
+    rms_norm: Callable[..., torch.Tensor]
+    """(x [..., H], weight [H] of x's dtype, eps) -> [..., H]."""
+    silu_and_mul: Callable[..., torch.Tensor]
+    """(gate, up) [..., N] -> silu(gate) * up."""
+    gelu_and_mul: Callable[..., torch.Tensor]
+    """(gate, up, approximate "none" | "tanh") -> gelu(gate) * up."""
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    """(positions [T], q [T, Hq*D], k [T, Hkv*D], inv_freq [rd/2] f32, scaling, D, rd) -> (q, k)
+    rotated, neox style."""
+
+
 class Platform:
     name: str = ""
     """Platform name, as registries name the platforms a backend supports."""
@@ -72,6 +90,11 @@ class Platform:
         """The expert cache's fused residency step on this platform
         (``vllm.kernels.cpu.moe_cache.residency_step``'s contract), or None: the cache then runs
         the tensor-op reference (``expert_cache/residency_step.py``)."""
+        return None
+
+    def elementwise_ops(self) -> ElementwiseOps | None:
+        """Fused kernels for RMSNorm, the gated activations and rotary embedding, or None: the
+        layers then run the C kernels (``has_native_kernels``) or torch."""
         return None
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:

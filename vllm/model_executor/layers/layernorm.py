@@ -1,14 +1,16 @@
 """RMSNorm with Hugging Face semantics: normalise in float32, cast back, then scale.
 
-On CPU with the C kernels (f32/bf16) one kernel call does it (``vllm/kernels/cpu/layernorm.c``);
-``forward_torch`` is the torch version (other devices, and the kernel's test reference)."""
+One kernel call where the platform has one: the fused ops of ``elementwise_ops`` (CUDA: Triton,
+``vllm/kernels/triton/elementwise.py``), else the C kernel (CPU, f32/bf16:
+``vllm/kernels/cpu/layernorm.c``); ``forward_torch`` is the torch version (elsewhere, and the
+kernels' reference)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from vllm.kernels.cpu.ops import rms_norm
-from vllm.platforms import native_kernels
+from vllm.platforms import elementwise_ops, native_kernels
 
 
 class RMSNorm(nn.Module):
@@ -19,8 +21,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden_size] -> same shape and dtype."""
-        if x.dtype == self.weight.dtype and native_kernels(x.dtype, x.device):
-            return rms_norm(x, self.weight, self.variance_epsilon)
+        if x.dtype == self.weight.dtype:
+            fused = elementwise_ops(x.dtype, x.device)
+            if fused is not None:
+                return fused.rms_norm(x, self.weight, self.variance_epsilon)
+            if native_kernels(x.dtype, x.device):
+                return rms_norm(x, self.weight, self.variance_epsilon)
         return self.forward_torch(x)
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vllm.kernels.cpu.ops import rope_cos_sin, rotary_embedding
-from vllm.platforms import native_kernels
+from vllm.platforms import elementwise_ops, native_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -124,10 +124,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes.
-        One C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch."""
-        if q.dtype == k.dtype and native_kernels(q.dtype, q.device):
-            return rotary_embedding(self._cos_sin(positions), q, k, self.head_dim,
-                                    self.rotary_dim)
+        One launch of the platform's fused kernel (CUDA: Triton, cos/sin made in the kernel),
+        else one C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch."""
+        if q.dtype == k.dtype:
+            fused = elementwise_ops(q.dtype, q.device)
+            if fused is not None:
+                return fused.rotary_embedding(positions, q, k, self.inv_freq,
+                                              self.attention_scaling, self.head_dim,
+                                              self.rotary_dim)
+            if native_kernels(q.dtype, q.device):
+                return rotary_embedding(self._cos_sin(positions), q, k, self.head_dim,
+                                        self.rotary_dim)
         return self.forward_torch(positions, q, k)
 
     def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
