@@ -4,7 +4,8 @@
 --no-build-isolation -e .``, docs/build.md). ``load_cuda_ops()`` imports it once and says
 whether the ops are there; the CUDA platform asks it and hands the ops to the layers that want
 them, so nothing else imports ``vllm._C``. ``VLLM_CUDA_OPS=0`` turns them off (the torch paths
-run instead), as ``VLLM_CPU_KERNELS=0`` does for the C kernels.
+run instead; for ``expert_gather``, its Triton twin ``vllm/kernels/triton/expert_gather.py``), as
+``VLLM_CPU_KERNELS=0`` does for the C kernels.
 """
 from __future__ import annotations
 

@@ -1,0 +1,87 @@
+"""The Triton expert gather (``vllm/kernels/triton/expert_gather.py``) compiles for each CI
+architecture (SM90, SM120) without a GPU, for every word a row may move as, and its PTX is what
+the module promises: 16-byte vector loads and stores for int64 words (Triton's specialisation of
+a row length divisible by 16 words proves the alignment), and 64-bit row offsets (expert id times
+words per row). Compiling is not running: the ``gpu`` tests of
+tests/kernels/triton/test_triton_expert_gather.py check results on a GPU."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+pytestmark = pytest.mark.triton
+
+# A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
+# decorated under it cannot be compiled.
+SCRIPT = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from vllm.kernels.triton import expert_gather as m
+
+fn = m._expert_gather_kernel
+POINTERS = ("src_ptr", "dst_ptr", "experts_ptr", "slots_ptr", "valid_ptr")
+
+def compile_one(word, w_type, w_div16, cc):
+    consts = dict(BLOCK=m.BLOCK, ITERS=m.ITERS)
+    types = {"src_ptr": "*" + word, "dst_ptr": "*" + word, "experts_ptr": "*i64",
+             "slots_ptr": "*i64", "valid_ptr": "*u8", "E": "i32", "N": "i32", "W": w_type}
+    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
+    aligned = POINTERS + (("W",) if w_div16 else ())
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = triton.compiler.ASTSource(
+        fn=fn, signature=sig, attrs=attrs,
+        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=m.LAUNCH_OPTIONS)
+    return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+
+out = {}
+for cc in (90, 120):
+    for word in ("i64", "i32", "i16", "u8"):
+        out[f"{cc}/{word}/div16"] = compile_one(word, "i32", True, cc)
+        out[f"{cc}/{word}/odd"] = compile_one(word, "i32", False, cc)
+    out[f"{cc}/i64/wide_rows"] = compile_one("i64", "i64", True, cc)   # W >= 2^31 words
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("cc", [90, 120])
+def test_every_variant_compiles_to_a_cubin(compiled, cc):
+    mine = {k: v for k, v in compiled.items() if k.startswith(f"{cc}/")}
+    assert len(mine) == 9
+    for name, k in mine.items():
+        assert k["cubin"] > 0, name
+        assert f".target sm_{cc}a" in k["ptx"], name
+
+
+@pytest.mark.parametrize("cc", [90, 120])
+def test_int64_words_move_16_bytes_per_access(compiled, cc):
+    for name in (f"{cc}/i64/div16", f"{cc}/i64/wide_rows"):
+        ptx = compiled[name]["ptx"]
+        assert "ld.global.v2.b64" in ptx and "st.global.v2.b64" in ptx, name
+
+
+@pytest.mark.parametrize("cc", [90, 120])
+def test_row_offsets_are_64_bit(compiled, cc):
+    """expert id (int64) times words per row: a 64-bit multiply(-add), whatever W's type, and
+    no 32-bit one that could wrap."""
+    for name, k in compiled.items():
+        if name.startswith(f"{cc}/"):
+            assert re.search(r"\b(mul|mad)\.lo\.s64\b", k["ptx"]), name
+            assert not re.search(r"\b(mul|mad)\.lo\.[su]32\b", k["ptx"]), name

@@ -1,0 +1,157 @@
+"""The expert cache's miss copy as one Triton launch per tensor (CUDA), reading the pinned host
+store in place: for each plan entry i with valid[i], dst[slots[i]] = src[experts[i]].
+
+NOT YET RUN ON A GPU: checked only under Triton's interpreter against a torch reference
+(``tests/kernels/triton/test_triton_expert_gather.py``) and compiled for SM90 / SM120
+(``tests/build/test_triton_compile_expert_gather.py``); the ``gpu`` tests there read a pinned
+host store and capture the copy in a CUDA graph.
+
+The contract is ``UvaCopyKernel``'s (``expert_cache/copy.py``), the same as the CUDA build's
+``vllm._C`` op (``csrc/moe/expert_gather.cu``), which the CUDA platform prefers where it exists:
+  * src [E, ...] contiguous, pinned host memory (or on dst's device); dst [N, ...] contiguous
+    CUDA, same dtype and row shape; experts, slots [n] int64 and valid [n] bool on dst's device,
+    n <= 65535 (a grid's y dimension).
+  * Pinned host memory is read in place over the link: Triton hands a kernel the device address
+    of a pinned (UVA-mapped) host tensor (``cuPointerGetAttribute(DEVICE_POINTER)`` in its
+    launcher; triton-lang/triton#1197), so there is no staging copy.
+  * No host read of the plan and a grid fixed by the shapes (entries x row chunks, the worst
+    case: every entry a miss), so a launch can be captured in a CUDA graph and replayed with new
+    plan contents. Programs of invalid entries exit after one byte load, without reading their
+    (garbage, possibly -1) expert or slot ids, let alone a row.
+  * Out-of-range ids (expert outside [0, E) or slot outside [0, N)) on a valid entry are
+    SKIPPED: a kernel cannot raise, and reading or writing out of bounds is worse. The CUDA
+    build's kernel traps on them instead; the residency step never produces them.
+Rows move as raw bytes, reinterpreted as the widest word (int64, int32, int16, else uint8) that
+divides the row's byte count and both base addresses, so any dtype (float8, packed int4 in int32,
+bool...) copies bit for bit. Offsets are int64: E * row bytes passes 2^31 for real experts.
+Bad input raises ValueError naming the value.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton import interpreting
+
+BLOCK = 1024        # words per load of a program (8 per thread at 4 warps)
+ITERS = 8           # loads per program: a chunk is BLOCK * ITERS words (64 KiB of int64)
+NUM_WARPS = 4
+LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+"""Compile options of every launch (no floating point here: enable_fp_fusion is set only so
+Triton does not warn that its default changes; tests/build compiles with these)."""
+MAX_ENTRIES = 65535
+"""Plan entries per call: the grid's y dimension."""
+WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+"""(bytes, dtype) a row may move as, widest first."""
+
+
+@triton.jit
+def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, E, N, W,
+                          BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Grid (cdiv(W, BLOCK * ITERS), n): program (c, i) copies words [c * BLOCK * ITERS, ...)
+    of row experts[i] of src [E, W] into row slots[i] of dst [N, W] (words, not elements)."""
+    i = tl.program_id(1)
+    if tl.load(valid_ptr + i) != 0:
+        e = tl.load(experts_ptr + i)                  # int64, so e * W is an int64 offset
+        s = tl.load(slots_ptr + i)
+        if (e >= 0) & (e < E) & (s >= 0) & (s < N):   # out of range: skipped (cannot raise)
+            start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+            src_row = src_ptr + e * W
+            dst_row = dst_ptr + s * W
+            for k in tl.static_range(ITERS):
+                w = start + k * BLOCK + tl.arange(0, BLOCK)
+                inb = w < W
+                tl.store(dst_row + w, tl.load(src_row + w, mask=inb), mask=inb)
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"triton expert_gather: {msg}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return (f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            f"{'' if t.is_contiguous() else ' (non-contiguous)'}")
+
+
+def _check_plan(dst: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
+                valid: torch.Tensor) -> int:
+    """The number of plan entries n, after checking experts, slots [n] int64, valid [n] bool."""
+    for t, dtype, what in ((experts, torch.int64, "experts"), (slots, torch.int64, "slots"),
+                           (valid, torch.bool, "valid")):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 \
+                or not t.is_contiguous() or t.device != dst.device:
+            got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            _fail(f"{what} must be a contiguous 1-D {dtype} tensor on {dst.device} "
+                  f"(dst's device), got {got}")
+    n = experts.shape[0]
+    if slots.shape[0] != n or valid.shape[0] != n:
+        _fail(f"experts, slots and valid must have one entry each per plan entry, got "
+              f"{n}, {slots.shape[0]}, {valid.shape[0]}")
+    if n > MAX_ENTRIES:
+        _fail(f"at most {MAX_ENTRIES} plan entries per call, got {n}")
+    return n
+
+
+def _check_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """src [E, ...] and dst [N, ...]: contiguous, same dtype and row shape (so same row bytes),
+    on devices the kernel can read and write."""
+    for t, what in ((src, "src"), (dst, "dst")):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1 or not t.is_contiguous():
+            got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            _fail(f"{what} must be a contiguous tensor of rows [rows, ...], got {got}")
+    if src.dtype != dst.dtype:
+        _fail(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
+    if src.shape[1:] != dst.shape[1:]:
+        _fail(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must have the same row shape "
+              f"(the same bytes per row)")
+    if dst.is_cuda:
+        if src.is_cuda and src.device != dst.device:
+            _fail(f"src on {src.device} but dst on {dst.device}")
+        if src.device.type == "cpu" and not src.is_pinned():
+            _fail("a host src must be pinned (page-locked) to be read from the device, got an "
+                  "unpinned cpu tensor")
+        if src.device.type not in ("cpu", "cuda"):
+            _fail(f"src on {src.device}: must be pinned host memory or on {dst.device}")
+    elif not (dst.device.type == "cpu" and src.device.type == "cpu" and interpreting()):
+        _fail(f"dst on {dst.device}, src on {src.device}: runs on CUDA dst, or on CPU tensors "
+              f"only under TRITON_INTERPRET=1")
+
+
+def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    """Contiguous [R, ...] -> [R, row_bytes / word size] of ``word``, the same memory."""
+    return t.view(t.shape[0], -1).view(torch.uint8).view(word)
+
+
+def _word(row_bytes: int, *tensors: torch.Tensor) -> tuple[int, torch.dtype]:
+    """(bytes, dtype) of the widest word dividing the row's bytes and every tensor's base
+    address and storage offset (``Tensor.view(dtype)`` needs the latter)."""
+    for size, dtype in WORDS:
+        if row_bytes % size == 0 and all(
+                t.data_ptr() % size == 0 and t.storage_offset() * t.element_size() % size == 0
+                for t in tensors):
+            return size, dtype
+    return 1, torch.uint8
+
+
+def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
+                  slots: torch.Tensor, valid: torch.Tensor) -> None:
+    """For each i with valid[i]: dst[slots[i]] = src[experts[i]], in one launch on the current
+    stream of dst's device, without a host sync (the module docstring has the contract)."""
+    _check_rows(src, dst)
+    n = _check_plan(dst, experts, slots, valid)
+    E, N = src.shape[0], dst.shape[0]
+    row_bytes = math.prod(src.shape[1:]) * src.element_size()
+    if n == 0 or E == 0 or N == 0 or row_bytes == 0:
+        return                               # nothing in range to copy: launch nothing
+    size, word = _word(row_bytes, src, dst)
+    W = row_bytes // size                    # words per row
+    grid = (triton.cdiv(W, BLOCK * ITERS), n)
+    guard = torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext()
+    with guard:                              # Triton launches on the current device
+        _expert_gather_kernel[grid](
+            _as_words(src, word), _as_words(dst, word), experts, slots, valid.view(torch.uint8),
+            E, N, W, BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)
