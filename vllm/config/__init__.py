@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vllm.config.graph_sizes import check_graph_sizes
 from vllm.config.quantization import QuantConfig, quant_config_from_model_dir
 from vllm.platforms import resolve_device
 
@@ -125,10 +126,16 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decodes)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    cuda_graph_sizes: list[int] | None = None
+    """Batch sizes of the CUDA decode graphs (``worker/cuda_graphs.py``), sorted and deduplicated
+    by ``__post_init__``; None -> 1, 2, 4, 8, 16, 24, ... below ``max_num_seqs``, then
+    ``max_num_seqs`` (``graph_sizes.default_graph_sizes``). A size above ``max_num_seqs`` is
+    refused. A decode step of B sequences replays the smallest size >= B."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs)
 
 
 MOE_PREFETCH_MODES = ("off", "next-layer")
@@ -205,8 +212,8 @@ class VllmConfig:
     moe_cache_config: MoECacheConfig
     device_config: DeviceConfig
     enforce_eager: bool = False
-    """No CPU graphs for decode steps (``vllm/worker/cpu_graphs.py``); CUDA runs eagerly either
-    way (no CUDA graphs are built)."""
+    """No decode graphs: neither CPU graphs (``vllm/worker/cpu_graphs.py``) nor CUDA graphs
+    (``vllm/worker/cuda_graphs.py``); every step runs eagerly."""
     quant_config: QuantConfig | None = None
     """A ``QuantConfig`` (quantized experts) parsed from the checkpoint's ``quantization_config``
     (or ``hf_quant_config.json``) when left None; stays None for unquantized checkpoints."""

@@ -40,9 +40,14 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     """Fraction of accelerator memory the engine may use (CUDA only)."""
     enforce_eager: bool = False
-    """Run every step eagerly. By default decode-only steps on CPU with the C kernels replay a
-    CPU graph of their kernel calls (``vllm/worker/cpu_graphs.py``); CUDA graphs are not built
-    (CUDA always runs eagerly)."""
+    """Run every step eagerly. By default decode-only steps replay graphs: on CPU with the C
+    kernels a CPU graph of their kernel calls (``vllm/worker/cpu_graphs.py``), on CUDA a CUDA
+    graph of the forward and logits where every layer can be captured
+    (``vllm/worker/cuda_graphs.py``)."""
+    cuda_graph_sizes: list[int] | None = None
+    """Decode batch sizes captured as CUDA graphs (a step of B sequences replays the smallest
+    size >= B; larger steps run eagerly). Default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs.
+    Each must be in [1, max_num_seqs]."""
     device: str = "auto"
     """auto, cpu or cuda."""
     trust_remote_code: bool = False
@@ -98,6 +103,9 @@ class EngineArgs:
             if f.type in ("bool", bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    help=help_text)
+            elif str(f.type).startswith("list[int]"):
+                group.add_argument(flag, type=_parser_for(f), nargs="+", default=f.default,
+                                   help=help_text, metavar="N")
             else:
                 group.add_argument(flag, type=_parser_for(f), default=f.default, help=help_text,
                                    metavar=f.name.upper())
@@ -123,7 +131,8 @@ class EngineArgs:
                              "--moe-expert-cache-size)")
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=self.max_num_batched_tokens,
-                                           enable_chunked_prefill=bool(self.enable_chunked_prefill))
+                                           enable_chunked_prefill=bool(self.enable_chunked_prefill),
+                                           cuda_graph_sizes=self.cuda_graph_sizes)
         moe = MoECacheConfig(cache_size=self.moe_expert_cache_size,
                              policy=self.moe_expert_cache_policy,
                              routing_trace_path=self.moe_routing_trace_path,
@@ -169,8 +178,9 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 def _parser_for(f: dataclasses.Field):
-    """argparse type for a field annotated as a string ("int | None", "str", "float")."""
-    base = str(f.type).replace(" ", "").split("|")[0]
+    """argparse type for a field annotated as a string ("int | None", "str", "float"; the element
+    type of "list[int] | None", whose flag takes one or more values)."""
+    base = str(f.type).replace(" ", "").split("|")[0].removeprefix("list[").removesuffix("]")
     conv = {"int": int, "float": float, "str": str}[base]
     name = "--" + f.name.replace("_", "-")
 

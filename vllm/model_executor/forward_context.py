@@ -15,7 +15,8 @@ import torch
 
 PAD_SLOT_ID = -1
 """Slot of a padding row (a decode graph replayed for more rows than the step has): its keys and
-values are not written. Only the C kernels see it (``worker/cpu_graphs.py``)."""
+values are not written. Only backends that decode graphs run see it: the C kernels
+(``worker/cpu_graphs.py``) and the ``cuda_graph_safe`` ones (``worker/cuda_graphs.py``)."""
 
 
 @dataclass
@@ -28,7 +29,7 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor     # [T] int64, flat KV slot (block_id * block_size + offset),
-                                   # or PAD_SLOT_ID for a padding row (C kernels only)
+                                   # or PAD_SLOT_ID for a padding row (decode graphs only)
     block_tables: torch.Tensor     # [B, max_blocks] int64, padded with 0
     seq_lens: torch.Tensor         # [B] int64, context length incl. this step's tokens
     query_start_loc: torch.Tensor  # [B + 1] int64, prefix sums of query lengths

@@ -1,7 +1,10 @@
 """The CUDA platform (NVIDIA GPUs). Compiled ops of our own (``csrc/`` -> ``vllm._C``) only where a
-CUDA build made them: today the expert cache's gather copy; the expert cache's residency step is
-a Triton kernel (``vllm/kernels/triton``). Every other op runs its torch implementation, and
-``grouped_mm`` (torch._grouped_mm, SM 9.0+) is the fast MoE backend."""
+CUDA build made them: today the expert cache's gather copy. Triton kernels
+(``vllm/kernels/triton``): the expert cache's residency step, its gather copy where there is no
+``vllm._C`` (``expert_copy_kernel``), RMSNorm, the gated activations and rotary
+(``elementwise_ops``). Every other op runs its torch implementation. Backends, in auto order:
+MoE ``triton``, ``grouped_mm`` (torch._grouped_mm, SM 9.0+), ``torch``; attention
+``triton_paged``, ``torch_sdpa``."""
 from __future__ import annotations
 
 import functools
@@ -12,7 +15,7 @@ import torch
 
 from vllm.kernels.cuda import ops as cuda_ops
 from vllm.logger import init_logger
-from vllm.platforms.interface import DeviceCapability, Platform
+from vllm.platforms.interface import DeviceCapability, ElementwiseOps, Platform
 
 logger = init_logger(__name__)
 
@@ -31,6 +34,35 @@ def _triton_residency_step() -> Callable[..., None] | None:
     return residency_step
 
 
+@functools.cache
+def _triton_expert_gather() -> Callable[..., None] | None:
+    """The Triton expert gather, or None (with one warning naming the package) where triton is
+    not installed: the cache then copies misses with torch ops, one host sync per wave (and its
+    layers are refused by CUDA graphs)."""
+    try:
+        from vllm.kernels.triton.expert_gather import expert_gather
+    except ImportError as e:
+        logger.warning("expert cache: the sync-free miss copy needs a CUDA build (vllm._C) or "
+                       "the 'triton' package (%s); copying with torch ops. Install it with pip "
+                       "install triton", e)
+        return None
+    return expert_gather
+
+
+@functools.cache
+def _triton_elementwise_ops() -> ElementwiseOps | None:
+    """The Triton RMSNorm / gated activations / rotary, or None (with one warning naming the
+    package) where triton is not installed: the layers then run their torch ops."""
+    try:
+        import vllm.kernels.triton.elementwise as ew
+    except ImportError as e:
+        logger.warning("the fused RMSNorm, activation and rotary kernels need the 'triton' "
+                       "package (%s); using torch ops. Install it with pip install triton", e)
+        return None
+    return ElementwiseOps(ew.DTYPES, ew.rms_norm, ew.silu_and_mul, ew.gelu_and_mul,
+                          ew.rotary_embedding)
+
+
 @functools.lru_cache(maxsize=None)
 def _in_wsl() -> bool:
     # WSL cannot back non-blocking copies with pinned memory reliably (our users' crash report).
@@ -40,8 +72,8 @@ def _in_wsl() -> bool:
 class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
-    moe_backends = ("grouped_mm", "torch")
-    attention_backends = ("torch_sdpa",)
+    moe_backends = ("triton", "grouped_mm", "torch")
+    attention_backends = ("triton_paged", "torch_sdpa")
     mamba_backends = ("mamba_ssm", "torch")
     gdn_backends = ("fla", "torch")
 
@@ -61,10 +93,13 @@ class CudaPlatform(Platform):
         return not _in_wsl()
 
     def expert_copy_kernel(self) -> Callable[..., None] | None:
-        return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else None
+        return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else _triton_expert_gather()
 
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return _triton_residency_step()
+
+    def elementwise_ops(self) -> ElementwiseOps | None:
+        return _triton_elementwise_ops()
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)

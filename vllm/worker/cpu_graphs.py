@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm.config.graph_sizes import ladder_size
 from vllm.kernels.cpu.graph import CpuGraph, GraphCaptureError, capture
 from vllm.logger import init_logger
 from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
@@ -41,10 +42,8 @@ logger = init_logger(__name__)
 
 def padded_size(batch: int) -> int:
     """The graph a decode step of ``batch`` sequences replays: 1, 2, 4, then multiples of 8
-    (vLLM's CUDA-graph sizes), so at most 7 padding rows."""
-    if batch <= 2:
-        return batch
-    return 4 if batch <= 4 else -(-batch // 8) * 8
+    (vLLM's CUDA-graph sizes, ``config/graph_sizes.py``), so at most 7 padding rows."""
+    return ladder_size(batch)
 
 
 @dataclass

@@ -7,6 +7,7 @@ tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -22,8 +23,10 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.recurrent_state import recurrent_layers, state_bytes_per_slot
 from vllm.platforms import platform_for
+from vllm.worker import cuda_graphs
 from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
+from vllm.worker.cuda_graphs import CudaDecodeGraphs
 from vllm.worker.sampler import Sampler, SamplingMetadata, TokenMasks, prompt_logprobs
 
 logger = init_logger(__name__)
@@ -137,17 +140,29 @@ class ModelRunner:
         used = total - free
         return max(0, int(total * self.config.cache_config.gpu_memory_utilization) - used)
 
-    def _make_decode_graphs(self) -> DecodeGraphs | None:
-        """CPU graphs for decode-only steps where they apply (``worker/cpu_graphs.py``)."""
-        if not graphs_eligible(self.moe_layers, self.dtype, self.device,
-                               self.config.enforce_eager, self.state_layers):
+    def _make_decode_graphs(self) -> DecodeGraphs | CudaDecodeGraphs | None:
+        """Graphs for decode-only steps where they apply: CUDA graphs on CUDA
+        (``worker/cuda_graphs.py``), CPU graphs on CPU (``worker/cpu_graphs.py``)."""
+        if self.config.enforce_eager:
+            return None
+        max_len = self.config.model_config.max_model_len
+        max_blocks = -(-max_len // self.block_size)
+        if cuda_graphs.uses_cuda_graphs(self.device):
+            refusal = cuda_graphs.cuda_graph_refusal(self.attn_layers, self.moe_layers,
+                                                     self.state_layers, bool(self.prefetch_pairs))
+            if refusal is not None:
+                logger.info("decode steps run eagerly (no CUDA graphs): %s", refusal)
+                return None
+            return CudaDecodeGraphs(self.model, self.config.scheduler_config.cuda_graph_sizes,
+                                    max_blocks, max_len, self.block_size, self.device)
+        if not graphs_eligible(self.moe_layers, self.dtype, self.device, False,
+                               self.state_layers):
             return None
         if self.prefetch_pairs:
             # The prefetch hooks are Python per layer: a graph replay would skip them.
             logger.info("decode steps run eagerly (no CPU graphs): next-layer expert prefetch")
             return None
-        max_len = self.config.model_config.max_model_len
-        return DecodeGraphs(self.model, -(-max_len // self.block_size))
+        return DecodeGraphs(self.model, max_blocks)
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -160,12 +175,13 @@ class ModelRunner:
         seqs = sched.sequences
         if not seqs:
             return RunnerOutput(sampled={})
-        input_ids, positions, attn_metadata, logits_indices = self._prepare_inputs(seqs)
+        inputs = self._prepare_inputs(seqs)                 # host tensors
         sampled_seqs = [s for s in seqs if s.do_sample]
         logits = None
         if self.decode_graphs is not None and len(sampled_seqs) == len(seqs):
-            logits = self.decode_graphs.logits(input_ids, positions, attn_metadata)
+            logits = self.decode_graphs.logits(*inputs[:3])
         if logits is None:
+            input_ids, positions, attn_metadata, logits_indices = self._to_device(*inputs)
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids, positions)
             if self.routing_recorder is not None:
@@ -219,7 +235,8 @@ class ModelRunner:
 
     def _prepare_inputs(self, seqs: list[ScheduledSequence]):
         """Flatten the step's sequences. Returns (input_ids [T], positions [T], metadata,
-        logits_indices [n_sample]: the last token of each sampling sequence)."""
+        logits_indices [n_sample]: the last token of each sampling sequence), every tensor on the
+        host (``_to_device`` moves them; decode graphs stage them into their own buffers)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -239,10 +256,9 @@ class ModelRunner:
         num_decodes = 0
         while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        dev = self.device
 
         def t(x):
-            return torch.tensor(x, dtype=torch.long, device=dev)
+            return torch.tensor(x, dtype=torch.long, device="cpu")
         state_slots = has_init = None
         if self.state_layers:
             # Every running request holds a slot (core/state_slots.py); a chunk at position 0
@@ -258,6 +274,18 @@ class ModelRunner:
                                      num_decodes=num_decodes, block_size=bs,
                                      state_slots=state_slots, has_initial_state=has_init)
         return t(input_ids), t(positions), metadata, t(logits_indices)
+
+    def _to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                   logits_indices: torch.Tensor):
+        """``_prepare_inputs``' host tensors on the runner's device (as they are on CPU)."""
+        if self.device.type == "cpu":
+            return input_ids, positions, md, logits_indices
+        dev = self.device
+        md = dataclasses.replace(
+            md, slot_mapping=md.slot_mapping.to(dev), block_tables=md.block_tables.to(dev),
+            seq_lens=md.seq_lens.to(dev), query_start_loc=md.query_start_loc.to(dev),
+            state_slots=None if md.state_slots is None else md.state_slots.to(dev))
+        return input_ids.to(dev), positions.to(dev), md, logits_indices.to(dev)
 
     # ---- expert cache ----------------------------------------------------------------------
     def _attach_routing_recorder(self):

@@ -163,7 +163,7 @@ class FusedMoE(nn.Module):
                              f"{tuple(topk_ids.shape)}; need x [T, H] and topk_* [T, K]")
         provider = self.weight_provider
         md = get_attn_metadata()
-        # The step's KV slots mark CPU-graph padding rows (PAD_SLOT_ID): a cache routes them
+        # The step's KV slots mark decode-graph padding rows (PAD_SLOT_ID): a cache routes them
         # nowhere, so a padded replay plans what the eager step would.
         row_slots = md.slot_mapping if md is not None and \
             md.slot_mapping.shape[0] == topk_ids.shape[0] else None

@@ -12,13 +12,20 @@ Paths, chosen once per provider from the slots' device (``select_copy``):
     sync, traceable with ``torch.compile(fullgraph=True)`` given
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True`` (nonzero's length is data
     dependent).
-  * CUDA with a copy kernel: one launch per tensor reading the pinned store in place, no host
-    sync (``vllm._C``'s ``expert_gather`` where a CUDA build made it, from
-    ``Platform.expert_copy_kernel``; or one installed with ``register_cuda_copy_kernel``).
-    NOT YET RUN ON A GPU: tests/kernels/cuda/test_expert_gather.py (marked gpu) checks it.
-  * otherwise (CUDA without a kernel, other accelerators): a plain torch fallback that reads the
-    plan on the host (ONE sync per wave) and issues one copy per (miss, tensor), asynchronous
-    when the store is pinned.
+  * CUDA slots with a pinned store (``CudaKernelCopy``): one launch per tensor reading the
+    pinned store in place, no host sync. The kernel is one installed with
+    ``register_cuda_copy_kernel``, else ``Platform.expert_copy_kernel``: ``vllm._C``'s
+    ``expert_gather`` where a CUDA build made it, else the Triton gather
+    (``vllm/kernels/triton/expert_gather.py``: needs only the ``triton`` package). NOT YET RUN
+    ON A GPU: the ``gpu`` tests of tests/kernels/cuda/test_expert_gather.py and
+    tests/kernels/triton/test_triton_expert_gather.py check them.
+  * otherwise (CUDA without a kernel, i.e. neither vllm._C nor triton; an unpinned store; other
+    accelerators): a plain torch fallback that reads the plan on the host (ONE sync per wave)
+    and issues one copy per (miss, tensor), asynchronous when the store is pinned.
+Each engine says whether it is ``sync_free`` (no host read of the plan: the C kernel, and the
+CUDA path when a kernel is found), which decode graphs need (``CachedWeightProvider.
+cuda_graph_refusal``): with the Triton residency step and either gather, a cached layer can be
+captured.
 """
 from __future__ import annotations
 
@@ -63,6 +70,8 @@ class CpuKernelCopy:
     """The C copy kernel per tensor (the torch path while torch.compile traces)."""
     cpu_graph_node = True
     """CPU graphs record it (``graph.launch``)."""
+    sync_free = True
+    """No host read of the plan: a decode graph may capture it (``CopyEngine.sync_free``)."""
 
     def __init__(self, store: HostStore, kernel: UvaCopyKernel):
         self.store, self.kernel = store, kernel
@@ -75,17 +84,43 @@ class CpuKernelCopy:
             self.kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
 
 
+class CopyEngine:
+    """One of the torch paths above, as an object that says what it needs of the host."""
+    cpu_graph_node = False
+    sync_free = False
+    """Whether a call never reads device data on the host (nor sizes work from it), so a CUDA
+    graph can capture it. False for ``nonzero`` (a data-dependent shape) and the fallback."""
+
+    def __init__(self, store: HostStore, fn: Callable[..., None], *args):
+        self.store, self.fn, self.args = store, fn, args
+
+    def __call__(self, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
+        self.fn(self.store, slots, plan, *self.args)
+
+
+class CudaKernelCopy(CopyEngine):
+    """``_copy_cuda``: the registered or platform kernel, looked up per call (a kernel may be
+    registered after the provider is built); the torch fallback where there is none."""
+
+    def __init__(self, store: HostStore):
+        super().__init__(store, _copy_cuda)
+
+    @property
+    def sync_free(self) -> bool:
+        return _cuda_copy_kernel is not None or \
+            platform_for("cuda").expert_copy_kernel() is not None
+
+
 def select_copy(store: HostStore, device: torch.device) -> CopyMisses:
     """The copy engine for slots on ``device``, chosen once per provider (paths above)."""
     if device == next(iter(store.tensors.values())).device:
         kernel = platform_for(device).expert_copy_kernel() if device.type == "cpu" else None
         if kernel is not None:
             return CpuKernelCopy(store, kernel)
-        return lambda slots, plan: _copy_same_device(store, slots, plan)
+        return CopyEngine(store, _copy_same_device)
     if device.type == "cuda" and store.pinned:
-        # Looked up per call: a kernel may be registered after the provider is built.
-        return lambda slots, plan: _copy_cuda(store, slots, plan)
-    return lambda slots, plan: _copy_torch_fallback(store, slots, plan, store.pinned)
+        return CudaKernelCopy(store)
+    return CopyEngine(store, _copy_torch_fallback, store.pinned)
 
 
 def _copy_cuda(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:

@@ -11,7 +11,7 @@ unchanged as one wave.
 store (every expert-indexed tensor the quant method declares, run through its
 ``prepare_expert``), the N device slots of each, the residency and policy state, the residency
 step, the copy engine and the counters. Its plan contract (bitwise equal to the uncached
-``apply``): needed experts = those in topk_ids (minus padding rows of a CPU-graph replay), split
+``apply``): needed experts = those in topk_ids (minus padding rows of a graph replay), split
 into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterating the plan runs,
 per wave, the residency step (``residency_step.py``: one fused kernel call where the platform
 has one) -> copy the misses -> yield the wave's slot ids (pairs of other waves -1). Every pair is
@@ -81,7 +81,7 @@ class WeightProvider:
                 ) -> "Iterator[torch.Tensor] | tuple[torch.Tensor]":
         """topk_ids [T, K] expert ids (-1 = skip) -> waves of ids [T, K] into ``slot_weights()``.
         row_slots [T] int64 or None: the step's KV slot per row; a cache routes rows whose slot
-        is PAD_SLOT_ID (CPU-graph padding) nowhere."""
+        is PAD_SLOT_ID (decode-graph padding) nowhere."""
         raise NotImplementedError
 
     def slot_weights(self) -> dict[str, torch.Tensor]:
@@ -154,6 +154,21 @@ class CachedWeightProvider(WeightProvider):
     def cpu_graph_safe(self) -> bool:
         """Whether a CPU graph can record this layer's cached step (fused C step and C copy)."""
         return self.step.cpu_graph_node and getattr(self.copy, "cpu_graph_node", False)
+
+    def cuda_graph_refusal(self) -> str | None:
+        """Why a decode graph (``worker/cuda_graphs.py``) cannot capture this layer's cached
+        step, or None. It needs the platform's fused residency step (one launch per wave, no
+        host read; the reference is refused: ~40 launches per wave) and a ``sync_free`` copy
+        engine (a copy kernel; not the torch fallback, which reads the plan on the host)."""
+        if self.step.name == "reference":
+            return (f"its residency step is the tensor-op reference (the {self.device.type} "
+                    "platform has no fused residency step kernel, e.g. triton is missing, or "
+                    f"policy {self.policy_name!r} has no kernel_code)")
+        if not getattr(self.copy, "sync_free", False):
+            return ("its expert copy reads the load plan on the host (no device copy kernel: "
+                    "a CUDA build's vllm._C expert_gather or the Triton one, which needs the "
+                    "'triton' package and a pinned store; or register_cuda_copy_kernel)")
+        return None
 
     def step_for_this_call(self) -> ResidencyStep:
         """The selected step, or the reference while torch.compile traces (it cannot trace a

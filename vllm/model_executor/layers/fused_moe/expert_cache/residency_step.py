@@ -4,7 +4,7 @@ slot ids the expert kernel reads and the miss list the copy engine copies.
     plan, slot_ids = step(residency, topk_ids, row_slots, wave)
 
 topk_ids [T, K] int64 global expert ids (negative: skip the pair); row_slots [T] int64 or None,
-the step's KV slot per row (rows whose slot is PAD_SLOT_ID are CPU-graph padding and route
+the step's KV slot per row (rows whose slot is PAD_SLOT_ID are decode-graph padding and route
 nowhere, so a padded replay plans exactly what the eager step would); wave in [0, W), W =
 ``num_waves(E, T*K, N)``, called in order, running the expert kernel of a wave before the next
 wave is planned (a later wave may reuse a slot an earlier one read). Wave 0 fixes every needed

@@ -1,0 +1,247 @@
+"""Decode steps replayed from CUDA graphs (vLLM's FULL_DECODE_ONLY): one graph per padded batch
+size of the forward and ``compute_logits``, with the expert cache inside. NOT YET RUN ON A GPU:
+the CPU tests drive this module through ``EagerCapturer`` (tests/worker/test_cuda_graphs.py);
+the real capture is the test marked ``gpu`` there.
+
+Sizes: ``SchedulerConfig.cuda_graph_sizes`` (default 1, 2, 4, 8, 16, 24, ... up to
+``max_num_seqs``). A decode-only step of B sequences replays the smallest size P >= B
+(``config/graph_sizes.padded_size``, the ladder the CPU graphs use too); a larger step, and every
+prefill or mixed step, runs eagerly. Rows [B, P) are padding: token 0 at position 0, slot
+``PAD_SLOT_ID`` (no KV write), context length 1, and an expert cache routes them nowhere, so the
+real rows, the KV cache and the cache's state are what an eager step would give. Sampling (and
+guided decoding's masks) stays outside the graph, on the returned logits rows.
+
+Static inputs, shared by every size (as vLLM's): token ids, positions, slot mapping, seq lens
+[Pmax] and block tables [Pmax, M] int64 on the device (Pmax = the largest size, M = max blocks
+per sequence), each field contiguous, plus ``query_start_loc`` = arange(Pmax + 1); the graph of
+size P reads rows [:P]. A step writes its values into a pinned host staging copy of the same
+layout and copies rows [:P] of each field in, non-blocking (an event keeps the next step from
+rewriting the staging while a copy may be in flight). The metadata's host lists are fixed
+placeholders: ``query_lens_cpu`` all 1 and ``seq_lens_cpu`` all ``max_model_len`` (an upper
+bound; a ``cuda_graph_safe`` backend never reads them).
+
+Capture is lazy, on the first decode step of a size: that step runs eagerly over the static
+buffers (the warm-up: Triton compiles and cuBLAS initialises for these shapes, and its KV writes
+and expert-cache updates are the step's own), then the graph is captured (which records without
+executing), so no dummy forward ever touches the KV cache or the cache's clock and policy state,
+and sizes a run never sees cost nothing. All graphs share one memory pool
+(``torch.cuda.graph_pool_handle()``); a graph's output is its own, its intermediates are reused
+by later captures (graphs never run concurrently, and a step's logits are sampled before the
+next replay). Eager capture at startup, largest first, would size the pool up front instead, at
+the cost of a forward and a capture for every listed size before serving. A capture that raises
+(e.g. a host sync inside the forward) is logged once; the step keeps its warm-up result and
+every later decode step runs eagerly.
+
+Eligibility (``cuda_graph_refusal``, logged once by the runner): every attention impl declares
+``cuda_graph_safe``; so does every MoE backend (``MoEExperts``: ``grouped_mm`` and ``triton``,
+not the ``torch`` loop); a cached layer's provider has no ``cuda_graph_refusal`` (the fused
+residency step, a sync-free copy). Refused: a routing trace (its observer is Python per step),
+next-layer prefetch (Python hooks per layer), recurrent-state models (padding rows would need
+state slots of their own, and ``has_initial_state`` is a host list per step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from vllm.config.graph_sizes import padded_size
+from vllm.logger import init_logger
+from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
+                                                 set_forward_context)
+from vllm.platforms import platform_for
+
+logger = init_logger(__name__)
+
+Replay = Callable[[], torch.Tensor]
+"""Recomputes a captured function from its static buffers' current values; returns its output."""
+
+
+def uses_cuda_graphs(device: torch.device) -> bool:
+    """Whether decode graphs on ``device`` are CUDA graphs (else CPU graphs, or none). Tests
+    patch it to drive ``CudaDecodeGraphs`` on CPU with ``EagerCapturer``."""
+    return device.type == "cuda"
+
+
+def cuda_graph_refusal(attn_layers: list, moe_layers: list, state_layers: list = (),
+                       prefetch: bool = False) -> str | None:
+    """Why the model's decode steps cannot be captured (the first reason found), or None."""
+    if state_layers:
+        return (f"the model has {len(state_layers)} recurrent-state layers (padding rows would "
+                "need state slots of their own)")
+    if prefetch:
+        return "next-layer expert prefetch runs Python hooks per layer, which a replay would skip"
+    for a in attn_layers:
+        if a.impl is None:
+            return f"{a.prefix}: no KV cache is bound"
+        if not getattr(a.impl, "cuda_graph_safe", False):
+            return (f"{a.prefix}: attention backend {a.impl.name!r} is not cuda_graph_safe "
+                    "(it reads host lengths or writes padding rows)")
+    for m in moe_layers:
+        if m.routing_observer is not None:
+            return "a routing trace is recorded (its observer runs Python every step)"
+        reason = m.expert_cache.cuda_graph_refusal() if m.expert_cache is not None else None
+        if reason is not None:
+            return f"{m.prefix}: expert cache: {reason}"
+        kernel = m.quant_method.kernel
+        if not getattr(kernel, "cuda_graph_safe", False):
+            name = getattr(kernel, "name", type(kernel).__name__)
+            return (f"{m.prefix}: MoE backend {name!r} is not cuda_graph_safe (it sizes its work "
+                    "on the host)")
+    return None
+
+
+# ==== SEAM: how a function is captured ===========================================================
+class GraphCapturer:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Replay:
+        """Capture ``fn`` (which reads only static buffers) without executing it; the returned
+        replay recomputes it from the buffers' current values and returns its output tensor."""
+        raise NotImplementedError
+
+
+class CudaGraphCapturer(GraphCapturer):
+    """``torch.cuda.CUDAGraph`` captures in one memory pool shared by every graph it makes.
+    NOT YET RUN ON A GPU."""
+
+    def __init__(self):
+        self.pool = None
+
+    def capture(self, fn):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+
+class EagerCapturer(GraphCapturer):
+    """Re-runs the function at each replay: the CPU tests' stand-in for a CUDA graph (as a
+    capture, it executes nothing at capture time)."""
+
+    def capture(self, fn):
+        return fn
+
+
+def default_capturer(device: torch.device) -> GraphCapturer:
+    return CudaGraphCapturer() if device.type == "cuda" else EagerCapturer()
+# ==== END SEAM ===================================================================================
+
+
+class _Inputs:
+    """Token ids, positions, slot mapping, seq lens [Pmax] and block tables [Pmax, M] int64, each
+    field contiguous, so rows [:P] of every field are contiguous views (Pmax: largest size)."""
+
+    def __init__(self, P: int, M: int, device: torch.device, pin: bool = False):
+        with torch.inference_mode(False):      # written inside and outside inference mode
+            self.buf = torch.zeros(P * (4 + M), dtype=torch.int64, device=device,
+                                   pin_memory=pin)
+        b = self.buf
+        self.fields = (b[:P], b[P:2 * P], b[2 * P:3 * P], b[3 * P:4 * P], b[4 * P:].view(P, M))
+        self.ids, self.positions, self.slots, self.seq_lens, self.tables = self.fields
+
+
+@dataclass
+class _Entry:
+    """One padded size P: metadata over rows [:P] of the static inputs, and its replay."""
+    md: AttentionMetadata          # seq_lens_cpu, query_lens_cpu: fixed placeholders
+    replay: Replay | None = None   # None until captured
+
+
+class CudaDecodeGraphs:
+    def __init__(self, model: nn.Module, sizes: list[int], max_blocks_per_seq: int,
+                 max_model_len: int, block_size: int, device: torch.device,
+                 capturer: GraphCapturer | None = None):
+        self.model = model
+        self.sizes = sorted(sizes)
+        self.max_blocks, self.max_model_len = max_blocks_per_seq, max_model_len
+        self.block_size, self.device = block_size, torch.device(device)
+        self.capturer = capturer if capturer is not None else default_capturer(self.device)
+        pin = self.device.type == "cuda" and platform_for(self.device).is_pin_memory_available()
+        P = self.sizes[-1]
+        self.static = _Inputs(P, max_blocks_per_seq, self.device)
+        self.staging = _Inputs(P, max_blocks_per_seq, torch.device("cpu"), pin)
+        self.fence = torch.cuda.Event() if pin else None
+        """Recorded after the copies out of the pinned staging: the next step waits for it
+        before rewriting the staging."""
+        with torch.inference_mode(False):
+            self.query_start_loc = torch.arange(P + 1, dtype=torch.int64, device=self.device)
+        self._entries: dict[int, _Entry] = {}
+        self.refused: str | None = None
+        """Why decode steps run eagerly from now on (a capture raised), or None."""
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(P for P, e in self._entries.items() if e.replay is not None)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               md: AttentionMetadata) -> torch.Tensor | None:
+        """Logits [B, V] of a decode-only step of B sequences (``input_ids``, ``positions`` and
+        ``md``'s tensors on the host) from the graph of the smallest size >= B, captured now on
+        its first use; None when the step must run eagerly. The rows are a view of the graph's
+        output, rewritten by the next replay of that size: sample them before the next step."""
+        B = input_ids.shape[0]
+        if self.refused is not None or md.num_decodes != md.num_seqs or B != md.num_seqs \
+                or md.block_tables.shape[1] > self.max_blocks:
+            return None
+        P = padded_size(B, self.sizes)
+        if P is None:
+            return None
+        e = self._entries.get(P) or self._new_entry(P)
+        self._stage(P, input_ids, positions, md)
+        if e.replay is None:
+            return self._warm_up_and_capture(P, e)[:B]
+        return e.replay()[:B]
+
+    def _new_entry(self, P: int) -> _Entry:
+        s, qsl = self.static, self.query_start_loc[:P + 1]
+        md = AttentionMetadata(slot_mapping=s.slots[:P], block_tables=s.tables[:P],
+                               seq_lens=s.seq_lens[:P], query_start_loc=qsl,
+                               seq_lens_cpu=[self.max_model_len] * P, query_lens_cpu=[1] * P,
+                               num_decodes=P, block_size=self.block_size)
+        e = self._entries[P] = _Entry(md)
+        return e
+
+    def _stage(self, P: int, input_ids: torch.Tensor, positions: torch.Tensor,
+               md: AttentionMetadata) -> None:
+        """The step's B rows, then P - B padding rows, into the staging; then rows [:P] of each
+        field into the static inputs (non-blocking from pinned memory)."""
+        B, m = input_ids.shape[0], md.block_tables.shape[1]
+        if self.fence is not None:
+            self.fence.synchronize()           # the previous step's copies have finished
+        h = self.staging
+        h.ids[:B], h.positions[:B], h.slots[:B], h.seq_lens[:B] = \
+            input_ids, positions, md.slot_mapping, md.seq_lens
+        h.ids[B:P], h.positions[B:P], h.slots[B:P], h.seq_lens[B:P] = 0, 0, PAD_SLOT_ID, 1
+        h.tables[:B, :m] = md.block_tables
+        h.tables[:B, m:] = 0
+        h.tables[B:P] = 0
+        for dst, src in zip(self.static.fields, h.fields):
+            dst[:P].copy_(src[:P], non_blocking=self.fence is not None)
+        if self.fence is not None:
+            self.fence.record()
+
+    def _run(self, P: int, e: _Entry) -> torch.Tensor:
+        """The forward and logits over rows [:P] of the static inputs: [P, V]."""
+        with set_forward_context(e.md):
+            return self.model.compute_logits(self.model(self.static.ids[:P],
+                                                        self.static.positions[:P]))
+
+    def _warm_up_and_capture(self, P: int, e: _Entry) -> torch.Tensor:
+        out = self._run(P, e)                  # this step, eagerly: the warm-up
+        try:
+            e.replay = self.capturer.capture(lambda: self._run(P, e))
+        except Exception as err:               # noqa: BLE001 - any failure means: stay eager
+            self.refused = f"{type(err).__name__}: {err}"
+            self._entries.clear()
+            logger.warning("decode steps run eagerly from now on (capturing a CUDA graph of "
+                           "batch size %d failed): %s", P, self.refused)
+            return out
+        logger.debug("captured a CUDA graph for decode batch size %d", P)
+        return out
