@@ -1,0 +1,334 @@
+"""Decode throughput of a random MoE checkpoint with and without the expert cache, in one run.
+
+    python benchmarks/benchmark_decode.py --random-model probe-4.8g|dsv2-lite|tiny \
+        --batch 1 32 --moe-expert-cache-size 0 64 32 16 --output-len 64 --json \
+        [--dtype bf16] [--device cuda|cpu] [--out FILE] [--checkpoint DIR] [--dry-run]
+
+Builds a random checkpoint of the preset's shape (``PRESETS``) in the requested dtype: config.json,
+safetensors written one decoder layer per shard (generated in place, so at most one layer is in
+memory), and the default model's tokenizer (vocab 4096: the LM head is small next to a real
+model's). ``--checkpoint DIR`` keeps it there and reuses it when DIR already holds one; otherwise a
+temporary directory is removed at the end. ``--dry-run`` prints the shape, bytes per expert and
+the checkpoint's size without building.
+
+Presets: probe-4.8g, Qwen3-MoE (Qwen3-30B-A3B's attention and experts, 64 of them in 8 layers:
+9.4 MB per bf16 expert, 4.8 GB of experts); dsv2-lite, DeepseekV2ForCausalLM in
+DeepSeek-V2-Lite's shape (MLA, dense layer 0, 26 MoE layers of 64 experts top-6 + 2 shared,
+moe_intermediate 1408: 17.3 MB per bf16 expert, 28.8 GB of experts; default rope, no yarn); tiny,
+a small Qwen3-MoE that runs in seconds on a CPU (for the test).
+
+For each cache size (0 = off; N >= the expert count is off too: every expert fits, the engine's
+rule) one engine is built; for each batch, ``batch`` prompts of fixed random token ids
+(--prompt-len) are decoded greedily for --output-len tokens (ignore_eos) after a warm-up of the
+same batch. Decode = the steps after every prompt is prefilled: tok/s = tokens sampled in them /
+their wall seconds; hit rate, bytes copied and copy GB/s (bytes / decode seconds) are the expert
+cache's counters over the same steps. ``tokens_identical`` says, per batch, whether every cache size
+produced the same greedy tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+PRESETS = {
+    "probe-4.8g": ("Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=True)),
+    "dsv2-lite": ("DeepseekV2ForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+        num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)),
+    "tiny": ("Qwen3MoeForCausalLM", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True)),
+}
+"""name -> (architecture, config fields); every preset also gets ``_COMMON``."""
+_COMMON = dict(vocab_size=4096, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0,
+               pad_token_id=0, tie_word_embeddings=False, initializer_range=0.02)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def make_config(preset: str, dtype: torch.dtype):
+    import transformers
+    if preset not in PRESETS:
+        raise ValueError(f"--random-model {preset!r} is not a preset: must be one of "
+                         f"{sorted(PRESETS)}")
+    arch, fields = PRESETS[preset]
+    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**_COMMON, **fields)
+    config.architectures = [arch]
+    config.dtype = dtype
+    return config
+
+
+def param_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor, as transformers names them in memory (experts fused:
+    ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]; the loader takes both)."""
+    import transformers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+def shape_summary(config, dtype: torch.dtype) -> dict:
+    E = getattr(config, "num_experts", None) or config.n_routed_experts
+    H, inter = config.hidden_size, config.moe_intermediate_size
+    moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+    per_expert = 3 * H * inter * dtype.itemsize                      # gate, up [I, H]; down [H, I]
+    total = sum(math.prod(s) for _, s in param_shapes(config)) * dtype.itemsize
+    return {"architecture": config.architectures[0], "hidden": H, "moe_intermediate": inter,
+            "num_experts": E, "top_k": config.num_experts_per_tok, "layers":
+            config.num_hidden_layers, "moe_layers": moe_layers, "dtype": str(dtype)[6:],
+            "bytes_per_expert": per_expert, "expert_bytes": per_expert * E * moe_layers,
+            "checkpoint_bytes": total}
+
+
+def _shard_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["model", "layers"] else "rest"
+
+
+def build_checkpoint(preset: str, path: str, dtype: torch.dtype, seed: int = 0) -> None:
+    """Random weights (norms 1, the rest N(0, 0.02)) written one decoder layer per shard."""
+    from safetensors.torch import save_file
+
+    from vllm import DEFAULT_MODEL
+    config = make_config(preset, dtype)
+    os.makedirs(path, exist_ok=True)
+    shapes = param_shapes(config)
+    shards: dict[str, list] = {}
+    for name, shape in shapes:
+        shards.setdefault(_shard_of(name), []).append((name, shape))
+    g = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, (key, params) in enumerate(shards.items()):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in params:
+            t = torch.empty(shape, dtype=dtype)
+            tensors[name] = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(
+                0.0, config.initializer_range, generator=g)
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+        del tensors                                         # one layer in memory at a time
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    for name in TOKENIZER_FILES:
+        shutil.copy(os.path.join(DEFAULT_MODEL, name), path)
+    config.save_pretrained(path)                            # config.json last: marks it complete
+
+
+def check_reusable(path: str, config) -> None:
+    """A checkpoint found at ``path`` must be the preset's shape and dtype."""
+    with open(os.path.join(path, "config.json")) as f:
+        found = json.load(f)
+    want = {k: getattr(config, k) for k in ("architectures", "hidden_size", "num_hidden_layers",
+                                              "moe_intermediate_size")}
+    want["dtype"] = str(config.dtype)[6:]
+    diff = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
+    if diff:
+        raise ValueError(f"--checkpoint {path!r} holds another model: (found, wanted) {diff}; "
+                         "use another directory")
+
+
+def make_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(8, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def _prefilled(engine) -> bool:
+    s = engine.scheduler
+    return not s.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                 for r in s.running)
+
+
+def _cache_counts(llm) -> dict | None:
+    s = llm.get_moe_cache_stats()
+    return None if s is None else {k: s[k] for k in ("hits", "misses", "bytes_copied")}
+
+
+def decode(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """Greedy decode of ``prompts``: steps until all are prefilled, then the timed decode steps.
+    -> {"tokens": per prompt, "decode_tokens", "decode_seconds", "steps", cache counter deltas}."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    ids = [f"decode-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    done = {}
+    while engine.has_unfinished_requests() and not _prefilled(engine):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    before, steps = _cache_counts(llm), 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        steps += 1
+    seconds = time.perf_counter() - start
+    after = _cache_counts(llm)
+    tokens = [list(done[r].outputs[0].token_ids) for r in ids]
+    out = {"tokens": tokens, "decode_tokens": sum(map(len, tokens)) - len(prompts),
+           "decode_seconds": seconds, "steps": steps}
+    if after is not None:
+        out.update({k: after[k] - before[k] for k in after})
+    return out
+
+
+def _row(n: int, batch: int, r: dict) -> dict:
+    row = {"moe_expert_cache_size": n, "batch": batch, "cache_active": "hits" in r,
+           "decode_tokens": r["decode_tokens"], "decode_seconds": r["decode_seconds"],
+           "decode_steps": r["steps"],
+           "tok_s": r["decode_tokens"] / max(r["decode_seconds"], 1e-9),
+           "hit_rate": None, "hits": None, "misses": 0, "bytes_copied": 0, "copy_gbps": 0.0}
+    if "hits" in r:
+        lookups = r["hits"] + r["misses"]
+        row.update(hits=r["hits"], misses=r["misses"], bytes_copied=r["bytes_copied"],
+                   hit_rate=r["hits"] / lookups if lookups else None,
+                   copy_gbps=r["bytes_copied"] / max(r["decode_seconds"], 1e-9) / 1e9)
+    return row
+
+
+def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int) -> tuple[list, dict]:
+    """One engine per cache size, every batch on it -> (rows, {batch: {size: tokens}})."""
+    from vllm import LLM
+    rows, tokens = [], {b: {} for b in args.batch}
+    for n in args.moe_expert_cache_size:
+        llm = LLM(model=path, dtype=str(dtype)[6:], device=device, moe_expert_cache_size=n,
+                  max_num_seqs=max(args.batch), enforce_eager=args.enforce_eager,
+                  kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
+        for b in args.batch:
+            prompts = make_prompts(vocab, b, args.prompt_len, args.seed)
+            decode(llm, prompts, min(args.output_len, 4))                   # warm-up
+            r = decode(llm, prompts, args.output_len)
+            tokens[b][n] = r["tokens"]
+            rows.append(_row(n, b, r))
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows, tokens
+
+
+def run(args) -> dict:
+    from vllm.platforms import platform_for, resolve_device
+    dtype = DTYPES[args.dtype]
+    config = make_config(args.random_model, dtype)
+    result = {"preset": args.random_model, "shape": shape_summary(config, dtype)}
+    if args.dry_run:
+        return result
+    device = resolve_device(args.device)
+    tmp = None if args.checkpoint else tempfile.mkdtemp(prefix=f"decode-{args.random_model}-")
+    path = args.checkpoint or tmp
+    try:
+        start = time.perf_counter()
+        reused = os.path.exists(os.path.join(path, "config.json"))
+        if reused:
+            check_reusable(path, config)
+        else:
+            build_checkpoint(args.random_model, path, dtype, args.seed)
+        build_s = time.perf_counter() - start
+        rows, tokens = run_sizes(args, path, dtype, device, config.vocab_size)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    identical = {str(b): all(t == next(iter(per.values())) for t in per.values())
+                 for b, per in tokens.items()}
+    result.update({
+        "device": device, "device_name": platform_for(device).describe(torch.device(device)),
+        "dtype": str(dtype)[6:], "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "batches": args.batch, "cache_sizes": args.moe_expert_cache_size,
+        "enforce_eager": args.enforce_eager, "threads": torch.get_num_threads(),
+        "checkpoint": args.checkpoint or "temporary", "checkpoint_reused": reused,
+        "build_seconds": build_s, "rows": rows, "tokens_identical": identical,
+        "all_tokens_identical": all(identical.values())})
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--random-model", required=True, help=f"preset: {sorted(PRESETS)}")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--moe-expert-cache-size", type=int, nargs="+", default=[0, 64, 32, 16],
+                    metavar="N", help="expert slots per layer, one engine each (0 = off)")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CPU / CUDA graphs")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--checkpoint", default=None, help="build (or reuse) the checkpoint here")
+    ap.add_argument("--dry-run", action="store_true", help="print the shape only; build nothing")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if args.random_model not in PRESETS:
+        ap.error(f"--random-model {args.random_model!r} is invalid: must be one of "
+                 f"{sorted(PRESETS)}")
+    for flag, values, low in (("--batch", args.batch, 1),
+                              ("--moe-expert-cache-size", args.moe_expert_cache_size, 0)):
+        if any(v < low for v in values):
+            ap.error(f"{flag} {values} is invalid: every value must be >= {low}")
+    for flag, value in (("--output-len", args.output_len), ("--prompt-len", args.prompt_len)):
+        if value < 1:
+            ap.error(f"{flag} {value} is invalid: must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads {args.threads} is invalid: must be >= 1")
+    if args.kv_cache_gib <= 0:
+        ap.error(f"--kv-cache-gib {args.kv_cache_gib} is invalid: must be > 0")
+    return args
+
+
+def _print_table(out: dict) -> None:
+    sh = out["shape"]
+    print(f"{out['preset']}: {sh['architecture']} H={sh['hidden']} I={sh['moe_intermediate']} "
+          f"E={sh['num_experts']} k={sh['top_k']} x {sh['moe_layers']} MoE layers, "
+          f"{sh['dtype']}: {sh['bytes_per_expert'] / 1e6:.2f} MB per expert, "
+          f"{sh['expert_bytes'] / 1e9:.2f} GB of experts, checkpoint "
+          f"{sh['checkpoint_bytes'] / 1e9:.2f} GB")
+    if "rows" not in out:
+        return
+    print(f"on {out['device_name']}; tokens identical across cache sizes: "
+          f"{out['tokens_identical']}")
+    print("| cache N | batch | decode tok/s | hit rate | GB copied | copy GB/s |")
+    print("|---|---|---|---|---|---|")
+    for r in out["rows"]:
+        hr = "off" if not r["cache_active"] else f"{r['hit_rate']:.3f}"
+        print(f"| {r['moe_expert_cache_size']} | {r['batch']} | {r['tok_s']:.1f} | {hr} | "
+              f"{r['bytes_copied'] / 1e9:.3f} | {r['copy_gbps']:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = run(args)
+    text = json.dumps(out)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text) if args.json else _print_table(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""benchmarks/benchmark_decode.py on the tiny preset on CPU: one JSON object with a row per (cache
+size, batch), the same greedy tokens at every cache size, cache counters that add up; and the big
+presets' shape arithmetic (--dry-run: nothing built). No timing assertions."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import benchmark_decode as bench  # noqa: E402
+
+SIZES, BATCHES, OUTPUT_LEN = [0, 8, 4, 2], [1, 3], 6
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("decode")
+    out_file = tmp / "out.json"
+    argv = ["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+            *map(str, BATCHES), "--moe-expert-cache-size", *map(str, SIZES), "--output-len",
+            str(OUTPUT_LEN), "--prompt-len", "5", "--checkpoint", str(tmp / "ckpt"), "--json",
+            "--out", str(out_file)]
+    return bench.main(argv), out_file, argv
+
+
+def test_json_fields_and_rows(result, capsys):
+    out, out_file, _ = result
+    assert json.loads(out_file.read_text()) == out
+    assert {"preset", "shape", "device", "device_name", "dtype", "prompt_len", "output_len",
+            "batches", "cache_sizes", "rows", "tokens_identical", "all_tokens_identical",
+            "checkpoint", "build_seconds", "threads"} <= set(out)
+    assert out["device"] == "cpu" and out["dtype"] == "float32" and out["device_name"]
+    assert [(r["moe_expert_cache_size"], r["batch"]) for r in out["rows"]] == [
+        (n, b) for n in SIZES for b in BATCHES]
+    for r in out["rows"]:
+        assert r["decode_tokens"] == r["batch"] * (OUTPUT_LEN - 1)     # first token: prefill
+        assert r["decode_steps"] == OUTPUT_LEN - 1 and r["decode_seconds"] > 0
+        assert r["tok_s"] == pytest.approx(r["decode_tokens"] / r["decode_seconds"])
+
+
+def test_tokens_identical_across_cache_sizes(result):
+    out = result[0]
+    assert out["tokens_identical"] == {str(b): True for b in BATCHES}
+    assert out["all_tokens_identical"] is True
+
+
+def test_cache_counters(result):
+    """N = 0 and N = E (8) run without a cache; N < E counts hits and misses over the decode
+    steps, and copies exactly misses x one expert's bytes."""
+    out = result[0]
+    shape = out["shape"]
+    assert (shape["num_experts"], shape["top_k"], shape["moe_layers"]) == (8, 2, 2)
+    assert shape["bytes_per_expert"] == 3 * 64 * 32 * 4
+    for r in out["rows"]:
+        active = 0 < r["moe_expert_cache_size"] < shape["num_experts"]
+        assert r["cache_active"] is active
+        if not active:
+            assert r["hit_rate"] is None and r["bytes_copied"] == 0
+            continue
+        lookups = r["hits"] + r["misses"]
+        assert lookups >= r["decode_steps"] * shape["moe_layers"]
+        assert r["hit_rate"] == pytest.approx(r["hits"] / lookups)
+        assert r["bytes_copied"] == r["misses"] * shape["bytes_per_expert"]
+        assert r["copy_gbps"] == pytest.approx(r["bytes_copied"] / r["decode_seconds"] / 1e9)
+
+
+def test_checkpoint_is_reused(result, capsys):
+    argv = result[2]
+    ckpt = argv[argv.index("--checkpoint") + 1]
+    out = bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+                      "2", "--moe-expert-cache-size", "0", "--output-len", "3", "--checkpoint",
+                      ckpt, "--json"])
+    assert out["checkpoint_reused"] and not result[0]["checkpoint_reused"]
+    with pytest.raises(ValueError, match=r"holds another model: .*'dtype': \('float32', "
+                                         r"'bfloat16'\)"):
+        bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "bf16",
+                    "--checkpoint", ckpt])
+
+
+@pytest.mark.parametrize("preset,per_expert,moe_layers,experts", [
+    ("probe-4.8g", 3 * 2048 * 768 * 2, 8, 64), ("dsv2-lite", 3 * 2048 * 1408 * 2, 26, 64)])
+def test_dry_run_shapes(preset, per_expert, moe_layers, experts, capsys):
+    out = bench.main(["--random-model", preset, "--dry-run", "--json"])
+    assert set(out) == {"preset", "shape"}                            # nothing built or run
+    sh = out["shape"]
+    assert (sh["bytes_per_expert"], sh["moe_layers"], sh["num_experts"]) == (
+        per_expert, moe_layers, experts)
+    assert sh["expert_bytes"] == per_expert * moe_layers * experts
+    assert sh["expert_bytes"] < sh["checkpoint_bytes"] < 1.1 * sh["expert_bytes"]
+    assert json.loads(capsys.readouterr().out) == out
+
+
+def test_probe_is_4_8_gigabytes_of_9_4_megabyte_experts():
+    sh = bench.main(["--random-model", "probe-4.8g", "--dry-run"])["shape"]
+    assert round(sh["bytes_per_expert"] / 1e6, 1) == 9.4
+    assert round(sh["expert_bytes"] / 1e9, 1) == 4.8
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--random-model", "huge"], "--random-model 'huge' is invalid"),
+    (["--random-model", "tiny", "--batch", "0"], r"--batch \[0\] is invalid"),
+    (["--random-model", "tiny", "--moe-expert-cache-size", "-1"], "every value must be >= 0"),
+    (["--random-model", "tiny", "--output-len", "0"], "--output-len 0 is invalid")])
+def test_bad_arguments_name_the_value(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+    assert re.search(match, capsys.readouterr().err)
