@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_checks import check_replays_against_eager
 
 from vllm import LLM, SamplingParams
 
@@ -193,23 +194,9 @@ def test_a_batch_size_is_captured_after_a_streak_of_steps(tiny_model_factory, mo
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replayed_logits_equal_eager_logits_bitwise(tiny_model_factory, dtype):
     """Each replay (padded or not) against the eager forward of the same step's inputs."""
-    from vllm.model_executor.forward_context import set_forward_context
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     llm = LLM(path, device="cpu", max_num_seqs=6, dtype=dtype)
-    runner = llm.llm_engine.runner
-    graphs, checked = runner.decode_graphs, []
-    orig = graphs.logits
-
-    def check(input_ids, positions, md):
-        got = orig(input_ids, positions, md)
-        if got is not None:
-            got = got.clone()
-            with set_forward_context(md):         # rewrites the same KV values in place
-                want = runner.model.compute_logits(runner.model(input_ids, positions))
-            assert torch.equal(got, want)
-            checked.append(input_ids.shape[0])
-        return got
-    graphs.logits = check
+    checked = check_replays_against_eager(llm)
     llm.generate(*_requests(vocab=200))
     # Padded (3, 5, 6 -> 4, 8, 8) and exact (1, 2, 4) sizes were replayed.
     assert {3, 5, 6} & set(checked) and {1, 2, 4} & set(checked)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from graph_checks import check_replays_against_eager
 
 from vllm import LLM, SamplingParams
 from vllm.config import SchedulerConfig
@@ -89,23 +90,9 @@ def test_graph_decode_equals_eager(tiny_model_factory, on_cpu, arch, dtype, cach
 
 def test_replayed_logits_equal_eager_logits_bitwise(tiny_model_factory, on_cpu):
     """Each replay (padded or exact) against the eager forward of the same step's B rows."""
-    from vllm.model_executor.forward_context import set_forward_context
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     llm = LLM(path, device="cpu", max_num_seqs=6, cuda_graph_sizes=[1, 4, 6])
-    runner = llm.llm_engine.runner
-    graphs, checked = runner.decode_graphs, []
-    orig = graphs.logits
-
-    def check(input_ids, positions, md):
-        got = orig(input_ids, positions, md)
-        if got is not None:
-            got = got.clone()
-            with set_forward_context(md):         # rewrites the same KV values in place
-                want = runner.model.compute_logits(runner.model(input_ids, positions))
-            assert torch.equal(got, want)
-            checked.append(input_ids.shape[0])
-        return got
-    graphs.logits = check
+    checked = check_replays_against_eager(llm)
     llm.generate(*_requests())
     assert {2, 3, 5} <= set(checked) and {1, 4, 6} <= set(checked)
 

@@ -1,0 +1,26 @@
+"""A check shared by the CPU- and CUDA-graph tests: every replay equals an eager forward."""
+from __future__ import annotations
+
+import torch
+
+
+def check_replays_against_eager(llm) -> list[int]:
+    """Wraps ``llm``'s decode graphs so each replay's logits (padded or exact) are compared
+    bitwise with an eager forward of the same step's B rows. Returns the list the checked batch
+    sizes are appended to as generation runs."""
+    from vllm.model_executor.forward_context import set_forward_context
+    runner = llm.llm_engine.runner
+    graphs, checked = runner.decode_graphs, []
+    orig = graphs.logits
+
+    def check(input_ids, positions, md):
+        got = orig(input_ids, positions, md)
+        if got is not None:
+            got = got.clone()
+            with set_forward_context(md):         # rewrites the same KV values in place
+                want = runner.model.compute_logits(runner.model(input_ids, positions))
+            assert torch.equal(got, want)
+            checked.append(input_ids.shape[0])
+        return got
+    graphs.logits = check
+    return checked
