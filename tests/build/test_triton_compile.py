@@ -5,49 +5,30 @@ arithmetic the bit-exactness rests on: no FMA contraction, IEEE round-to-nearest
 Compiling is not running: the kernels' results are checked on a GPU by the ``gpu`` tests."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
+from triton_compile import compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
-# Run in a fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and
-# kernels decorated under it cannot be compiled.
+# The body of a script run by compile_in_subprocess (tests/triton_compile.py).
 SCRIPT = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from vllm.kernels.triton import residency_step as m
 
 fn = m._residency_step_kernel
 types = {"P": "i32", "K": "i32", "E": "i32", "N": "i32", "w": "i32", "D": "i32",
          "crf_ptr": "*fp64", "par_ptr": "*fp64", "pow_ptr": "*fp64", "pv_ptr": "*u8"}
-out = {}
 for cc in (90, 120):
     for policy in range(4):
         consts = dict(POLICY=policy, HAS_ROWS=True, FIRST_WAVE=True, BLOCK_E=64, BLOCK_N=64,
                       BLOCK_P=m.BLOCK_P, ROW_BLOCK=m.ROW_BLOCK)
         sig = {a: "constexpr" if a in consts else types.get(a, "*i64") for a in fn.arg_names}
-        src = triton.compiler.ASTSource(
-            fn=fn, signature=sig,
-            constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=m.LAUNCH_OPTIONS)
-        out[f"{cc}/{policy}"] = {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
-json.dump(out, sys.stdout)
+        out[f"{cc}/{policy}"] = compile_kernel(fn, sig, consts, cc, m.LAUNCH_OPTIONS)
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("triton's ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return compile_in_subprocess(SCRIPT)
 
 
 @pytest.mark.parametrize("cc", [90, 120])

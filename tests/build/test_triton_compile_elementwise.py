@@ -5,11 +5,9 @@ division in RMSNorm, round-to-nearest float32 -> bf16/fp16 casts. Compiling is n
 results are checked on a GPU by the ``gpu`` tests of tests/kernels/triton/test_elementwise.py."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
+from triton_compile import compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = pytest.mark.triton
@@ -17,10 +15,6 @@ pytestmark = pytest.mark.triton
 # A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
 # decorated under it cannot be compiled.
 SCRIPT = r"""
-import json, sys, os
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from vllm.kernels.triton import elementwise as m
 
 FLOATS = {"eps": "fp32", "scaling": "fp32"}
@@ -37,12 +31,8 @@ def compile_one(fn, dtype, consts, cc, ptr_types=None):
             return "i32"
         return ptr_types.get(a, "*" + dtype)
     sig = {a: arg_type(a) for a in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={
-        (fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=m.LAUNCH_OPTIONS)
-    return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+    return compile_kernel(fn, sig, consts, cc, m.LAUNCH_OPTIONS)
 
-out = {}
 for cc in (90, 120):
     for dt in ("fp32", "fp16", "bf16"):
         out[f"{cc}/rms/{dt}"] = compile_one(m._rms_norm_kernel, dt, {"BLOCK": 1024}, cc)
@@ -57,18 +47,12 @@ for cc in (90, 120):
     for act, code in m.ACTS.items():
         out[f"{cc}/act/{act}"] = compile_one(m._act_and_mul_kernel, "bf16",
                                              {"ACT": code, "BLOCK": 1024}, cc)
-json.dump(out, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("triton's ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return compile_in_subprocess(SCRIPT)
 
 
 def _kernels(compiled, cc, kind):

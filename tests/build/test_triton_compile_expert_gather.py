@@ -6,12 +6,10 @@ words per row). Compiling is not running: the ``gpu`` tests of
 tests/kernels/triton/test_triton_expert_gather.py check results on a GPU."""
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
+from triton_compile import compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = pytest.mark.triton
@@ -19,10 +17,6 @@ pytestmark = pytest.mark.triton
 # A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
 # decorated under it cannot be compiled.
 SCRIPT = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from vllm.kernels.triton import expert_gather as m
 
 fn = m._expert_gather_kernel
@@ -35,30 +29,19 @@ def compile_one(word, w_type, w_div16, cc):
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
     aligned = POINTERS + (("W",) if w_div16 else ())
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = triton.compiler.ASTSource(
-        fn=fn, signature=sig, attrs=attrs,
-        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=m.LAUNCH_OPTIONS)
-    return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+    return compile_kernel(fn, sig, consts, cc, m.LAUNCH_OPTIONS, attrs)
 
-out = {}
 for cc in (90, 120):
     for word in ("i64", "i32", "i16", "u8"):
         out[f"{cc}/{word}/div16"] = compile_one(word, "i32", True, cc)
         out[f"{cc}/{word}/odd"] = compile_one(word, "i32", False, cc)
     out[f"{cc}/i64/wide_rows"] = compile_one("i64", "i64", True, cc)   # W >= 2^31 words
-json.dump(out, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("triton's ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return compile_in_subprocess(SCRIPT)
 
 
 @pytest.mark.parametrize("cc", [90, 120])

@@ -6,21 +6,15 @@ memory, tl.dot on 16-bit operands). Compiling is not running: results are checke
 ``gpu`` tests."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
+from triton_compile import compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 # A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
 # decorated under it cannot be compiled.
 SCRIPT = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from vllm.kernels.triton import fused_moe as m
 from vllm.kernels.triton.fused_moe_config import load_table
 
@@ -35,15 +29,10 @@ def compile_(fn, cc, elem, consts, warps, stages):
         if a in I64: return "*i64"
         return "fp32" if a in ("alpha", "limit") else "*" + elem
     sig = {a: ty(a) for a in fn.arg_names}
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs={
-        (fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                       options={"num_warps": warps, "num_stages": stages})
-    return {"cubin": len(k.asm["cubin"]), "ptx": k.asm["ptx"], "shared": k.metadata.shared}
+    return compile_kernel(fn, sig, consts, cc, {"num_warps": warps, "num_stages": stages})
 
 tables = {"default": "", "h100": "NVIDIA H100 80GB HBM3"}
 largest = {t: load_table(d)[1]["default"][-1][1] for t, d in tables.items()}
-out = {}
 for cc, elem, table in GEMMS:
     cfg = largest[table]
     bk = cfg["BLOCK_K"] if elem != "fp32" else cfg["BLOCK_K"] // 2     # as fused_moe._gemm
@@ -56,7 +45,6 @@ for cc, elem, table in GEMMS:
 for cc, elem, act in ACTS:
     consts = dict(ACT=m.ACTIVATION_CODES[act], BLOCK_M=64, BLOCK_N=m.ACT_BLOCK_N)
     out[f"{cc}/{elem}/act/{act}"] = compile_(m._moe_act_kernel, cc, elem, consts, 4, 1)
-json.dump(out, sys.stdout)
 """
 GEMMS = [(90, e, t) for e in ("bf16", "fp16", "fp32") for t in ("default", "h100")] + \
     [(120, e, "default") for e in ("bf16", "fp16")]
@@ -69,13 +57,7 @@ SHARED_LIMIT = {90: 227 * 1024, 120: 99 * 1024}
 
 @pytest.fixture(scope="module")
 def compiled():
-    script = f"GEMMS = {GEMMS!r}\nACTS = {ACTS!r}\n" + SCRIPT
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=900)
-    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("triton's ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return compile_in_subprocess(f"GEMMS = {GEMMS!r}\nACTS = {ACTS!r}\n" + SCRIPT, timeout=900)
 
 
 @pytest.mark.parametrize("cc,elem,table", GEMMS)

@@ -6,21 +6,15 @@ running: results on a GPU are the ``gpu`` test of tests/kernels/triton/test_trit
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
+from triton_compile import compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 # A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
 # decorated under it cannot be compiled.
 SCRIPT = r"""
-import json, os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
 from vllm.kernels.triton import paged_attention as m
 
 SCALARS = {"scale_log2": "fp32", "window": "i32", "B": "i32", "num_slots": "i64"}
@@ -35,11 +29,7 @@ def compile_one(fn, dtype, cc, consts):
             return SCALARS.get(a, "i32")
         return "*i64" if a in INDEX else "*fp32" if a == "sinks_ptr" else "*" + dtype
     sig = {a: arg_type(a) for a in fn.arg_names}
-    src = triton.compiler.ASTSource(
-        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                       options={"num_warps": m.NUM_WARPS})
-    return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"])}
+    return compile_kernel(fn, sig, consts, cc, {"num_warps": m.NUM_WARPS})
 
 
 def attention(d, shared, decode_only, window_sinks, bs=16):
@@ -49,7 +39,6 @@ def attention(d, shared, decode_only, window_sinks, bs=16):
                 HAS_SINKS=window_sinks)
 
 
-out = {}
 for cc in (90, 120):
     for dtype in ("bf16", "fp16"):
         for variant, consts in (("decode", attention(128, False, True, False)),
@@ -61,18 +50,12 @@ for cc in (90, 120):
             consts = dict(NUM_KV_HEADS=2, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
                           HAS_V=has_v)
             out[f"write/{cc}/{dtype}/{d}"] = compile_one(m._write_kv_kernel, dtype, cc, consts)
-json.dump(out, sys.stdout)
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("triton's ptxas is not available here")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return compile_in_subprocess(SCRIPT)
 
 
 @pytest.mark.triton

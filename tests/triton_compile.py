@@ -1,0 +1,46 @@
+"""Compiling Triton kernels for the CI architectures without a GPU (tests/build/test_triton_compile*).
+
+Triton's frontend, its LLVM lowering and the ptxas it ships run on any machine, so a kernel can
+be compiled for SM90 / SM120 here; compiling is not running (the ``gpu`` tests check results).
+Each test module writes a script body that fills ``out`` (name -> ``compile_kernel``'s dict)
+using ``triton``, ``GPUTarget`` and ``compile_kernel`` from ``PREAMBLE``; it runs in a fresh
+interpreter because the test session sets TRITON_INTERPRET=1 (tests/conftest.py) and kernels
+decorated under it cannot be compiled."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PREAMBLE = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def compile_kernel(fn, sig, consts, cc, options, attrs=None):
+    # sig: arg name -> Triton type ("*fp16", "i32", "constexpr"); consts: constexpr name -> value
+    src = triton.compiler.ASTSource(
+        fn=fn, signature=sig, attrs=attrs or {},
+        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+    return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"]), "shared": k.metadata.shared}
+
+
+out = {}
+"""
+
+
+def compile_in_subprocess(body: str, timeout: int = 600) -> dict:
+    """Runs PREAMBLE + ``body`` in a fresh interpreter and returns its ``out`` dict; skips the
+    test where Triton's ptxas is missing."""
+    script = PREAMBLE + body + "\njson.dump(out, sys.stdout)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("triton's ptxas is not available here")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
