@@ -14,8 +14,7 @@ from triton_compile import compile_in_subprocess
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = pytest.mark.triton
 
-# A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
-# decorated under it cannot be compiled.
+# The body of a script run by compile_in_subprocess (tests/triton_compile.py).
 SCRIPT = r"""
 from vllm.kernels.triton import expert_gather as m
 

@@ -12,8 +12,7 @@ from triton_compile import compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
-# A fresh interpreter: the test session sets TRITON_INTERPRET=1 (tests/conftest.py), and kernels
-# decorated under it cannot be compiled.
+# The body of a script run by compile_in_subprocess (tests/triton_compile.py).
 SCRIPT = r"""
 from vllm.kernels.triton import fused_moe as m
 from vllm.kernels.triton.fused_moe_config import load_table
