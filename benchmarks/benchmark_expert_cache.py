@@ -3,6 +3,7 @@
     python benchmarks/benchmark_expert_cache.py --trace T.npz --capacity 16 [--policy lru ...]
         [--batch 8] [--sequences odd] [--max-tokens N] [--json]
     python benchmarks/benchmark_expert_cache.py --sweep --trace A.npz B.npz --batch 1 8 [--json]
+    python benchmarks/benchmark_expert_cache.py --bookkeeping [--experts 64 --capacity 12 --top-k 6]
 
 --sweep replays every trace at C in {top_k, 2 top_k, E/4, E/2} and every --batch, and reports each
 policy's hit rate as a fraction of Belady's per point, with each policy's mean and worst fraction
@@ -13,6 +14,13 @@ One plan() per layer per step (all layers of a step in one batched Residency, wh
 code as the per-layer one), steps needing more than C experts split with the cache's split_waves.
 Hit rate = hits / (hits + misses) over (layer, step, distinct needed expert). Belady (the offline
 optimum, an independent implementation) is always reported.
+
+--bookkeeping times one layer's residency step per policy on the CPU, as the engine runs it
+(``select_residency_step``: the C kernel for policies with a kernel_code, else the torch
+reference) and the policy's own torch calls alone (wave_keep_score + on_access).
+
+The replay runs one torch thread: its ops are tiny, and a second OpenMP thread only waits on a
+busy machine (the [L, E, E] tensors of lrfu_next cross the parallel grain size).
 """
 from __future__ import annotations
 
@@ -29,6 +37,8 @@ from vllm.model_executor.layers.fused_moe.expert_cache.belady import belady_hit_
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import (DEFAULT_POLICY, get_policy,
                                                                        policy_names)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, split_waves
+from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
+    ReferenceStep, select_residency_step)
 from vllm.model_executor.layers.fused_moe.expert_cache.trace import (RoutingTrace, load_trace,
                                                                      step_masks)
 
@@ -126,6 +136,36 @@ def summarize(points: list[dict], policies: list[str]) -> dict:
     return {"policies": summary, "best_worst": best}
 
 
+def time_bookkeeping(policies: list[str], num_experts: int, num_slots: int, top_k: int,
+                     iters: int = 2000) -> dict[str, dict[str, float]]:
+    """Microseconds per decode step of one layer (one token, ``top_k`` random experts) on the
+    CPU: "step", the residency step the engine selects; "reference", the torch reference step;
+    "policy", the policy's wave_keep_score + on_access alone."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(64)])
+    out = {}
+    for name in policies:
+        res = Residency(num_experts, num_slots, get_policy(name))
+        step, ref = select_residency_step(res, torch.device("cpu")), ReferenceStep(True)
+        pol, state = res.policy, res.policy_state
+        needed = torch.zeros(num_experts, dtype=torch.bool)
+        needed[ids[0]] = True
+        timings = {}
+        with torch.inference_mode():
+            for key, fn in (("step", lambda i: step(res, ids[i % 64:i % 64 + 1], None, 0)),
+                            ("reference", lambda i: ref(res, ids[i % 64:i % 64 + 1], None, 0)),
+                            ("policy", lambda i: (pol.wave_keep_score(state, res.clock, needed),
+                                                  pol.on_access(state, needed, res.clock)))):
+                for i in range(50):
+                    fn(i)
+                start = time.perf_counter()
+                for i in range(iters):
+                    fn(i)
+                timings[key] = (time.perf_counter() - start) / iters * 1e6
+        out[name] = {**timings, "step_impl": step.name}
+    return out
+
+
 def _print_sweep(out: dict, policies: list[str]) -> None:
     print("| trace | C | batch | " + " | ".join(policies) + " | Belady |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in policies) + " | --- |")
@@ -157,7 +197,7 @@ def _print_table(out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True, nargs="+",
+    ap.add_argument("--trace", nargs="+",
                     help="routing trace .npz (shared trace format); several with --sweep")
     ap.add_argument("--capacity", type=int, default=None, help="expert slots per MoE layer")
     ap.add_argument("--sweep", action="store_true",
@@ -170,13 +210,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sequences", default="all", choices=("all", "even", "odd"),
                     help="all sequences, or the even-/odd-indexed half (tuning / held-out)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--bookkeeping", action="store_true",
+                    help="time one layer's residency step per policy (CPU), no trace needed")
+    ap.add_argument("--experts", type=int, default=64, help="--bookkeeping: experts per layer")
+    ap.add_argument("--top-k", type=int, default=6, help="--bookkeeping: experts per token")
+    ap.add_argument("--iters", type=int, default=2000, help="--bookkeeping: timed steps")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)
     policies = args.policy or list(policy_names())
     for p in policies:
         get_policy(p)                                  # fails early naming the allowed names
     policies = list(dict.fromkeys(DEFAULT_POLICY if p == "auto" else p for p in policies))
     if any(b < 1 for b in args.batch):
         ap.error(f"--batch {args.batch} is invalid: every batch must be >= 1")
+    if args.bookkeeping:
+        out = time_bookkeeping(policies, args.experts, args.capacity or 2 * args.top_k, args.top_k,
+                               args.iters)
+        if args.json:
+            print(json.dumps(out))
+        for name, t in ([] if args.json else out.items()):
+            print(f"{name:<10} step {t['step']:7.1f} us ({t['step_impl']:<10}) reference step "
+                  f"{t['reference']:7.1f} us  policy alone {t['policy']:7.1f} us")
+        return 0
+    if not args.trace:
+        ap.error("--trace is required (except with --bookkeeping)")
     if args.sweep:
         out = run_sweep(args.trace, args.batch, policies, args.max_tokens, args.sequences)
         print(json.dumps(out)) if args.json else _print_sweep(out, policies)

@@ -10,7 +10,8 @@ import pytest
 from residency_cases import plain_lru
 
 from vllm.model_executor.layers.fused_moe.expert_cache.belady import belady_layer
-from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY
+from vllm.model_executor.layers.fused_moe.expert_cache.policy import (DEFAULT_POLICY,
+                                                                       policy_names)
 from vllm.model_executor.layers.fused_moe.expert_cache.trace import RoutingTrace, save_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[5] / "benchmarks"))
@@ -124,7 +125,7 @@ def test_sweep_reports_fractions_of_belady_and_the_worst_point(tmp_path, capsys)
     want = sorted([(paths[0], c, b) for c in (2, 4, 8) for b in (1, 2)]
                   + [(paths[1], c, b) for c in (2, 3, 4, 6) for b in (1, 2)])
     assert got == want
-    policies = ["lru", "lfu", "lfru", "lrfu"]
+    policies = list(policy_names())                  # the default: every registered one
     for p in out["points"]:
         for pol in policies:
             assert p["of_belady"][pol] == pytest.approx(p["hit_rate"][pol] / p["hit_rate"]["belady"])
@@ -142,3 +143,14 @@ def test_sweep_reports_fractions_of_belady_and_the_worst_point(tmp_path, capsys)
     assert "best worst point" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--trace", *paths, "--capacity", "4"])      # several traces need --sweep
+
+
+def test_bookkeeping_cli_runs_each_policy_step(capsys):
+    """--bookkeeping needs no trace; it names the step each policy runs (no timing asserted)."""
+    assert bench.main(["--bookkeeping", "--experts", "16", "--top-k", "2", "--iters", "2",
+                       "--policy", "lrfu", "lrfu_next", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lrfu_next"]["step_impl"] == "reference"
+    assert set(out["lrfu"]) == {"step", "reference", "policy", "step_impl"}
+    with pytest.raises(SystemExit):
+        bench.main(["--capacity", "4"])            # no --trace and no --bookkeeping

@@ -133,7 +133,7 @@ class ApplySpy:
         self.inner(weights, x, topk_weights, slot_ids, out)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "test_mru"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu_next", "test_mru"])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_wave_never_reads_an_evicted_or_foreign_slot(policy, n, mru_policy, monkeypatch):
     w = weights(torch.float32, 5)

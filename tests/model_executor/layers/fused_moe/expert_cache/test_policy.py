@@ -129,3 +129,134 @@ def test_bad_lrfu_params():
     from vllm.model_executor.layers.fused_moe.expert_cache.policy import LRFUPolicy
     with pytest.raises(ValueError, match="half_life=0"):
         LRFUPolicy(half_life=0)
+
+
+# --- lrfu_next: lrfu plus an online-learned next-plan predictor ---------------------------------
+
+def _lrfu_next_sim(steps, num_experts, num_slots, lr=0.03, a=1.0, decay=0.5 ** (1 / 30), w=0.2):
+    """lrfu_next from its written definition, in Python ints and floats: weights are integers in
+    units of 2**-32; victims ranked by lrfu + a * p(need), p from the plan being made."""
+    one, cap = 2 ** 32, 2 ** 40
+    weight = [[0] * num_experts for _ in range(num_experts)]
+    bias, prev = [0] * num_experts, set()
+    st = [{"last": 0, "crf": 0.0} for _ in range(num_experts)]
+    update, lrfu = _score_fns(decay, w)["lrfu"]
+
+    def p(given, j):
+        return float(bias[j] + sum(weight[i][j] for i in given)) / one
+
+    resident, hits, misses = set(), 0, 0
+    for clock, need in enumerate(steps):
+        scores = {x: lrfu(st, x, clock) + p(need, x) * a for x in resident}
+        hits += sum(e in resident for e in need)
+        for e in sorted(need):
+            if e not in resident:
+                misses += 1
+                if len(resident) == num_slots:
+                    resident.discard(min((x for x in resident if x not in need),
+                                         key=lambda x: (scores[x], x)))
+                resident.add(e)
+        delta = [round(((e in need) - p(prev, e)) * lr / (len(prev) + 1.0) * one)
+                 for e in range(num_experts)]
+        for j in range(num_experts):
+            bias[j] = max(-cap, min(cap, bias[j] + delta[j]))
+            for i in prev:
+                weight[i][j] = max(-cap, min(cap, weight[i][j] + delta[j]))
+        prev = set(need)
+        for e in need:
+            update(st, e, clock)
+    return hits, misses
+
+
+@pytest.mark.parametrize("num_slots", [5, 9])
+def test_lrfu_next_matches_plain_python(num_slots):
+    steps = _steps(250, 16, 4, seed=num_slots)
+    res = Residency(16, num_slots, get_policy("lrfu_next"))
+    for need in steps:
+        res.plan(torch.zeros(16, dtype=torch.bool).index_fill(0, torch.tensor(need), True))
+    assert (int(res.hits), int(res.misses)) == _lrfu_next_sim(steps, 16, num_slots)
+    # ... and it is not lrfu in disguise on this sequence.
+    lrfu = Residency(16, num_slots, get_policy("lrfu"))
+    for need in steps:
+        lrfu.plan(torch.zeros(16, dtype=torch.bool).index_fill(0, torch.tensor(need), True))
+    assert int(lrfu.misses) != int(res.misses)
+
+
+def _one_hot(ids, n):
+    return torch.zeros(n, dtype=torch.bool).index_fill(0, torch.tensor(ids, dtype=torch.long),
+                                                       True)
+
+
+def test_lrfu_next_learning_rule_by_hand():
+    """Plans {0}, {1}, {0} with learning rate 1/2 (every value exact in binary):
+    t=0: prev {}, p = 0, err = (1,0,0), delta = err/2/1  -> bias (.5,0,0)
+    t=1: prev {0}, p = bias + W[0] = (.5,0,0), err = (-.5,1,0), delta = err/2/2
+         -> bias (.375,.25,0), W[0] = (-.125,.25,0)
+    t=2: prev {1}, p = bias + W[1] = (.375,.25,0), err = (.625,-.25,0), delta = err/2/2
+         -> bias (.53125,.1875,0), W[1] = (.15625,-.0625,0)."""
+    from vllm.model_executor.layers.fused_moe.expert_cache.policy import LRFUNextPolicy
+    pol = LRFUNextPolicy(learning_rate=0.5)
+    st = pol.init_state(3, torch.device("cpu"))
+    for t, e in enumerate([0, 1, 0]):
+        pol.on_access(st, _one_hot([e], 3), torch.tensor(t))
+    one = 2.0 ** 32
+    assert st["bias"].tolist() == [0.53125 * one, 0.1875 * one, 0.0]
+    assert st["weight"].tolist() == [[-0.125 * one, 0.25 * one, 0.0],
+                                     [0.15625 * one, -0.0625 * one, 0.0], [0.0] * 3]
+    assert st["prev"].tolist() == [True, False, False]
+    # After {0} the model expects 1 (0.4375) more than 0 (0.40625); after {1}, 0 (0.6875).
+    assert pol.predict(st, _one_hot([0], 3)).tolist() == [0.40625, 0.4375, 0.0]
+    assert pol.predict(st, _one_hot([1], 3)).tolist() == [0.6875, 0.125, 0.0]
+    # An empty plan changes nothing.
+    snap = {k: v.clone() for k, v in st.items()}
+    pol.on_access(st, torch.zeros(3, dtype=torch.bool), torch.tensor(3))
+    assert all(torch.equal(v, snap[k]) for k, v in st.items())
+
+
+def test_lrfu_next_prediction_changes_the_victim_by_hand():
+    """4 experts, 3 slots; plans {2}, {1}, {3} fill the slots, then {0} misses. With a near-zero
+    half-life lrfu is recency 1/(dt+1): 2 -> 1/4, 1 -> 1/3, 3 -> 1/2, so lrfu evicts 2. A
+    prediction p(2 | {0}) = 1/2 (set by hand) lifts 2 to 3/4 and lrfu_next evicts 1 instead."""
+    from vllm.model_executor.layers.fused_moe.expert_cache.policy import (LRFUNextPolicy,
+                                                                          LRFUPolicy)
+    victims = {}
+    for name, pol in (("lrfu", LRFUPolicy(half_life=0.01, recency_weight=1.0)),
+                      ("lrfu_next", LRFUNextPolicy(half_life=0.01, recency_weight=1.0))):
+        res = Residency(4, 3, pol)
+        for e in (2, 1, 3):
+            res.plan(_one_hot([e], 4))
+        if name == "lrfu_next":
+            res.policy_state["weight"].zero_()
+            res.policy_state["bias"].zero_()
+            res.policy_state["weight"][0, 2] = 0.5 * 2.0 ** 32
+        before = set(res.expert_of_slot.tolist())
+        res.plan(_one_hot([0], 4))
+        victims[name] = before - set(res.expert_of_slot.tolist())
+    assert victims == {"lrfu": {2}, "lrfu_next": {1}}
+
+
+def test_lrfu_next_deterministic_and_batched_like_single():
+    """Two runs give the same state bits; a batch of layers equals each layer alone."""
+    layers, steps = 3, [_steps(120, 16, 4, seed=s) for s in range(3)]
+    runs = []
+    for _ in range(2):
+        res = Residency(16, 6, get_policy("lrfu_next"), layers=layers)
+        for t in range(120):
+            res.plan(torch.stack([_one_hot(steps[i][t], 16) for i in range(layers)]))
+        runs.append(res)
+    assert all(torch.equal(v, runs[1].policy_state[k]) for k, v in runs[0].policy_state.items())
+    for i in range(layers):
+        single = Residency(16, 6, get_policy("lrfu_next"))
+        for t in range(120):
+            single.plan(_one_hot(steps[i][t], 16))
+        assert torch.equal(single.slot_of_expert, runs[0].slot_of_expert[i])
+        assert all(torch.equal(v, runs[0].policy_state[k][i])
+                   for k, v in single.policy_state.items())
+
+
+def test_bad_lrfu_next_params():
+    from vllm.model_executor.layers.fused_moe.expert_cache.policy import LRFUNextPolicy
+    with pytest.raises(ValueError, match="learning_rate=0"):
+        LRFUNextPolicy(learning_rate=0)
+    with pytest.raises(ValueError, match="next_weight=-1"):
+        LRFUNextPolicy(next_weight=-1)

@@ -39,7 +39,7 @@ def test_wanted_experts_caps_most_predicted_first():
             brute_wanted(ids.tolist(), n)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "lrfu_next"])
 def test_load_is_no_access_and_picks_plans_victims(policy):
     g = torch.Generator().manual_seed(1)
     res = Residency(E, 4, get_policy(policy))

@@ -86,7 +86,7 @@ def test_load_plan_contents():
     assert remapped.tolist() == [[int(res.slot_of_expert[5]), int(res.slot_of_expert[7])]]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu", "lrfu_next"])
 def test_never_evicts_needed_expert(policy):
     res = Residency(12, 4, get_policy(policy))
     for need in _random_steps(200, 12, 4, seed=3):
@@ -99,8 +99,9 @@ def test_never_evicts_needed_expert(policy):
         assert int(plan.num_loads) == sum(int(before[e]) < 0 for e in need)
 
 
-def test_empty_plan_is_noop():
-    res = Residency(8, 2, get_policy("lfru"))
+@pytest.mark.parametrize("policy", ["lfru", "lrfu_next"])
+def test_empty_plan_is_noop(policy):
+    res = Residency(8, 2, get_policy(policy))
     res.plan(_mask([0, 3], 8))
     snap = (res.clock.clone(), res.slot_of_expert.clone(),
             {k: v.clone() for k, v in res.policy_state.items()})
@@ -132,7 +133,7 @@ def test_waves_through_plan_match_sequential_lru():
             _check_invariants(res)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu", "lrfu_next"])
 def test_batched_layers_equal_independent(policy):
     layers, steps = 3, [_random_steps(150, 16, 4, seed=10 + i) for i in range(3)]
     batched = Residency(16, 6, get_policy(policy), layers=layers)
@@ -147,7 +148,7 @@ def test_batched_layers_equal_independent(policy):
         assert int(batched.hits[i]) == int(singles[i].hits)
 
 
-@pytest.mark.parametrize("policy", ["lfru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lfru", "lrfu", "lrfu_next"])
 def test_plan_compiles_fullgraph(policy):
     res = Residency(16, 6, get_policy(policy))
     ref = Residency(16, 6, get_policy(policy))

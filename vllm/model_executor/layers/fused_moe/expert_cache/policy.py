@@ -40,8 +40,16 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def keep_score(self, state: dict[str, torch.Tensor], clock: torch.Tensor) -> torch.Tensor:
-        """[E] float: how much each expert is worth keeping; the lowest resident ones are evicted."""
+        """[E] float: how much each expert is worth keeping; the lowest resident ones are
+        evicted."""
         raise NotImplementedError
+
+    def wave_keep_score(self, state: dict[str, torch.Tensor], clock: torch.Tensor,
+                        needed: torch.Tensor) -> torch.Tensor:
+        """The keep scores ``Residency`` ranks victims by when it plans (or loads) ``needed``
+        [E] bool; a policy that predicts from the wave being planned overrides this. It must not
+        change ``state`` (a prefetch's load and an empty wave leave the policy as it was)."""
+        return self.keep_score(state, clock)
 
 # Shapes: policies are written elementwise so state [..., E] may carry leading batch dims (one row
 # per layer in the replay benchmark); ``clock`` then has shape [..., 1] and broadcasts.
@@ -145,6 +153,86 @@ class LRFUPolicy(EvictionPolicy):
         return rate + torch.reciprocal(dt.double() + 1.0) * self.recency_weight
 
 
+_FIX_ONE = float(2 ** 32)
+_FIX_MAX = float(2 ** 40)
+"""``lrfu_next`` keeps its weights as integers (units of 2**-32, |w| <= 2**40, i.e. 256) in float64:
+a sum of up to 2**12 of them stays below 2**53, so it is exact in any order (a matmul on any
+device, FMA or not) and the predictions are the same bits everywhere."""
+
+
+class LRFUNextPolicy(LRFUPolicy):
+    """``lrfu`` plus an online-learned prediction of which experts the next plan uses.
+
+    wave_keep_score = lrfu's keep_score + next_weight * p, with p [E] a linear predictor of
+    "expert j is used by the next plan", given the experts of the plan being made (its wave):
+    p[j] = bias[j] + sum over i in the wave of weight[i, j]. Victims are chosen after the layer's
+    routing is known, so the wave is the best evidence of what the next token of this layer needs.
+    The predictor learns online from the layer's own plans by normalised LMS: at each non-empty
+    plan ``used``, with ``prev`` the last non-empty plan's experts,
+        err = used - p(prev),  delta = round(err * learning_rate / (|prev| + 1) * 2**32)
+        bias += delta,  weight[i, :] += delta for i in prev  (then clamped to +-2**40)
+    weight/bias hold integers (units of 2**-32, see ``_FIX_MAX``) and the update is elementwise
+    IEEE arithmetic, so every device reaches the same bits. Nothing is trained offline: the
+    predictor starts at zero (plain ``lrfu``) on any model. Needs E <= 4096.
+
+    Parameters (named, tuned on the even-indexed DeepSeek-V2-Lite sequences only, see
+    docs/expert-cache-policies.md): half_life 30 and recency_weight 0.2 (``lrfu``'s),
+    next_weight 1.0 (p is a probability; lrfu's scores are ~0.05-1), learning_rate 0.03.
+    State per layer: lrfu's ``crf``/``last_use``, ``weight`` float64 [E, E], ``bias`` float64
+    [E], ``prev`` bool [E]. Cost per plan: two [E] x [E, E] products and an [E, E] update (no
+    host read). No fused kernel implements it (``kernel_code`` None): its layers run the torch
+    reference step (so no CUDA/CPU graph capture of the cached step).
+    """
+    name = "lrfu_next"
+    kernel_code = None
+
+    def __init__(self, half_life: float = 30.0, recency_weight: float = 0.2,
+                 next_weight: float = 1.0, learning_rate: float = 0.03):
+        super().__init__(half_life, recency_weight)
+        if next_weight < 0 or not 0 < learning_rate < 1:
+            raise ValueError(f"lrfu_next next_weight={next_weight}, learning_rate="
+                             f"{learning_rate} are invalid: need next_weight >= 0 and "
+                             f"0 < learning_rate < 1")
+        self.next_weight, self.learning_rate = next_weight, learning_rate
+
+    def init_state(self, num_experts, device):
+        if num_experts > 4096:
+            raise ValueError(f"lrfu_next supports num_experts <= 4096, got {num_experts}")
+        state = super().init_state(num_experts, device)
+        f64 = dict(dtype=torch.float64, device=device)
+        state.update(weight=torch.zeros(num_experts, num_experts, **f64),
+                     bias=torch.zeros(num_experts, **f64),
+                     prev=torch.zeros(num_experts, dtype=torch.bool, device=device))
+        return state
+
+    @staticmethod
+    def predict(state: dict[str, torch.Tensor], given: torch.Tensor) -> torch.Tensor:
+        """given [..., E] bool -> p [..., E] float64 (an exact integer sum, times 2**-32)."""
+        rows = (given.double().unsqueeze(-2) @ state["weight"]).squeeze(-2)     # [..., E]
+        return (state["bias"] + rows) / _FIX_ONE
+
+    def on_access(self, state, used, clock):
+        prev = state["prev"]                                                     # [..., E]
+        any_used = used.any(-1, keepdim=True)                                    # [..., 1]
+        err = used.double() - self.predict(state, prev)
+        norm = prev.sum(-1, keepdim=True).double() + 1.0
+        delta = torch.round(err * self.learning_rate / norm * _FIX_ONE)
+        delta = delta * any_used.double()                       # an empty plan learns nothing
+        state["bias"].copy_((state["bias"] + delta).clamp(-_FIX_MAX, _FIX_MAX))
+        step = prev.double().unsqueeze(-1) * delta.unsqueeze(-2)                 # [..., E, E]
+        state["weight"].copy_((state["weight"] + step).clamp(-_FIX_MAX, _FIX_MAX))
+        state["prev"].copy_(torch.where(any_used, used, prev))
+        super().on_access(state, used, clock)
+
+    def keep_score(self, state, clock):
+        """With no wave given, the prediction is made from the last plan's experts."""
+        return self.wave_keep_score(state, clock, state["prev"])
+
+    def wave_keep_score(self, state, clock, needed):
+        lrfu = super().keep_score(state, clock)
+        return lrfu + self.predict(state, needed) * self.next_weight
+
+
 _CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -167,7 +255,7 @@ def register_policy(policy: EvictionPolicy) -> EvictionPolicy:
     return policy
 
 
-for _p in (LRUPolicy(), LFUPolicy(), LFRUPolicy(), LRFUPolicy()):
+for _p in (LRUPolicy(), LFUPolicy(), LFRUPolicy(), LRFUPolicy(), LRFUNextPolicy()):
     register_policy(_p)
 
 DEFAULT_POLICY = "lrfu"

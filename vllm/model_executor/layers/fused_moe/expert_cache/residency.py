@@ -118,8 +118,9 @@ class Residency:
 
         Hits stay in their slots; each miss (in expert-id order) takes a victim slot among slots
         not holding a needed expert: empty slots first (by slot index), then the lowest policy
-        keep_score, ties broken by the lower expert id. An empty ``needed`` is an exact no-op
-        (maps, clock, policy state and every counter unchanged).
+        keep score (``wave_keep_score`` of this wave), ties broken by the lower expert id. An
+        empty ``needed`` is an exact no-op (maps, clock, policy state and every counter
+        unchanged).
         """
         clock = self.clock
         resident = self.slot_of_expert >= 0
@@ -151,7 +152,7 @@ class Residency:
         n, e = self.num_slots, self.num_experts
         miss = needed & (self.slot_of_expert < 0)
         num_miss = miss.sum(-1)                                              # [...]
-        score = self.policy.keep_score(self.policy_state, self.clock)        # [..., E]
+        score = self.policy.wave_keep_score(self.policy_state, self.clock, needed)  # [..., E]
         # Rank experts by (score, expert id): a stable sort over ids already in order.
         by_score = torch.sort(score, dim=-1, stable=True).indices
         rank = torch.empty_like(by_score).scatter_(
