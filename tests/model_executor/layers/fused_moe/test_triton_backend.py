@@ -42,8 +42,8 @@ def test_refused_with_the_reason(monkeypatch):
         select_moe_backend(query(), "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match=r"'triton' cannot run .*handles schemes "
-                                         r"\['unquantized'\], not 'fp8-block'"):
-        select_moe_backend(query(scheme="fp8-block"), "triton")
+                                         r"\['unquantized', 'fp8-tensor', .*\], not 'nvfp4'"):
+        select_moe_backend(query(scheme="nvfp4"), "triton")
 
 
 def _prompts():

@@ -12,8 +12,10 @@ GPTQ INT4 weights dequantized tile by tile inside its GEMM), ``grouped_mm``
 loop reference: every scheme, every platform; quantized experts are dequantized per expert).
 All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gated ones, and the
 non-gated ``relu2_no_mul`` whose w13 holds the up projection only). ``triton`` (the Triton
-fused-MoE kernels, ``triton_experts.py``; unquantized, fp16/bf16/fp32, biases, every
-activation) runs on CUDA, or on CPU only under ``TRITON_INTERPRET=1``; not yet run on a GPU.
+fused-MoE kernels, ``triton_experts.py``; fp16/bf16/fp32, biases; unquantized with every
+activation, and FP8 tensor/channel/block and GPTQ INT4 weights, gated activations, dequantized
+tile by tile right before each ``tl.dot``) runs on CUDA, or on CPU only under
+``TRITON_INTERPRET=1``; not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, GAT
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop, expert_pairs_ref
-from vllm.model_executor.layers.fused_moe.triton_experts import (TRITON_DTYPES, TritonExperts,
+from vllm.model_executor.layers.fused_moe.triton_experts import (TRITON_DTYPES, TRITON_SCHEMES,
+                                                                 TritonExperts,
                                                                  triton_moe_refusal)
 
 CPU_KERNEL_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
@@ -232,6 +235,7 @@ register_moe_backend(MoEBackend(
     check=_grouped_mm_check))
 register_moe_backend(MoEBackend("torch", TorchExperts, activations=MOE_ACTIVATIONS, bias=True))
 # Every platform by name: the check refuses all but CUDA, and CPU under TRITON_INTERPRET=1.
+# A quantized scheme's layout reaches the kernels through ``TritonExperts.bind_scheme``.
 register_moe_backend(MoEBackend(
-    "triton", lambda act, deq: TritonExperts(act), schemes=("unquantized",),
+    "triton", lambda act, deq: TritonExperts(act), schemes=TRITON_SCHEMES,
     dtypes=TRITON_DTYPES, activations=MOE_ACTIVATIONS, bias=True, check=triton_moe_refusal))

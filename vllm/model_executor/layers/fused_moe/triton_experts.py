@@ -1,44 +1,117 @@
-"""The "triton" MoE expert backend: the Triton fused-MoE kernels (``vllm/kernels/triton/
-fused_moe.py``) behind the ``MoEExperts`` pair contract, unquantized experts only.
+"""The "triton" MoE expert backend: the Triton fused-MoE kernels behind the ``MoEExperts`` pair
+contract, over unquantized experts (``vllm/kernels/triton/fused_moe.py``) and weight-only
+quantized ones (``fused_moe_quant.py``: FP8 e4m3 with tensor / channel / block scales, GPTQ
+INT4 with g_idx, act order included), dequantized in registers right before each ``tl.dot``.
 
-It reads the loaded layout as is (w13 [G, 2N, H] or [G, N, H] non-gated, w2 [G, H, N], the
-optional biases) and writes the pairs of each wave straight into the layer's ``out``
-[T, K, H]; the ids are expert ids, or the expert cache's slot ids (the kernels never know which).
-Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it).
+It reads the loaded layout as is (no ``pack``): unquantized w13 [G, 2N, H] or [G, N, H]
+non-gated, w2 [G, H, N]; a quantized scheme's expert tensors under the method's names (fp8.py,
+gptq.py), which ``bind_scheme`` maps onto ``QuantProjection``s; the optional biases. It writes
+the pairs of each wave straight into the layer's ``out`` [T, K, H]; the ids are expert ids, or
+the expert cache's slot ids, and every scale, zero point and g_idx is read at the same id as its
+codes (the kernels never know which). Runs on CUDA, or on CPU tensors under
+``TRITON_INTERPRET=1`` (how the tests check it).
 NOT YET RUN ON A GPU: interpreted and compiled (SM90/SM120) only; block sizes untuned.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from vllm.kernels.triton import triton_refusal
-from vllm.model_executor.layers.fused_moe.modular_kernel import (MoEActivation, MoEExperts,
+from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIONS,
+                                                                 MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
 from vllm.platforms import platform_for
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
+"""Schemes the Triton kernels run: unquantized, and weight-only FP8 / GPTQ INT4."""
+Projections = Callable[[dict[str, torch.Tensor]], tuple[dict, dict]]
+"""Expert tensors by name ([G, ...]) -> (w13, w2) keyword arguments of ``QuantProjection``."""
 
 
 def triton_moe_refusal(q: MoEKernelQuery) -> str | None:
     """The registry's extra check: a Triton kernel must be able to run on the platform's
-    tensors (CUDA, or CPU under the interpreter), and bf16 products need SM 8.0."""
+    tensors (CUDA, or CPU under the interpreter), bf16 products need SM 8.0, and the quantized
+    layouts fuse gate and up (gated activations only)."""
     reason = triton_refusal(q.platform.device_type)
     if reason is not None:
         return reason
     cap = q.platform.get_device_capability()
     if cap is not None and q.dtype == torch.bfloat16 and cap.to_int() < 80:
         return f"bfloat16 tl.dot needs SM >= 80, the device is SM {cap.to_int()}"
+    if q.scheme != "unquantized" and q.activation not in GATED_ACTIVATIONS:
+        return (f"its quantized path runs gated activations only, not {q.activation!r} "
+                "(the quantized layouts fuse gate and up)")
     return None
 
 
+def fp8_projections(method) -> Projections:
+    """fp8.py's layout: w13_weight e4m3 [G, 2N, H], w2_weight [G, H, N]; scales (float32,
+    ``method.scale_name``) tensor w13 [G, 2] (gate, up) / w2 [G, 1], channel [G, 2N, 1] /
+    [G, H, 1], block [G, 2 * ceil(N/bo), ceil(H/bi)] (gate block rows, then up) /
+    [G, ceil(H/bo), ceil(N/bi)]."""
+    s, strategy = method.scale_name, method.strategy
+
+    def projections(t):
+        w13, w2, s13, s2 = t["w13_weight"], t["w2_weight"], t[f"w13_{s}"], t[f"w2_{s}"]
+        N, H = w13.shape[1] // 2, w13.shape[2]
+        if strategy == "tensor":          # one scale per half: block_out spans the half
+            return (dict(codes=w13, scales=s13.unsqueeze(-1), half_rows=N, block_out=N,
+                         block_in=H),
+                    dict(codes=w2, scales=s2.unsqueeze(-1), half_rows=H, block_out=H,
+                         block_in=N))
+        if strategy == "channel":         # one scale per output row
+            return (dict(codes=w13, scales=s13, half_rows=2 * N, block_in=H),
+                    dict(codes=w2, scales=s2, half_rows=H, block_in=N))
+        bo, bi = method.block
+        return (dict(codes=w13, scales=s13, half_rows=N, rows_per_half=s13.shape[1] // 2,
+                     block_out=bo, block_in=bi),
+                dict(codes=w2, scales=s2, half_rows=H, block_out=bo, block_in=bi))
+    return projections
+
+
+def gptq_projections(method) -> Projections:
+    """gptq.py's layout: w13_qweight int32 [G, 2N, H/8], w13_qzeros [G, 2N/8, G13], w13_scales
+    [G, 2N, G13], w13_g_idx [G, 2, H] (gate, up); w2_* likewise with g_idx [G, 1, N]; zero
+    points plus the format's offset (``method.zero_offset``)."""
+    from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
+    if type(method).unpacked_weight is not GptqMoEMethod.unpacked_weight:
+        raise ValueError(f"{type(method).__name__} repacks its int4 codes "
+                         "(unpacked_weight): the triton backend reads GPTQ's packing only; "
+                         "use moe_backend='torch'")
+
+    def projections(t):
+        out = []
+        for p in ("w13", "w2"):
+            codes = t[f"{p}_qweight"]
+            out.append(dict(codes=codes, scales=t[f"{p}_scales"], zeros=t[f"{p}_qzeros"],
+                            g_idx=t[f"{p}_g_idx"], zero_offset=method.zero_offset,
+                            half_rows=codes.shape[1] // t[f"{p}_g_idx"].shape[1]))
+        return out[0], out[1]
+    return projections
+
+
 class TritonExperts(MoEExperts):
-    """``fused_moe_pairs`` over the layer's tensors (no repacking)."""
+    """``fused_moe_pairs`` (unquantized) or ``fused_moe_quant_pairs`` (after ``bind_scheme``)
+    over the layer's tensors (no repacking)."""
     name = "triton"
     cuda_graph_safe = True    # grids and block sizes fixed by [T, top_k] and G; no host read
 
     def __init__(self, activation: MoEActivation):
         self.activation = activation
         self._device_names: dict[torch.device, str] = {}
+        self.kind: str | None = None
+        """None (unquantized), "fp8" or "int4"."""
+        self._projections: Projections | None = None
+
+    def bind_scheme(self, method) -> None:
+        """Called once by the quant method after selection: a quantized scheme's layout."""
+        if method.scheme.startswith("fp8-"):
+            self.kind, self._projections = "fp8", fp8_projections(method)
+        elif method.scheme == "w4a16-gptq":
+            self.kind, self._projections = "int4", gptq_projections(method)
 
     def _device_name(self, device: torch.device) -> str:
         """The name the block-size tables are keyed by (asked of the platform once)."""
@@ -48,8 +121,15 @@ class TritonExperts(MoEExperts):
 
     def apply_pairs(self, weights, x, topk_weights, ids, out):
         # Imported here: triton is optional, and the registry module imports this one.
-        from vllm.kernels.triton.fused_moe import fused_moe_pairs
         act = self.activation
-        fused_moe_pairs(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids, out,
-                        act.name, act.alpha, act.limit, weights.get("w13_bias"),
-                        weights.get("w2_bias"), device_name=self._device_name(x.device))
+        biases = weights.get("w13_bias"), weights.get("w2_bias")
+        name = self._device_name(x.device)
+        if self._projections is None:
+            from vllm.kernels.triton.fused_moe import fused_moe_pairs
+            fused_moe_pairs(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
+                            out, act.name, act.alpha, act.limit, *biases, device_name=name)
+            return
+        from vllm.kernels.triton.fused_moe_quant import QuantProjection, fused_moe_quant_pairs
+        w13, w2 = (QuantProjection(self.kind, **p) for p in self._projections(weights))
+        fused_moe_quant_pairs(x, w13, w2, topk_weights, ids, out, act.name, act.alpha,
+                              act.limit, *biases, device_name=name)
