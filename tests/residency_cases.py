@@ -9,7 +9,8 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
 
-POLICIES = ["lru", "lfu", "lfru", "lrfu"]
+POLICIES = ["lru", "lfu", "lfru", "lrfu", "lrfu_next"]
+"""The policies with a fused residency step (kernel_code), which its tests cover."""
 
 
 def plain_lru(steps, num_slots: int) -> tuple[int, int]:
@@ -62,6 +63,24 @@ def random_steps(E: int, K: int, num_steps: int, seed: int):
         if rng.random() < 0.3:
             row_slots = torch.tensor([-1 if rng.random() < 0.3 else t for t in range(T)])
         yield torch.tensor(rows, dtype=torch.int64), row_slots
+
+
+def saturate_predictor(states: list[dict[str, torch.Tensor]], seed: int) -> None:
+    """Gives lrfu_next policy states [E] (all alike) the same random weight and bias integers over
+    the whole +-2**40 range, half the weights within 2**34 of a bound (two rows at them), and a
+    random ``prev``: the kernels' sums of large terms and the clamps of their update then run."""
+    g = torch.Generator().manual_seed(seed)
+    E = states[0]["bias"].shape[-1]
+    bound = 2 ** 40
+    weight = torch.randint(-bound, bound + 1, (E, E), generator=g, dtype=torch.float64)
+    near = bound - torch.randint(0, 2 ** 34, (E, E), generator=g, dtype=torch.float64)
+    weight = torch.where(torch.rand(E, E, generator=g) < 0.5, weight.sign() * near, weight)
+    weight[0], weight[1] = bound, -bound
+    bias = torch.randint(-bound, bound + 1, (E,), generator=g, dtype=torch.float64)
+    prev = torch.rand(E, generator=g) < 0.5
+    for state in states:
+        for name, value in (("weight", weight), ("bias", bias), ("prev", prev)):
+            state[name].copy_(value)
 
 
 def step_both(step_a, step_b, ref: Residency, ker: Residency, ids: torch.Tensor,

@@ -100,7 +100,8 @@ def _cache_state(runner):
 CACHED = [("Qwen3MoeForCausalLM", "float32", 1, "lrfu"), ("Qwen3MoeForCausalLM", "bfloat16", 2,
           "lru"), ("Qwen3MoeForCausalLM", "float32", 5, "lfru"),
           ("MixtralForCausalLM", "float32", 2, "lfu"), ("Qwen2MoeForCausalLM", "bfloat16", 4,
-                                                        "auto")]
+                                                        "auto"),
+          ("Qwen3MoeForCausalLM", "float32", 3, "lrfu_next")]
 
 
 @pytest.mark.parametrize("arch,dtype,n,policy", CACHED)

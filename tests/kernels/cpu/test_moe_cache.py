@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from residency_cases import POLICIES, bits, plain_lru, random_steps, step_both
+from residency_cases import (POLICIES, bits, plain_lru, random_steps, saturate_predictor,
+                             step_both)
 
 from vllm.kernels.cpu import moe_cache
 from vllm.kernels.cpu.build import load_cpu_kernels
@@ -33,7 +34,7 @@ def test_kernel_equals_reference_on_random_routing(policy, E, K, N):
     assert int(ker.hits) > 0 and int(ker.misses) > 0
 
 
-@pytest.mark.parametrize("policy", ["lfru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lfru", "lrfu", "lrfu_next"])
 def test_kernel_equals_reference_past_the_decay_table(policy):
     """A clock far past the last uses: dt beyond the lrfu table (g**dt is then 0.0)."""
     ref, ker = Residency(16, 5, get_policy(policy)), Residency(16, 5, get_policy(policy))
@@ -45,10 +46,24 @@ def test_kernel_equals_reference_past_the_decay_table(policy):
         step_both(reference_step, kernel_step, ref, ker, ids, row_slots)
 
 
+@pytest.mark.parametrize("E,N", [(16, 4), (64, 12), (64, 40)])
+def test_kernel_equals_reference_lrfu_next_at_the_weight_bounds(E, N):
+    """lrfu_next from weights and biases over the whole +-2**40 range: large exact sums, and
+    updates that the clamps cut."""
+    ref, ker = (Residency(E, N, get_policy("lrfu_next")) for _ in range(2))
+    saturate_predictor([ref.policy_state, ker.policy_state], seed=E + N)
+    weight, clamped = ker.policy_state["weight"], 0
+    for ids, row_slots in random_steps(E, 4, 150, seed=N):
+        before = weight.abs() == 2 ** 40
+        step_both(reference_step, kernel_step, ref, ker, ids, row_slots)
+        clamped += int(((weight.abs() == 2 ** 40) & ~before).sum())
+    assert clamped > 0
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_keep_scores_bitwise(policy):
     """The C scores equal the torch policy's keep_score bit for bit on random states (dt from 0
-    past the lrfu decay table)."""
+    past the lrfu decay table; lrfu_next's weights over their whole range)."""
     pol = get_policy(policy)
     g = torch.Generator().manual_seed(1)
     E, clock = 4096, 50_000
@@ -60,6 +75,8 @@ def test_keep_scores_bitwise(policy):
         state["last_use"][:64] = clock - torch.arange(64)
     if "crf" in state:
         state["crf"] = torch.rand(E, generator=g, dtype=torch.float64) * 40
+    if "weight" in state:
+        saturate_predictor([state], seed=2)
     params, table = pol.kernel_params(torch.device("cpu"))
     got = moe_cache.keep_scores(pol.kernel_code, clock, state, params, table)
     want = pol.keep_score(state, torch.tensor(clock))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from residency_cases import POLICIES, random_steps, step_both
+from residency_cases import POLICIES, random_steps, saturate_predictor, step_both
 
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
@@ -53,7 +53,7 @@ def test_triton_step_equals_reference(triton_step, policy, E, K, N, num_steps):
     _run(triton_step, E, K, N, policy, num_steps, seed=E * 100 + N)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lrfu"])
+@pytest.mark.parametrize("policy", ["lru", "lrfu", "lrfu_next"])
 def test_triton_step_equals_reference_at_large_shapes(triton_step, policy):
     """E = 160 (padded to 256 lanes), N = 80 (more victims than one row block), prefill-sized
     steps of up to 40 x 8 pairs (more than one pair chunk)."""
@@ -81,15 +81,31 @@ def _t(rows) -> torch.Tensor:
     return torch.tensor(rows, device=DEVICE)
 
 
-def test_triton_step_past_the_decay_table(triton_step):
-    ref = Residency(16, 5, get_policy("lrfu"), DEVICE)
-    ker = Residency(16, 5, get_policy("lrfu"), DEVICE)
+@pytest.mark.parametrize("policy", ["lrfu", "lrfu_next"])
+def test_triton_step_past_the_decay_table(triton_step, policy):
+    ref = Residency(16, 5, get_policy(policy), DEVICE)
+    ker = Residency(16, 5, get_policy(policy), DEVICE)
     for i, (ids, row_slots) in enumerate(random_steps(16, 2, 60, seed=3)):
         if i == 30:
             for r in (ref, ker):
                 r.clock.add_(10 ** 6)
         rows = row_slots.to(DEVICE) if row_slots is not None else None
         step_both(reference_step, triton_step, ref, ker, ids.to(DEVICE), rows)
+
+
+@pytest.mark.parametrize("E,N", [(16, 4), (64, 40)])
+def test_triton_step_lrfu_next_at_the_weight_bounds(triton_step, E, N):
+    """lrfu_next from weights and biases over the whole +-2**40 range: large exact sums, and
+    updates that the clamps cut."""
+    ref, ker = (Residency(E, N, get_policy("lrfu_next"), DEVICE) for _ in range(2))
+    saturate_predictor([ref.policy_state, ker.policy_state], seed=E + N)
+    weight, clamped = ker.policy_state["weight"], 0
+    for ids, row_slots in random_steps(E, 4, 40, seed=N):
+        rows = row_slots.to(DEVICE) if row_slots is not None else None
+        before = weight.abs() == 2 ** 40
+        step_both(reference_step, triton_step, ref, ker, ids.to(DEVICE), rows)
+        clamped += int(((weight.abs() == 2 ** 40) & ~before).sum())
+    assert clamped > 0
 
 
 def test_triton_step_by_hand(triton_step):

@@ -20,6 +20,24 @@ def _ptr(t: torch.Tensor | None, dtype: torch.dtype, what: str) -> int | None:
     return t.data_ptr()
 
 
+def _policy_ptrs(policy_code: int, state: dict[str, torch.Tensor], params: torch.Tensor,
+                 decay_pow: torch.Tensor, E: int) -> tuple:
+    """(freq, last_use, crf, weight, bias, prev, params, decay_pow, D): the policy's arguments of
+    both kernels (None where the policy has no such state; lrfu_next's sizes are checked, as
+    the C code indexes them by E)."""
+    i64, f64 = torch.int64, torch.float64
+    if policy_code == 4 and (params.numel() < 4 or any(
+            n not in state or state[n].numel() != size
+            for n, size in (("weight", E * E), ("bias", E), ("prev", E)))):
+        raise ValueError(f"moe_cache: lrfu_next needs state weight [{E}, {E}], bias and prev "
+                         f"[{E}] and params [4], got params {tuple(params.shape)} and state "
+                         f"{ {k: tuple(v.shape) for k, v in state.items()} }")
+    return (_ptr(state.get("freq"), i64, "freq"), _ptr(state.get("last_use"), i64, "last_use"),
+            _ptr(state.get("crf"), f64, "crf"), _ptr(state.get("weight"), f64, "weight"),
+            _ptr(state.get("bias"), f64, "bias"), _ptr(state.get("prev"), torch.bool, "prev"),
+            _ptr(params, f64, "params"), _ptr(decay_pow, f64, "decay_pow"), decay_pow.numel())
+
+
 def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave: int,
                    slot_of_expert: torch.Tensor, expert_of_slot: torch.Tensor,
                    wave_of_expert: torch.Tensor, counters: torch.Tensor, policy_code: int,
@@ -27,18 +45,18 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
                    plan_slots: torch.Tensor, plan_experts: torch.Tensor, plan_valid: torch.Tensor,
                    slot_ids: torch.Tensor) -> None:
     """One wave of one layer (the contract in ``moe_cache.c``). topk_ids [T, K] int64; row_slots
-    [T] int64 or None (rows whose slot is PAD_SLOT_ID route nowhere); the state tensors are
-    updated in place; the plan [N] and slot_ids [T, K] are written."""
+    [T] int64 or None (rows whose slot is PAD_SLOT_ID route nowhere); the residency's tensors
+    and ``state`` (the policy's, by policy.py's names: freq, last_use, crf; lrfu_next's weight,
+    bias, prev) are updated in place; the plan [N] and slot_ids [T, K] are written."""
     T, K = topk_ids.shape
     E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
-    i64, f64 = torch.int64, torch.float64
+    i64 = torch.int64
     rc = launch(
         "moe_residency_step", _ptr(topk_ids, i64, "topk_ids"), _ptr(row_slots, i64, "row_slots"),
         T, K, E, N, wave, _ptr(slot_of_expert, i64, "slot_of_expert"),
         _ptr(expert_of_slot, i64, "expert_of_slot"), _ptr(wave_of_expert, i64, "wave_of_expert"),
-        _ptr(counters, i64, "counters"), policy_code, _ptr(state.get("freq"), i64, "freq"),
-        _ptr(state.get("last_use"), i64, "last_use"), _ptr(state.get("crf"), f64, "crf"),
-        _ptr(params, f64, "params"), _ptr(decay_pow, f64, "decay_pow"), decay_pow.numel(),
+        _ptr(counters, i64, "counters"), policy_code,
+        *_policy_ptrs(policy_code, state, params, decay_pow, E),
         _ptr(plan_slots, i64, "plan_slots"), _ptr(plan_experts, i64, "plan_experts"),
         _ptr(plan_valid, torch.bool, "plan_valid"), _ptr(slot_ids, i64, "slot_ids"))
     if rc == -2:
@@ -51,14 +69,12 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
 def keep_scores(policy_code: int, clock: int, state: dict[str, torch.Tensor],
                 params: torch.Tensor, decay_pow: torch.Tensor) -> torch.Tensor:
     """[E] float64: the keep score the residency step ranks each expert by (for tests of its
-    bits against ``EvictionPolicy.keep_score``)."""
-    E = next(iter(state.values())).shape[0]
+    bits against ``EvictionPolicy.keep_score``; lrfu_next's is conditioned on ``prev``)."""
+    E = next(iter(state.values())).shape[-1]
     out = torch.empty(E, dtype=torch.float64)
-    i64, f64 = torch.int64, torch.float64
-    launch("moe_cache_scores", policy_code, E, clock, _ptr(state.get("freq"), i64, "freq"),
-           _ptr(state.get("last_use"), i64, "last_use"), _ptr(state.get("crf"), f64, "crf"),
-           _ptr(params, f64, "params"), _ptr(decay_pow, f64, "decay_pow"), decay_pow.numel(),
-           out.data_ptr())
+    if launch("moe_cache_scores", policy_code, E, clock,
+              *_policy_ptrs(policy_code, state, params, decay_pow, E), out.data_ptr()):
+        raise MemoryError("moe_cache: keep_scores could not allocate its scratch")
     return out
 
 

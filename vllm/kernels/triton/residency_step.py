@@ -10,15 +10,19 @@ what both kernels are tested against, bit for bit.
 
 One program (grid (1,)) does a whole wave: E and N are a few hundred at most, so the step is a
 handful of vector operations over [E] and [N] plus an [N, N] comparison that ranks the victims,
-with ``debug_barrier`` between the phases that read what an earlier phase stored. No host read:
+with ``debug_barrier`` between the phases that read what an earlier phase stored; lrfu_next
+(policy 4) adds loops over [ROWS_E, E] tiles of its weight [E, E] (masked to the rows of the
+wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). No host read:
 the wave's shapes are fixed, so the launch can be captured in a CUDA graph. Differences from
 the C kernel: a valid pair with an id >= E routes nowhere (a launch cannot raise; the router
 never produces one), and there is no scratch to allocate.
 
 Floating point: keep scores are float64 computed in the reference's operation order; the launch
 passes ``enable_fp_fusion=False`` so ``crf * p * w1 + r * w0`` is not contracted into an FMA,
-and float64 division lowers to IEEE round-to-nearest ``div.rn.f64`` (as torch's); the ``gpu`` test
-checks those bits against the reference on CUDA (not yet run on a GPU).
+and float64 division lowers to IEEE round-to-nearest ``div.rn.f64`` (as torch's); lrfu_next's
+``torch.round`` is ``(x + 2**52) - 2**52`` (libdevice's rint has no interpreter version), its
+sums are of integers (exact in any order). The ``gpu`` test checks those bits against the
+reference on CUDA (not yet run on a GPU).
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 """Compile options of every launch (no FMA contraction; tests/build compiles with these)."""
 BLOCK_P = 256       # pairs per chunk of the loops over topk_ids
 ROW_BLOCK = 32      # victim rows ranked per [ROW_BLOCK, BLOCK_N] comparison
+WEIGHT_TILE = 2048  # lrfu_next: elements of one [ROWS_E, cols] tile of its weight loops
+# lrfu_next's constants (policy.py _FIX_ONE, _FIX_MAX) and 2**52 (rounding to an integer).
+FIX_ONE, FIX_MAX, TWO_52 = (tl.constexpr(float(2 ** k)) for k in (32, 40, 52))
 
 
 @triton.jit
@@ -95,8 +102,24 @@ def _keep_score(x, clock, freq_ptr, last_ptr, crf_ptr, par_ptr, pow_ptr, D, mask
 
 
 @triton.jit
-def _victim_keys(s, w, N, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, par_ptr,
-                 pow_ptr, D, POLICY: tl.constexpr):
+def _predict(cols, mask, sel_ptr, sel, E, wt_ptr, b_ptr, ROWS_E: tl.constexpr):
+    """lrfu_next's p[cols] (float64, same shape) given the rows i < E with sel_ptr[i] == sel
+    (the wave: wave_of_expert == w; or prev == 1): (bias + sum of weight[i, cols]) / 2**32.
+    The terms are integers and the sum stays below 2**53 (policy.py _FIX_MAX), so summing by
+    [ROWS_E, cols] tiles gives torch's bits."""
+    acc = tl.zeros_like(cols).to(tl.float64)
+    for r0 in range(0, E, ROWS_E):
+        i = r0 + tl.arange(0, ROWS_E)
+        rows = (i < E) & (tl.load(sel_ptr + i, mask=i < E, other=0) == sel)
+        tile = tl.load(wt_ptr + i[:, None] * E + cols[None, :],
+                       mask=rows[:, None] & mask[None, :], other=0.0)
+        acc += tl.sum(tile, axis=0)
+    return (tl.load(b_ptr + cols, mask=mask, other=0.0) + acc) / FIX_ONE
+
+
+@triton.jit
+def _victim_keys(s, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
+                 b_ptr, par_ptr, pow_ptr, D, POLICY: tl.constexpr, ROWS_E: tl.constexpr):
     """(victim, score, expert) of slots s: victims hold an expert that is not in wave w."""
     inb = s < N
     held = tl.load(eos_ptr + s, mask=inb, other=-1)
@@ -104,13 +127,16 @@ def _victim_keys(s, w, N, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, 
     victim = victim & (tl.load(woe_ptr + held, mask=victim, other=-1) != w)
     score = _keep_score(held, clock, freq_ptr, last_ptr, crf_ptr, par_ptr, pow_ptr, D, victim,
                         POLICY)
+    if POLICY == 4:     # lrfu_next: lrfu's score + p(held | the wave) * next_weight
+        p = _predict(held, victim, woe_ptr, w, E, wt_ptr, b_ptr, ROWS_E)
+        score = score + p * tl.load(par_ptr + 2)
     return victim, score, held
 
 
 @triton.jit
-def _plan_slots(w, N, M, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, par_ptr,
-                pow_ptr, D, ps_ptr, POLICY: tl.constexpr, BLOCK_N: tl.constexpr,
-                ROW_BLOCK: tl.constexpr):
+def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
+                par_ptr, pow_ptr, D, ps_ptr, POLICY: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
     """plan_slots[:M]: the empty slots in slot order, then victims by (score, expert id)."""
     s = tl.arange(0, BLOCK_N)
     empty = (s < N) & (tl.load(eos_ptr + s, mask=s < N, other=0) < 0)
@@ -119,12 +145,13 @@ def _plan_slots(w, N, M, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, p
     tl.store(ps_ptr + empty_rank, s.to(tl.int64), mask=empty & (empty_rank < M))
     tl.store(ps_ptr + s, tl.full([BLOCK_N], -1, tl.int64), mask=(s >= M) & (s < N))
     n_evict = M - tl.minimum(n_empty, M)
-    cv, cscore, cexp = _victim_keys(s, w, N, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr,
-                                    crf_ptr, par_ptr, pow_ptr, D, POLICY)
+    cv, cscore, cexp = _victim_keys(s, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr,
+                                    crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D, POLICY, ROWS_E)
     for r0 in tl.static_range(0, BLOCK_N, ROW_BLOCK):
         r = r0 + tl.arange(0, ROW_BLOCK)
-        rv, rscore, rexp = _victim_keys(r, w, N, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr,
-                                        crf_ptr, par_ptr, pow_ptr, D, POLICY)
+        rv, rscore, rexp = _victim_keys(r, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr,
+                                        last_ptr, crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D,
+                                        POLICY, ROWS_E)
         before = (cscore[None, :] < rscore[:, None]) | (
             (cscore[None, :] == rscore[:, None]) & (cexp[None, :] < rexp[:, None]))
         vrank = tl.sum((before & cv[None, :]).to(tl.int64), axis=1)       # [ROW_BLOCK]
@@ -138,13 +165,52 @@ def _update_policy(e, in_wave, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D,
     if POLICY == 1 or POLICY == 2:
         freq = tl.load(freq_ptr + e, mask=in_wave, other=0)
         tl.store(freq_ptr + e, freq + 1, mask=in_wave)
-    if POLICY == 3:
+    if POLICY == 3 or POLICY == 4:
         dt = clock - tl.load(last_ptr + e, mask=in_wave, other=0)
         p = tl.load(pow_ptr + tl.minimum(dt, D - 1), mask=in_wave, other=0.0)
         decayed = tl.load(crf_ptr + e, mask=in_wave, other=0.0) * p
         tl.store(crf_ptr + e, decayed + 1.0, mask=in_wave)
     if POLICY != 1:
         tl.store(last_ptr + e, tl.zeros_like(e).to(tl.int64) + clock, mask=in_wave)
+
+
+@triton.jit
+def _round_half_even(x):
+    """torch.round of float64 x with |x| < 2**52 (lrfu_next's |x| < 2**41): adding 2**52 leaves
+    no fraction bits, so IEEE addition rounds to an integer, half to even; a zero keeps the sign
+    of x, as torch's does."""
+    r = tl.where(x >= 0, (x + TWO_52) - TWO_52, (x - TWO_52) + TWO_52)
+    return tl.where(r == 0.0, x * 0.0, r)
+
+
+@triton.jit
+def _clamp_fix(x):
+    return tl.minimum(tl.maximum(x, -FIX_MAX), FIX_MAX)
+
+
+@triton.jit
+def _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_E: tl.constexpr):
+    """lrfu_next's learning step (policy.py on_access) when the wave in_wave [BLOCK_E] is not
+    empty: delta = round(((in_wave - p(. | prev)) * lr) / (|prev| + 1) * 2**32); bias and the
+    rows of prev += delta, clamped to +-2**40; prev = in_wave."""
+    in_e = e < E
+    p = _predict(e, in_e, prev_ptr, 1, E, wt_ptr, b_ptr, ROWS_E)
+    n_prev = tl.sum((tl.load(prev_ptr + e, mask=in_e, other=0) != 0).to(tl.int64), axis=0)
+    err = in_wave.to(tl.float64) - p
+    delta = _round_half_even(err * tl.load(par_ptr + 3) / (n_prev.to(tl.float64) + 1.0) * FIX_ONE)
+    bias = tl.load(b_ptr + e, mask=in_e, other=0.0)
+    tl.debug_barrier()              # every read of weight and prev above precedes the writes
+    learn = tl.where(any_used, in_e, False)   # not `& any_used`: the interpreter makes that int32
+    tl.store(b_ptr + e, _clamp_fix(bias + delta), mask=learn)
+    for r0 in range(0, E, ROWS_E):
+        i = r0 + tl.arange(0, ROWS_E)
+        rows = tl.where(any_used, (i < E) & (tl.load(prev_ptr + i, mask=i < E, other=0) != 0),
+                        False)
+        ptrs = wt_ptr + i[:, None] * E + e[None, :]                      # [ROWS_E, BLOCK_E]
+        m = rows[:, None] & in_e[None, :]
+        tl.store(ptrs, _clamp_fix(tl.load(ptrs, mask=m, other=0.0) + delta[None, :]), mask=m)
+    tl.debug_barrier()              # the loop above read prev
+    tl.store(prev_ptr + e, in_wave.to(tl.uint8), mask=learn)
 
 
 @triton.jit
@@ -156,10 +222,10 @@ def _bump(cnt_ptr, idx, value, any_used):
 @triton.jit
 def _residency_step_kernel(
         ids_ptr, rows_ptr, P, K, E, N, w, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
-        freq_ptr, last_ptr, crf_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr, pv_ptr, sid_ptr,
-        POLICY: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST_WAVE: tl.constexpr,
+        freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
+        pv_ptr, sid_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST_WAVE: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-        ROW_BLOCK: tl.constexpr):
+        ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
     if FIRST_WAVE:
         _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe_ptr, woe_ptr, cnt_ptr, HAS_ROWS,
                       BLOCK_E, BLOCK_P)
@@ -174,8 +240,8 @@ def _residency_step_kernel(
     i = tl.arange(0, BLOCK_N)
     tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
     tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
-    _plan_slots(w, N, M, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, par_ptr, pow_ptr,
-                D, ps_ptr, POLICY, BLOCK_N, ROW_BLOCK)
+    _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
+                par_ptr, pow_ptr, D, ps_ptr, POLICY, BLOCK_N, ROW_BLOCK, ROWS_E)
     tl.debug_barrier()
     live = i < M
     ps = tl.load(ps_ptr + i, mask=live, other=0)
@@ -188,6 +254,8 @@ def _residency_step_kernel(
     tl.store(soe_ptr + pe, ps, mask=live)
     _update_policy(e, in_wave, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
     any_used = hits + M > 0
+    if POLICY == 4:
+        _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_E)
     _bump(cnt_ptr, HITS, hits, any_used)
     _bump(cnt_ptr, MISSES, M, any_used)
     _bump(cnt_ptr, EVICTIONS, tl.sum(evicted.to(tl.int64), axis=0), any_used)
@@ -228,23 +296,42 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
                         (plan_experts, i64, "plan_experts"), (plan_valid, torch.bool, "plan_valid"),
                         (slot_ids, i64, "slot_ids")):
         _check(t, dt, what, dev)
-    if policy_code not in (0, 1, 2, 3):
-        raise ValueError(f"triton residency_step: policy_code={policy_code}; allowed 0-3")
+    if policy_code not in (0, 1, 2, 3, 4):
+        raise ValueError(f"triton residency_step: policy_code={policy_code}; allowed 0-4")
     if row_slots is not None:
         _check(row_slots, i64, "row_slots", dev)
     for name, t in state.items():
-        _check(t, f64 if name == "crf" else i64, name, dev)
+        _check(t, {"crf": f64, "weight": f64, "bias": f64, "prev": torch.bool}.get(name, i64),
+               name, dev)
     T, K = topk_ids.shape
     E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
+    if policy_code == 4:
+        _check_lrfu_next(state, params, E)
     # Absent state tensors are never read by that policy's branches; any pointer will do.
-    freq = state.get("freq", counters)
-    last_use = state.get("last_use", counters)
-    crf = state.get("crf", params)
-    block_n = triton.next_power_of_2(N)
+    freq, last_use = state.get("freq", counters), state.get("last_use", counters)
+    crf, weight, bias = (state.get(n, params) for n in ("crf", "weight", "bias"))
+    prev = state.get("prev", plan_valid).view(torch.uint8)
+    block_e, block_n = triton.next_power_of_2(E), triton.next_power_of_2(N)
     _residency_step_kernel[(1,)](
         topk_ids, row_slots if row_slots is not None else topk_ids, T * K, K, E, N, wave,
-        slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use, crf, params,
-        decay_pow, decay_pow.numel(), plan_slots, plan_experts, plan_valid.view(torch.uint8),
-        slot_ids, POLICY=policy_code, HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0,
-        BLOCK_E=triton.next_power_of_2(E), BLOCK_N=block_n, BLOCK_P=BLOCK_P,
-        ROW_BLOCK=min(ROW_BLOCK, block_n), **LAUNCH_OPTIONS)
+        slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use, crf, weight,
+        bias, prev, params, decay_pow, decay_pow.numel(), plan_slots, plan_experts,
+        plan_valid.view(torch.uint8), slot_ids, POLICY=policy_code,
+        HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, BLOCK_E=block_e, BLOCK_N=block_n,
+        BLOCK_P=BLOCK_P, ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e),
+        **LAUNCH_OPTIONS)
+
+
+def rows_e(block_e: int) -> int:
+    """lrfu_next's weight rows per tile: [ROWS_E, BLOCK_E] stays within WEIGHT_TILE elements."""
+    return max(1, min(block_e, WEIGHT_TILE // block_e))
+
+
+def _check_lrfu_next(state: dict[str, torch.Tensor], params: torch.Tensor, E: int) -> None:
+    """The kernel indexes lrfu_next's state by E: weight [E, E], bias and prev [E], params [4]."""
+    sizes = {"weight": E * E, "bias": E, "prev": E}
+    if params.numel() < 4 or any(n not in state or state[n].numel() != k
+                                 for n, k in sizes.items()):
+        raise ValueError(f"triton residency_step: lrfu_next needs state weight [{E}, {E}], bias "
+                         f"and prev [{E}] and params [4], got params {tuple(params.shape)} and "
+                         f"state { {k: tuple(v.shape) for k, v in state.items()} }")

@@ -8,7 +8,8 @@ on CPU, a Triton kernel on CUDA), which must reach the same decisions bit for bi
 arithmetic is written with IEEE-exact operations only (+, -, *, / and integer ops, no fused
 multiply-add; ``pow`` is a lookup in a table made once on the host), in the order the kernels
 repeat, and their state uses the names the kernels take: ``freq`` and ``last_use`` (int64 [E]),
-``crf`` (float64 [E]). ``kernel_code`` names the policy to the kernels (None: the policy has no
+``crf`` (float64 [E]); ``lrfu_next`` adds ``weight`` (float64 [E, E]), ``bias`` (float64 [E]) and
+``prev`` (bool [E]). ``kernel_code`` names the policy to the kernels (None: the policy has no
 kernel and its layers run the torch reference step).
 """
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch
 class EvictionPolicy:
     name: str = ""
     kernel_code: int | None = None
-    """The fused residency step's code for this policy (0 lru, 1 lfu, 2 lfru, 3 lrfu); None when
-    no kernel implements it."""
+    """The fused residency step's code for this policy (0 lru, 1 lfu, 2 lfru, 3 lrfu,
+    4 lrfu_next); None when no kernel implements it."""
 
     def kernel_params(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(params float64 [2] = [recency_weight, 1 - decay], decay_pow float64 [D]) for the
-        kernels; policies without those constants give zeros and a one-entry table."""
+        """(params float64 [2] = [recency_weight, 1 - decay] (``lrfu_next``: [4], then
+        next_weight, learning_rate), decay_pow float64 [D]) for the kernels; policies without
+        those constants give zeros and a one-entry table."""
         return _constants(device, (0.0, 0.0), 0.5, 1)
 
     def init_state(self, num_experts: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -172,19 +174,21 @@ class LRFUNextPolicy(LRFUPolicy):
         err = used - p(prev),  delta = round(err * learning_rate / (|prev| + 1) * 2**32)
         bias += delta,  weight[i, :] += delta for i in prev  (then clamped to +-2**40)
     weight/bias hold integers (units of 2**-32, see ``_FIX_MAX``) and the update is elementwise
-    IEEE arithmetic, so every device reaches the same bits. Nothing is trained offline: the
-    predictor starts at zero (plain ``lrfu``) on any model. Needs E <= 4096.
+    IEEE arithmetic (``round`` is round-half-to-even), so every device reaches the same bits.
+    Nothing is trained offline: the predictor starts at zero (plain ``lrfu``) on any model.
+    Needs E <= 4096.
 
     Parameters (named, tuned on the even-indexed DeepSeek-V2-Lite sequences only, see
     docs/expert-cache-policies.md): half_life 30 and recency_weight 0.2 (``lrfu``'s),
     next_weight 1.0 (p is a probability; lrfu's scores are ~0.05-1), learning_rate 0.03.
     State per layer: lrfu's ``crf``/``last_use``, ``weight`` float64 [E, E], ``bias`` float64
     [E], ``prev`` bool [E]. Cost per plan: two [E] x [E, E] products and an [E, E] update (no
-    host read). No fused kernel implements it (``kernel_code`` None): its layers run the torch
-    reference step (so no CUDA/CPU graph capture of the cached step).
+    host read). The fused residency steps implement it (``kernel_code`` 4, constants
+    ``kernel_params`` = [recency_weight, 1 - decay, next_weight, learning_rate]); they sum only
+    the rows of the wave / of ``prev``, which the exact integer sums allow.
     """
     name = "lrfu_next"
-    kernel_code = None
+    kernel_code = 4
 
     def __init__(self, half_life: float = 30.0, recency_weight: float = 0.2,
                  next_weight: float = 1.0, learning_rate: float = 0.03):
@@ -194,6 +198,10 @@ class LRFUNextPolicy(LRFUPolicy):
                              f"{learning_rate} are invalid: need next_weight >= 0 and "
                              f"0 < learning_rate < 1")
         self.next_weight, self.learning_rate = next_weight, learning_rate
+
+    def kernel_params(self, device):
+        return _constants(device, (self.recency_weight, 1.0 - self.decay, self.next_weight,
+                                   self.learning_rate), self.decay, self.table_len)
 
     def init_state(self, num_experts, device):
         if num_experts > 4096:
