@@ -266,7 +266,7 @@ def register_policy(policy: EvictionPolicy) -> EvictionPolicy:
 for _p in (LRUPolicy(), LFUPolicy(), LFRUPolicy(), LRFUPolicy(), LRFUNextPolicy()):
     register_policy(_p)
 
-DEFAULT_POLICY = "lrfu"
+DEFAULT_POLICY = "lrfu_next"
 """What ``policy="auto"`` resolves to (measured: docs/expert-cache-policies.md)."""
 
 
