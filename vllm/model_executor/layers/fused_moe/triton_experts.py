@@ -76,8 +76,9 @@ def gptq_projections(method) -> Projections:
     """gptq.py's layout: w13_qweight int32 [G, 2N, H/8], w13_qzeros [G, 2N/8, G13], w13_scales
     [G, 2N, G13], w13_g_idx [G, 2, H] (gate, up); w2_* likewise with g_idx [G, 1, N]; zero
     points plus the format's offset (``method.zero_offset``)."""
-    from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
-    if type(method).unpacked_weight is not GptqMoEMethod.unpacked_weight:
+    # By name: quantization/ imports this package's registry, so importing gptq here would
+    # close an import cycle.
+    if type(method).unpacked_weight.__qualname__ != "GptqMoEMethod.unpacked_weight":
         raise ValueError(f"{type(method).__name__} repacks its int4 codes "
                          "(unpacked_weight): the triton backend reads GPTQ's packing only; "
                          "use moe_backend='torch'")
