@@ -14,13 +14,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_fused_moe import ALPHA, LIMIT, act_ref
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ALPHA, LIMIT = 1.702, 7.0
 SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
@@ -120,14 +119,6 @@ def make(qm, kind, T, E, K, H, N, dtype, G=None, seed=0, bias=False, **quant):
 
 
 # ---- reference -----------------------------------------------------------------------------
-def act_ref(h, activation):
-    gate, up = h.chunk(2, dim=-1)
-    if activation == "silu":
-        return gate * torch.sigmoid(gate) * up
-    if activation == "gelu":
-        return F.gelu(gate) * up
-    gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
-    return (up + 1) * gate * torch.sigmoid(ALPHA * gate)
 
 
 def moe_ref(x, w13, w2, topk_w, ids, activation="silu", b13=None, b2=None):

@@ -72,6 +72,20 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 
 @triton.jit
+def _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, e, stride_bias_e,
+                 stride_cm, stride_cn, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """C[rows, offs_n] = (acc + bias[e]) (* w[rows]), in C's dtype; padding rows skipped."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e * stride_bias_e + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if MUL_WEIGHT:
+        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+        acc *= w.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(
         a_ptr, b_ptr, bias_ptr, c_ptr, w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
         N, K, P, num_m_blocks, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
@@ -110,15 +124,8 @@ def _moe_gemm_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + offs_n, mask=n_ok,
-                       other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    if MUL_WEIGHT:
-        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-        acc *= w.to(tl.float32)[:, None]
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, expert.to(tl.int64),
+                 stride_bias_e, stride_cm, stride_cn, MUL_WEIGHT, HAS_BIAS)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.fused_moe import (ACTIVATION_CODES, DTYPES, _activation,
+from vllm.kernels.triton.fused_moe import (ACTIVATION_CODES, DTYPES, _activation, _store_pairs,
                                            moe_align_block_size)
 from vllm.kernels.triton.fused_moe_config import get_moe_config
 
@@ -126,20 +126,6 @@ def _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows, ze
                  mask=mask, other=0)
     z = ((zw >> ((offs_n % 8) * 4)[None, :]) & 0xF) + zero_offset
     return (q - z).to(tl.float32) * s.to(tl.float32)
-
-
-@triton.jit
-def _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, e, stride_bias_e,
-                 stride_cm, stride_cn, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """C[rows, offs_n] = (acc + bias[e]) (* w[rows]), in C's dtype; padding rows skipped."""
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + e * stride_bias_e + offs_n, mask=n_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    if MUL_WEIGHT:
-        w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-        acc *= w.to(tl.float32)[:, None]
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
