@@ -24,3 +24,16 @@ def check_replays_against_eager(llm) -> list[int]:
         return got
     graphs.logits = check
     return checked
+
+
+def record_block_ids(runner) -> set[int]:
+    """Wraps ``runner._prepare_inputs`` so every KV block id a scheduled sequence holds is added
+    to the returned set as steps run (the blocks real rows may write)."""
+    used: set[int] = set()
+    orig = runner._prepare_inputs
+
+    def spy(seqs):
+        used.update(b for s in seqs for b in s.block_ids)
+        return orig(seqs)
+    runner._prepare_inputs = spy
+    return used

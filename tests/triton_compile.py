@@ -44,3 +44,17 @@ def compile_in_subprocess(body: str, timeout: int = 600) -> dict:
         pytest.skip("triton's ptxas is not available here")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
+
+
+SHARED_LIMIT = {90: 227 * 1024, 120: 99 * 1024}
+"""Shared memory a block may use (opt-in maximum): H100 227 KiB, consumer Blackwell 99 KiB."""
+
+
+def assert_gemm_compiled(k: dict, cc: int, elem: str) -> None:
+    """A ``compile_kernel`` result of a GEMM: a cubin for sm_{cc}a within the target's shared
+    memory; 16-bit operands reach the tensor cores (mma)."""
+    assert k["cubin"] > 0
+    assert f".target sm_{cc}a" in k["ptx"]
+    assert 0 < k["shared"] <= SHARED_LIMIT[cc], f"{k['shared']} bytes of shared memory"
+    if elem != "fp32":
+        assert "mma" in k["ptx"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_checks import check_replays_against_eager
+from graph_checks import check_replays_against_eager, record_block_ids
 
 from vllm import LLM, SamplingParams
 
@@ -69,13 +69,7 @@ def test_padding_rows_leave_the_kv_cache_alone(tiny_model_factory):
     eager, _ = _generate(path, prompts, params, enforce_eager=True)
     llm = LLM(path, device="cpu", max_num_seqs=6)
     runner = llm.llm_engine.runner
-    used: set[int] = set()
-    orig = runner._prepare_inputs
-
-    def spy(seqs):
-        used.update(b for s in seqs for b in s.block_ids)
-        return orig(seqs)
-    runner._prepare_inputs = spy
+    used = record_block_ids(runner)
     outs = llm.generate(prompts, params)
     assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs] == eager
     assert list(runner.decode_graphs._graphs) == [4]
