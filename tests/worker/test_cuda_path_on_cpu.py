@@ -1,0 +1,158 @@
+"""The CUDA decode path rehearsed on CPU, before any GPU sees it.
+
+The CPU device is given the CUDA platform's choices (``RehearsalPlatform``: its "auto" orders
+pick the ``triton`` MoE backend and ``triton_paged`` attention; the Triton residency step, the
+Triton expert gather and the Triton RMSNorm/activation/rotary kernels), the kernels run under
+Triton's interpreter, and decode steps go through ``CudaDecodeGraphs`` with a capturer that runs
+every captured step under ``audit_host_syncs``: an op that reads device data on the host (which a
+CUDA graph capture refuses) fails the test. What this cannot check: the capture itself, streams,
+pinned memory and the compiled kernels (the ``gpu`` tests in test_cuda_graphs.py do)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from host_sync_audit import HostSync, audit_host_syncs
+
+from vllm import LLM, SamplingParams
+from vllm.platforms import _PLATFORMS, elementwise_ops
+from vllm.platforms.cuda import CudaPlatform
+from vllm.worker import cuda_graphs
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+pytestmark = pytest.mark.triton
+
+
+class RehearsalPlatform(CudaPlatform):
+    """CUDA's kernel and backend choices for CPU tensors (Triton interpreted); no pinned memory,
+    no device memory query."""
+    name = "cuda"
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_name(self, device=None) -> str:
+        return "CUDA rehearsal on CPU (Triton interpreter)"
+
+    def get_device_capability(self, device=None):
+        return None
+
+    def is_pin_memory_available(self) -> bool:
+        return False
+
+    def memory_info(self, device):
+        return None
+
+
+class AuditingCapturer(cuda_graphs.EagerCapturer):
+    """A replay re-runs the captured step under the host-sync audit."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def capture(self, fn):
+        def replay():
+            self.replays += 1
+            with audit_host_syncs():
+                return fn()
+        return replay
+
+
+@pytest.fixture
+def rehearsal(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    monkeypatch.setattr(cuda_graphs, "uses_cuda_graphs", lambda device: True)
+    capturer = AuditingCapturer()
+    monkeypatch.setattr(cuda_graphs, "default_capturer", lambda device: capturer)
+    return capturer
+
+
+def _run(path, **kw):
+    llm = LLM(path, device="cpu", max_num_seqs=4, cuda_graph_sizes=[1, 2, 4], **kw)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [250, 7], [11] * 9)]
+    params = [SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True) for i in range(3)]
+    outs = llm.generate(prompts, params)
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.runner
+
+
+@pytest.mark.parametrize("arch,dtype,cache", [
+    ("Qwen3MoeForCausalLM", "float32", None),
+    ("Qwen3MoeForCausalLM", "float32", (2, "lrfu_next")),
+    ("Qwen3MoeForCausalLM", "float16", (5, "lru")),
+    ("MixtralForCausalLM", "float32", (1, "lfu")),
+    ("GptOssForCausalLM", "float32", (2, "lrfu")),
+    ("DeepseekV2ForCausalLM", "float32", (3, "lrfu_next")),
+    ("DeepseekV3ForCausalLM", "float32", None)])
+def test_cuda_decode_path_has_no_host_reads(tiny_model_factory, rehearsal, arch, dtype, cache):
+    """Every layer on its CUDA choice, the expert cache inside the graphs: the replays (batches
+    3, 2, 1 padded to 4, 2, 1) read nothing on the host and give enforce_eager's tokens."""
+    from vllm.kernels.triton.expert_gather import expert_gather
+    path = tiny_model_factory(arch)
+    kw = dict(dtype=dtype)
+    if cache is not None:
+        kw.update(moe_expert_cache_size=cache[0], moe_expert_cache_policy=cache[1])
+    eager, _ = _run(path, enforce_eager=True, **kw)
+    got, runner = _run(path, **kw)
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.refused is None, graphs and graphs.refused
+    assert graphs.captured_sizes == [1, 2, 4] and rehearsal.replays > 0
+    assert elementwise_ops(runner.dtype, runner.device) is not None
+    assert {a.impl.name for a in runner.attn_layers} == {"triton_paged"}
+    assert {m.quant_method.kernel.name for m in runner.moe_layers} == {"triton"}
+    if cache is not None:
+        for m in runner.moe_layers:
+            assert m.expert_cache.step.name == "triton"
+            assert m.expert_cache.copy.kernel is expert_gather
+            assert m.expert_cache.cuda_graph_refusal() is None
+    assert got == eager
+
+
+@pytest.mark.parametrize("scheme", [["--scheme", "fp8-block", "--block-size", "16", "32"],
+                                    ["--scheme", "w4a16-gptq", "--asym", "--desc-act",
+                                     "--group-size", "16"]], ids=["fp8-block", "w4a16-gptq"])
+def test_quantized_experts_on_the_cuda_path_have_no_host_reads(tiny_model_factory, rehearsal,
+                                                               tmp_path, scheme):
+    """The Triton FP8 / INT4 MoE kernels on the slot weights and slot scales, cached, in the
+    graphs: no host read, enforce_eager's tokens."""
+    from tools.quantize_checkpoint import main as quantize_main
+    src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
+    quantize_main(["--model", src, "--out", str(tmp_path), *scheme])
+    kw = dict(dtype="float32", moe_expert_cache_size=2)
+    eager, _ = _run(str(tmp_path), enforce_eager=True, **kw)
+    got, runner = _run(str(tmp_path), **kw)
+    assert runner.decode_graphs.refused is None and rehearsal.replays > 0
+    assert {m.quant_method.kernel.name for m in runner.moe_layers} == {"triton"}
+    assert got == eager
+
+
+def test_the_audit_catches_a_host_read_in_a_captured_step(tiny_model_factory, rehearsal,
+                                                           monkeypatch):
+    """The same run with one ``.item()`` slipped into the MoE layer fails at the first replay,
+    naming the op (a CUDA graph capture would refuse it)."""
+    from vllm.model_executor.layers.fused_moe import layer as moe_layer
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    forward = moe_layer.FusedMoE.forward
+
+    def leaky(self, hidden_states, *a, **k):
+        hidden_states.abs().max().item()
+        return forward(self, hidden_states, *a, **k)
+    monkeypatch.setattr(moe_layer.FusedMoE, "forward", leaky)
+    with pytest.raises(HostSync, match="aten.item"):
+        _run(path, dtype="float32")
+
+
+@pytest.mark.parametrize("read,needle", [
+    (lambda y: y.max().item(), "aten.item"), (lambda y: int(y[2]), "aten.item"),
+    (lambda y: bool(y[1] > 0), "is_nonzero"), (lambda y: y.nonzero(), "nonzero"),
+    (lambda y: torch.nonzero(y, as_tuple=True), "nonzero"), (lambda y: y[y > 1], "boolean mask"),
+    (lambda y: y.unique(), "_unique2"), (lambda y: torch.repeat_interleave(y.long()), "output_size"),
+    (lambda y: torch.tensor([1, 2]), "torch.tensor"), (lambda y: y.tolist(), "tolist"),
+    (lambda y: y.cpu(), "cpu"), (lambda y: y.to("cpu"), "Tensor.to")])
+def test_the_audit_names_each_kind_of_host_read(read, needle):
+    with torch.inference_mode():
+        y = torch.arange(6.0)
+        read(y)                                         # outside the audit: allowed
+        with pytest.raises(HostSync, match=needle), audit_host_syncs():
+            read(y)
+        with audit_host_syncs():                        # device-side work is not flagged
+            (y * 2).topk(2), y.masked_fill(y > 2, 0), y.to(torch.float16), torch.tensor(3.0)
