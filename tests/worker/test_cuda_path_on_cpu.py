@@ -9,6 +9,8 @@ CUDA graph capture refuses) fails the test. What this cannot check: the capture 
 pinned memory and the compiled kernels (the ``gpu`` tests in test_cuda_graphs.py do)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from host_sync_audit import HostSync, audit_host_syncs
@@ -122,6 +124,35 @@ def test_quantized_experts_on_the_cuda_path_have_no_host_reads(tiny_model_factor
     got, runner = _run(str(tmp_path), **kw)
     assert runner.decode_graphs.refused is None and rehearsal.replays > 0
     assert {m.quant_method.kernel.name for m in runner.moe_layers} == {"triton"}
+    assert got == eager
+
+
+class InlineSideStream:
+    """Forked work runs inline (the schedule is what matters here; a GPU runs it beside)."""
+    forks = 0
+
+    @contextlib.contextmanager
+    def fork(self):
+        InlineSideStream.forks += 1
+        yield
+
+    def join(self):
+        pass
+
+
+def test_overlapped_miss_copies_on_the_cuda_path_have_no_host_reads(tiny_model_factory,
+                                                                    rehearsal, monkeypatch):
+    """``moe_expert_overlap``: the hit/miss split and the forked copy inside the graphs read
+    nothing on the host; tokens equal enforce_eager without overlap."""
+    monkeypatch.setattr(RehearsalPlatform, "side_stream", lambda self, device: InlineSideStream(),
+                        raising=False)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    kw = dict(dtype="float32", moe_expert_cache_size=2)
+    eager, _ = _run(path, enforce_eager=True, **kw)
+    forks = InlineSideStream.forks
+    got, runner = _run(path, moe_expert_overlap=True, **kw)
+    assert runner.decode_graphs.refused is None and rehearsal.replays > 0
+    assert InlineSideStream.forks > forks
     assert got == eager
 
 

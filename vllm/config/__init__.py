@@ -155,11 +155,18 @@ class MoECacheConfig:
     """"off", or "next-layer": at each MoE layer, run the next MoE layer's norm + router on this
     layer's hidden state and load its predicted experts into that layer's cache early
     (``fused_moe/next_layer_prefetch.py``); outputs are unchanged."""
+    overlap: bool = False
+    """Copy each wave's misses on a side stream while the layer computes the wave's hits, then
+    compute the misses (``expert_cache/overlap.py``); outputs are unchanged. Where the platform
+    has no side stream (CPU) it has no effect."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:
             self.cache_size = 0
         _check_int("moe_expert_cache_size", self.cache_size, 0)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"moe_expert_overlap={self.overlap!r} is invalid: must be True or "
+                             "False")
         if self.prefetch not in MOE_PREFETCH_MODES:
             raise ValueError(f"moe_expert_prefetch={self.prefetch!r} is invalid: must be one of "
                              f"{list(MOE_PREFETCH_MODES)}")
@@ -232,6 +239,7 @@ class VllmConfig:
             "moe_expert_cache_size": self.moe_cache_config.cache_size,
             "moe_expert_cache_policy": self.moe_cache_config.policy,
             "moe_expert_prefetch": self.moe_cache_config.prefetch,
+            "moe_expert_overlap": self.moe_cache_config.overlap,
             "quantization": self.quant_config.describe() if self.quant_config else None,
         })
 

@@ -60,6 +60,9 @@ class EngineArgs:
     """Expert-cache prefetch: off, or next-layer (each MoE layer runs the next one's router on
     its hidden state and loads the predicted experts early; outputs unchanged, decode steps run
     eagerly; see docs/expert-cache.md)."""
+    moe_expert_overlap: bool = False
+    """Expert cache: copy each wave's misses on a side stream while the layer computes its hit
+    experts (CUDA; outputs unchanged; no effect on CPU; see docs/expert-cache.md)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""
     tensor_parallel_size: int = 1
@@ -137,7 +140,8 @@ class EngineArgs:
                              policy=self.moe_expert_cache_policy,
                              routing_trace_path=self.moe_routing_trace_path,
                              routing_trace_scores=bool(self.moe_routing_trace_scores),
-                             prefetch=self.moe_expert_prefetch)
+                             prefetch=self.moe_expert_prefetch,
+                             overlap=self.moe_expert_overlap)
         config = VllmConfig(model_config, cache_config, scheduler_config, moe,
                             DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
                             kernel_config=KernelConfig(self.moe_backend,

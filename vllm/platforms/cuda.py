@@ -7,6 +7,7 @@ MoE ``triton``, ``grouped_mm`` (torch._grouped_mm, SM 9.0+), ``torch``; attentio
 ``triton_paged``, ``torch_sdpa``."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform as _py_platform
 from typing import Callable
@@ -63,6 +64,25 @@ def _triton_elementwise_ops() -> ElementwiseOps | None:
                           ew.rotary_embedding)
 
 
+class CudaSideStream:
+    """``SideStream`` on a CUDA stream: fork = the side stream waits for the current one, join =
+    the current one waits for the side stream (both events, so a graph capture records them).
+    NOT YET RUN ON A GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def fork(self):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
 @functools.lru_cache(maxsize=None)
 def _in_wsl() -> bool:
     # WSL cannot back non-blocking copies with pinned memory reliably (our users' crash report).
@@ -100,6 +120,9 @@ class CudaPlatform(Platform):
 
     def elementwise_ops(self) -> ElementwiseOps | None:
         return _triton_elementwise_ops()
+
+    def side_stream(self, device: torch.device) -> CudaSideStream:
+        return CudaSideStream(device)
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)

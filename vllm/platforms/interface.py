@@ -6,8 +6,9 @@ built) is answered here and nowhere else; layers and selection functions ask the
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -41,6 +42,18 @@ class ElementwiseOps:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     """(positions [T], q [T, Hq*D], k [T, Hkv*D], inv_freq [rd/2] f32, scaling, D, rd) -> (q, k)
     rotated, neox style."""
+
+
+class SideStream(Protocol):
+    """A second queue of device work beside the current stream (CUDA graph capture included:
+    the fork and the join are events, which a capture records)."""
+
+    def fork(self) -> AbstractContextManager:
+        """Within the block, work is enqueued on the side stream, after everything already
+        enqueued on the current stream."""
+
+    def join(self) -> None:
+        """The current stream waits for everything enqueued on the side stream so far."""
 
 
 class Platform:
@@ -95,6 +108,11 @@ class Platform:
     def elementwise_ops(self) -> ElementwiseOps | None:
         """Fused kernels for RMSNorm, the gated activations and rotary embedding, or None: the
         layers then run the C kernels (``has_native_kernels``) or torch."""
+        return None
+
+    def side_stream(self, device: torch.device) -> SideStream | None:
+        """A new side stream on ``device`` (the expert cache copies misses on one while the
+        layer computes its hits), or None where work runs in issue order anyway (CPU)."""
         return None
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:

@@ -14,7 +14,9 @@ step, the copy engine and the counters. Its plan contract (bitwise equal to the 
 ``apply``): needed experts = those in topk_ids (minus padding rows of a graph replay), split
 into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterating the plan runs,
 per wave, the residency step (``residency_step.py``: one fused kernel call where the platform
-has one) -> copy the misses -> yield the wave's slot ids (pairs of other waves -1). Every pair is
+has one) -> copy the misses -> yield the wave's slot ids (pairs of other waves -1); with
+``overlap`` and a side stream, the copy runs on the side stream and the wave is yielded as its
+hit pairs, then (after the join) its miss pairs (``overlap.py``). Every pair is
 computed exactly once, by the same expert weights, over the same tokens in the same order, and
 the layer reduces all waves with the uncached reduction. A wave with no expert changes nothing;
 where the state is host memory (CPU) an eager step stops after its last non-empty wave, while a
@@ -43,6 +45,7 @@ import torch
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
+from vllm.model_executor.layers.fused_moe.expert_cache.overlap import overlapped_wave
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
                                                                         wanted_experts)
@@ -122,8 +125,11 @@ class ExpertPlan:
         skip_empty = step.on_host and not capturing()
         for wave in range(self.num_waves):
             plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
-            p.copy(p.slots, plan)
-            yield slot_ids
+            if p.side_stream is not None:
+                yield from overlapped_wave(p.copy, p.slots, plan, slot_ids, p.side_stream)
+            else:
+                p.copy(p.slots, plan)
+                yield slot_ids
             if skip_empty and wave + 1 >= int(res.step_waves):
                 return
 
@@ -132,7 +138,7 @@ class CachedWeightProvider(WeightProvider):
     cached = True
 
     def __init__(self, store: HostStore, slots: dict[str, torch.Tensor], residency: Residency,
-                 policy_name: str):
+                 policy_name: str, overlap: bool = False):
         if list(slots) != list(store.tensors):
             raise ValueError(f"slots {list(slots)} and store {list(store.tensors)} must name the "
                              "same tensors in the same order")
@@ -144,6 +150,12 @@ class CachedWeightProvider(WeightProvider):
         self.non_blocking = store.pinned and self.device != store_device
         self.copy = select_copy(store, self.device)
         self.step: ResidencyStep = select_residency_step(residency, self.device)
+        self.side_stream = platform_for(self.device).side_stream(self.device) if overlap \
+            else None
+        """Where the misses are copied while the hits compute (``overlap.py``), or None."""
+        if overlap and self.side_stream is None:
+            log_once(logger, logging.INFO, f"moe_expert_overlap: {self.device.type} has no side "
+                     "stream; misses are copied before the wave's kernels (no overlap)")
         self.prefetch_state: PrefetchState | None = None
         """Made by ``enable_prefetch`` (the wiring, or the first ``prefetch``): without
         prefetch the layer holds none of its [E] tensors."""
@@ -152,8 +164,10 @@ class CachedWeightProvider(WeightProvider):
 
     @property
     def cpu_graph_safe(self) -> bool:
-        """Whether a CPU graph can record this layer's cached step (fused C step and C copy)."""
-        return self.step.cpu_graph_node and getattr(self.copy, "cpu_graph_node", False)
+        """Whether a CPU graph can record this layer's cached step (fused C step and C copy; the
+        overlap split is torch ops, which CPU graphs do not record)."""
+        return self.step.cpu_graph_node and getattr(self.copy, "cpu_graph_node", False) and \
+            self.side_stream is None
 
     def cuda_graph_refusal(self) -> str | None:
         """Why a decode graph (``worker/cuda_graphs.py``) cannot capture this layer's cached
@@ -195,7 +209,7 @@ class CachedWeightProvider(WeightProvider):
         policy_name = resolve_policy_name(config.policy)
         residency = Residency(store.num_experts, config.cache_size, get_policy(policy_name),
                               device)
-        return cls(store, slots, residency, policy_name)
+        return cls(store, slots, residency, policy_name, overlap=config.overlap)
 
     @property
     def num_experts(self) -> int:

@@ -1,0 +1,168 @@
+"""Miss copies overlapped with the hit experts (``expert_cache/overlap.py``).
+
+On CPU there is no side stream, so these tests give the platform ``RecordingSideStream``: it runs
+forked work inline and records the order of forks, copies, joins and kernel passes, which is the
+schedule a CUDA stream would be given. What a GPU adds (the copy really running beside the hit
+pass) is checked by the ``gpu`` test at the end."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.fused_moe.expert_cache.overlap import split_pairs
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
+from vllm.platforms import platform_for
+
+
+class RecordingSideStream:
+    """Runs forked work inline; ``log`` gets "fork" / "join" (and the spies below add theirs)."""
+
+    def __init__(self, log: list):
+        self.log, self.forked = log, False
+
+    @contextlib.contextmanager
+    def fork(self):
+        self.log.append("fork")
+        self.forked = True
+        try:
+            yield
+        finally:
+            self.forked = False
+
+    def join(self):
+        self.log.append("join")
+
+
+@pytest.fixture
+def side_log(monkeypatch):
+    """The CPU platform hands out recording side streams; returns the shared log."""
+    log: list = []
+    monkeypatch.setattr(type(platform_for("cpu")), "side_stream",
+                        lambda self, device: RecordingSideStream(log), raising=False)
+    return log
+
+
+def _plan(g, N, T, K):
+    """A random wave: slot ids with -1 holes, and a plan loading a random subset of slots."""
+    slot_ids = torch.randint(-1, N, (T, K), generator=g)
+    valid = torch.rand(N, generator=g) < 0.4
+    slots = torch.where(valid, torch.randperm(N, generator=g), -1)   # invalid: garbage (-1)
+    experts = torch.where(valid, torch.randint(0, 50, (N,), generator=g), -1)
+    return slot_ids, LoadPlan(slots, experts, valid)
+
+
+@pytest.mark.parametrize("N,T,K", [(1, 1, 1), (4, 3, 2), (8, 1, 8), (16, 33, 6)])
+def test_split_pairs_against_a_loop(N, T, K):
+    g = torch.Generator().manual_seed(N * 100 + T)
+    for _ in range(20):
+        slot_ids, plan = _plan(g, N, T, K)
+        loaded = {int(s) for s, v in zip(plan.slots, plan.valid) if v}
+        hits, misses = split_pairs(slot_ids, plan, N)
+        for t in range(T):
+            for k in range(K):
+                s = int(slot_ids[t, k])
+                want_miss = s >= 0 and s in loaded
+                assert int(misses[t, k]) == (s if want_miss else -1)
+                assert int(hits[t, k]) == (-1 if want_miss else s)
+
+
+def _spy(llm, log):
+    """Log every copy (and whether it ran inside a fork) and every kernel pass's ids."""
+    for m in llm.llm_engine.runner.moe_layers:
+        provider, method = m.expert_cache, m.quant_method
+        copy, apply_pairs = provider.copy, method.apply_pairs
+
+        def spy_copy(slots, plan, copy=copy, side=provider.side_stream):
+            log.append(("copy", side.forked, plan.slots.clone(), plan.valid.clone()))
+            copy(slots, plan)
+
+        def spy_apply(weights, x, w, ids, out, apply_pairs=apply_pairs):
+            log.append(("pass", ids.clone()))
+            apply_pairs(weights, x, w, ids, out)
+        provider.copy, method.apply_pairs = spy_copy, spy_apply
+
+
+def test_schedule_copy_forked_hits_before_join_misses_after(tiny_model_factory, side_log):
+    """Per wave: fork, the copy inside it, the hit pass, join, the miss pass; the hit pass never
+    reads a slot the copy writes, the miss pass reads only such slots."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    llm = LLM(path, moe_expert_cache_size=2, moe_expert_overlap=True, enforce_eager=True)
+    assert all(m.expert_cache.side_stream is not None for m in llm.llm_engine.runner.moe_layers)
+    _spy(llm, side_log)
+    llm.generate([[5, 17, 99, 3], [250, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    waves, i, missed = 0, 0, 0
+    while i < len(side_log):
+        assert side_log[i] == "fork", side_log[i]
+        _, forked, slots, valid = side_log[i + 1]
+        (_, hits), join, (_, misses) = side_log[i + 2:i + 5]
+        assert forked and join == "join"
+        loaded = set(slots[valid].tolist())
+        assert not loaded & set(hits[hits >= 0].tolist())
+        assert set(misses[misses >= 0].tolist()) <= loaded
+        assert not ((hits >= 0) & (misses >= 0)).any()
+        waves, missed, i = waves + 1, missed + int((misses >= 0).sum()), i + 5
+    assert waves > 0 and missed > 0
+
+
+def _outputs(llm, prompts, params):
+    return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
+                                       for d in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch,E,K", [("Qwen3MoeForCausalLM", 6, 2),
+                                      ("GptOssForCausalLM", 4, 2)])
+def test_outputs_bitwise_equal_with_overlap_on_and_off(tiny_model_factory, side_log, arch, E,
+                                                       K):
+    """Capacities 1 (waves), top_k, E/2, with next-layer prefetch off and on (a cached layer
+    with a side stream runs eagerly: CPU graphs do not record the split): tokens and logprobs
+    equal the uncached engine's bit for bit."""
+    path = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 150, (int(n),), generator=g).tolist() for n in (2, 9, 17, 4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    ref = _outputs(LLM(path), prompts, params)
+    for n in sorted({1, K, E // 2}):
+        for prefetch in ("off", "next-layer"):
+            llm = LLM(path, moe_expert_cache_size=n, moe_expert_overlap=True,
+                      moe_expert_prefetch=prefetch)
+            assert _outputs(llm, prompts, params) == ref, f"capacity {n}, prefetch {prefetch}"
+            assert llm.get_moe_cache_stats()["misses"] > 0
+    assert side_log.count("join") > 0
+
+
+def test_without_a_side_stream_overlap_changes_nothing(tiny_model_factory, vllm_log):
+    """CPU: no side stream, so no split (one pass per wave), said once in the log."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    llm = LLM(path, moe_expert_cache_size=2, moe_expert_overlap=True)
+    assert all(m.expert_cache.side_stream is None for m in llm.llm_engine.runner.moe_layers)
+    assert "cpu has no side stream" in vllm_log.text
+    assert '"moe_expert_overlap": true' in vllm_log.text
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_overlap_must_be_a_bool(tiny_model_factory, bad):
+    with pytest.raises(ValueError, match=rf"moe_expert_overlap={bad!r} is invalid: must be True "
+                                         "or False"):
+        LLM(tiny_model_factory("Qwen3MoeForCausalLM"), moe_expert_overlap=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_overlap_on_a_gpu_equals_off(tiny_model_factory):
+    """A real side stream, inside CUDA graphs and eagerly: tokens equal overlap off."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts = [[5, 17, 99, 3], [250, 7], list(range(40, 70))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for eager in (True, False):
+        want = [o.outputs[0].token_ids for o in LLM(
+            path, device="cuda", moe_expert_cache_size=2, enforce_eager=eager,
+            dtype="float32").generate(prompts, params)]
+        llm = LLM(path, device="cuda", moe_expert_cache_size=2, moe_expert_overlap=True,
+                  enforce_eager=eager, dtype="float32")
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+        assert all(m.expert_cache.side_stream is not None
+                   for m in llm.llm_engine.runner.moe_layers)
