@@ -211,6 +211,7 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int) -> t
     for n in args.moe_expert_cache_size:
         llm = LLM(model=path, dtype=str(dtype)[6:], device=device, moe_expert_cache_size=n,
                   max_num_seqs=max(args.batch), enforce_eager=args.enforce_eager,
+                  moe_expert_overlap=args.moe_expert_overlap,
                   kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
         for b in args.batch:
             prompts = make_prompts(vocab, b, args.prompt_len, args.seed)
@@ -254,7 +255,8 @@ def run(args) -> dict:
         "device": device, "device_name": platform_for(device).describe(torch.device(device)),
         "dtype": str(dtype)[6:], "prompt_len": args.prompt_len, "output_len": args.output_len,
         "batches": args.batch, "cache_sizes": args.moe_expert_cache_size,
-        "enforce_eager": args.enforce_eager, "threads": torch.get_num_threads(),
+        "enforce_eager": args.enforce_eager, "moe_expert_overlap": args.moe_expert_overlap,
+        "threads": torch.get_num_threads(),
         "checkpoint": args.checkpoint or "temporary", "checkpoint_reused": reused,
         "build_seconds": build_s, "rows": rows, "tokens_identical": identical,
         "all_tokens_identical": all(identical.values())})
@@ -272,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--enforce-eager", action="store_true", help="no CPU / CUDA graphs")
+    ap.add_argument("--moe-expert-overlap", action="store_true",
+                    help="copy misses on a side stream while the hit experts compute (CUDA)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,

@@ -1,7 +1,8 @@
 """Trace-driven expert offload: cache designs compared on one forced routing, in one run.
 
     python benchmarks/benchmark_expert_offload.py --trace T.npz --shape dsv2-lite|small|tiny
-        [--capacity 8 16 32] [--batch 1 8] [--designs all | resident sync-lfru uva ours ...]
+        [--capacity 8 16 32] [--batch 1 8] [--designs all | resident sync-lfru uva ours
+        ours+overlap ours+prefetch]
         [--policy auto] [--layers L] [--max-tokens N] [--sequences odd|even|all]
         [--dtype bfloat16] [--device cpu|cuda] [--repeat R] [--json] [--out FILE.json]
 
@@ -19,6 +20,9 @@ Designs (``DESIGNS``):
                  path over the store (the same memory as resident there); on CUDA it needs a
                  zero-copy view of the pinned store: not implemented, not yet run on a GPU.
   ours           ``CachedWeightProvider`` with ``--policy``.
+  ours+overlap   ours with ``moe_expert_overlap``: each wave's misses are copied on a side
+                 stream while the wave's hit experts compute (``expert_cache/overlap.py``). A
+                 CPU has no side stream: there it is ours.
   ours+prefetch  ours, and before layer l runs, layer l+1's predicted experts are prefetched
                  (``CachedWeightProvider.prefetch``). The trace has no hidden states, so the
                  engine's predictor (layer l+1's router on layer l's hidden state) cannot run
@@ -60,8 +64,8 @@ from vllm.platforms import platform_for
 SHAPES = {"dsv2-lite": (2048, 1408), "small": (512, 352), "tiny": (32, 16)}
 """name -> (hidden, moe_intermediate). dsv2-lite: DeepSeek-V2-Lite's experts (64, top-6 in its
 trace); small: a quarter of each dim, for CPU runs of minutes; tiny: for tests."""
-DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+prefetch")
-CACHED = ("sync-lfru", "ours", "ours+prefetch")
+DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch")
+CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch")
 UVA_CUDA = ("not implemented on CUDA (needs a zero-copy view of the pinned store); "
             "not yet run on a GPU")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -148,7 +152,8 @@ def make_providers(setup: Setup, design: str, capacity: int | None, policy: str)
     name = resolve_policy_name(policy)
     out = [CachedWeightProvider(s.store, allocate_slots(s.store, capacity, s.device),
                                 Residency(s.trace.num_experts, capacity, get_policy(name),
-                                          s.device), name) for _ in range(L)]
+                                          s.device), name, overlap=design == "ours+overlap")
+           for _ in range(L)]
     for p in out[:1] if design == "ours+prefetch" else ():
         p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
     return out
