@@ -1,0 +1,47 @@
+"""tools/gpu_session.sh (a GPU session's stages): valid bash, and every benchmark command it runs
+is accepted by that benchmark's own argument parser (checked through DRY=1, which prints the
+commands instead of running them)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_script_is_valid_bash():
+    subprocess.run(["bash", "-n", SCRIPT], check=True)
+
+
+@pytest.mark.parametrize("stage,bench,count", [("decode", "benchmark_decode", 3),
+                                               ("offload", "benchmark_expert_offload", 1)])
+def test_every_benchmark_command_parses(tmp_path, stage, bench, count):
+    out = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "DRY": "1", "OUT": str(tmp_path)}, check=True)
+    lines = [shlex.split(line) for line in out.stdout.splitlines() if f"{bench}.py" in line]
+    assert len(lines) == count, out.stdout
+    parse = _bench(bench).parse_args
+    for words in lines:
+        args = parse(words[words.index(f"benchmarks/{bench}.py") + 1:])
+        assert args.json and str(tmp_path) in args.out
+
+
+def test_an_unknown_stage_is_refused():
+    out = subprocess.run(["bash", SCRIPT, "nope"], capture_output=True, text=True,
+                         env={**os.environ, "DRY": "1"})
+    assert out.returncode == 2 and "unknown stage nope" in out.stdout

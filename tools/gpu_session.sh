@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One GPU session's checks and figures, in stages that each end inside a 10-minute command.
+#
+#   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests (~5 min)
+#   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
+#   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap
+#   bash tools/gpu_session.sh offload   # benchmark_expert_offload on the DeepSeek-V2-Lite trace
+#
+# Everything it writes goes to $OUT (the device tool's return folder; /tmp/gpu-out elsewhere):
+# logs and one JSON per benchmark, for docs/benchmarks.md. The offload stage needs the trace in
+# the working tree: copy ../shared/traces/deepseek-v2-lite.npz to .traces/ (ignored) and name
+# .traces in the device tool's carry.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+stage=${1:-check}
+# DRY=1: print each command instead of running it (tests/tools/test_gpu_session.py).
+RUN=""
+[ "${DRY:-0}" = 1 ] && RUN=echo
+
+install() {
+    [ -n "$RUN" ] && return 0
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton',
+triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+}
+
+case "$stage" in
+check)
+    install
+    # The gpu tests, then the tests of the GPU path's modules (their CPU parts must pass there).
+    $RUN timeout 300 python3 -m pytest -q -m gpu -rs 2>&1 | tee "$OUT/pytest-gpu.log"
+    $RUN timeout 200 python3 -m pytest -q -x tests/kernels/triton tests/worker \
+        tests/model_executor/layers/fused_moe/expert_cache 2>&1 | tee "$OUT/pytest-gpu-path.log"
+    ;;
+suite)
+    install
+    $RUN timeout 560 python3 -m pytest -q 2>&1 | tee "$OUT/pytest-all.log"
+    ;;
+decode)
+    install
+    common=(--random-model probe-4.8g --output-len 64 --dtype bf16 --device cuda
+            --checkpoint /tmp/probe --json)
+    $RUN timeout 280 python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
+        --moe-expert-cache-size 0 48 32 16 --out "$OUT/decode-graphs.json" \
+        2>"$OUT/decode-graphs.log" | tail -c 2000
+    $RUN timeout 120 python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
+        --moe-expert-cache-size 0 16 --enforce-eager --out "$OUT/decode-eager.json" \
+        2>"$OUT/decode-eager.log" | tail -c 2000
+    $RUN timeout 120 python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
+        --moe-expert-cache-size 16 --moe-expert-overlap --out "$OUT/decode-overlap.json" \
+        2>"$OUT/decode-overlap.log" | tail -c 2000
+    ;;
+offload)
+    install
+    trace=.traces/deepseek-v2-lite.npz
+    [ -f "$trace" ] || [ -n "$RUN" ] || { echo "missing $trace (see the header)"; exit 2; }
+    $RUN timeout 540 python3 benchmarks/benchmark_expert_offload.py --trace "$trace" \
+        --shape dsv2-lite --capacity 8 16 32 --batch 1 8 --designs all --max-tokens 300 \
+        --dtype bfloat16 --device cuda --repeat 3 --json --out "$OUT/offload.json" \
+        2>"$OUT/offload.log" | tail -c 3000
+    ;;
+*)
+    echo "unknown stage $stage: check, suite, decode or offload"; exit 2 ;;
+esac
