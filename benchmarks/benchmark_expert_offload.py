@@ -16,9 +16,10 @@ Designs (``DESIGNS``):
   resident       all experts on the device: the compute floor.
   sync-lfru      the upstream proposal (``expert_cache/baseline.py``): Python bookkeeping, LFRU,
                  one synchronous copy per miss and tensor.
-  uva            kernels read the host store directly, no slots. On CPU that is the uncached
-                 path over the store (the same memory as resident there); on CUDA it needs a
-                 zero-copy view of the pinned store: not implemented, not yet run on a GPU.
+  uva            kernels read the host store directly, no slots (vLLM main's zero-copy offload).
+                 On CPU that is the uncached path over the store (the same memory as resident
+                 there); on CUDA the Triton MoE kernels read the pinned store in place over the
+                 link on every use (not yet run on a GPU).
   ours           ``CachedWeightProvider`` with ``--policy``.
   ours+overlap   ours with ``moe_expert_overlap``: each wave's misses are copied on a side
                  stream while the wave's hit experts compute (``expert_cache/overlap.py``). A
@@ -66,8 +67,17 @@ SHAPES = {"dsv2-lite": (2048, 1408), "small": (512, 352), "tiny": (32, 16)}
 trace); small: a quarter of each dim, for CPU runs of minutes; tiny: for tests."""
 DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch")
 CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch")
-UVA_CUDA = ("not implemented on CUDA (needs a zero-copy view of the pinned store); "
-            "not yet run on a GPU")
+
+
+def uva_refusal(s: "Setup") -> str | None:
+    """Why the uva design cannot run on this setup, or None. On CUDA it needs the Triton MoE
+    backend (which reads pinned host weights in place) and a pinned store."""
+    if s.device.type != "cuda":
+        return None
+    if s.qm.kernel.name != "triton" or not s.store.pinned:
+        return (f"uva on CUDA needs the triton MoE backend and a pinned store (backend "
+                f"{s.qm.kernel.name!r}, pinned {s.store.pinned})")
+    return None
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -188,8 +198,8 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     """One cold run of the whole trace. Returns the row (and "_outputs": the last layer's h per
     step when ``keep_outputs``)."""
     s = setup
-    if design == "uva" and s.device.type == "cuda":
-        return {"design": design, "capacity": None, "batch": batch, "status": UVA_CUDA}
+    if design == "uva" and uva_refusal(s) is not None:
+        return {"design": design, "capacity": None, "batch": batch, "status": uva_refusal(s)}
     providers = make_providers(s, design, capacity, policy)
     counted = count_copies(providers, s.store.bytes_per_expert) \
         if count and design in CACHED else None

@@ -205,6 +205,23 @@ def test_rejects_bad_inputs(km):
     assert not out.any()
 
 
+def test_pinned_host_weights_are_readable_only_from_cuda():
+    """The uva design's weights: pinned host memory, read in place by a CUDA kernel; nothing
+    else off x's device passes."""
+    from types import SimpleNamespace
+
+    from vllm.kernels.triton.fused_moe import host_readable
+
+    def host(pinned):
+        return SimpleNamespace(device=torch.device("cpu"), is_pinned=lambda: pinned)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert host_readable(host(True), cuda)
+    assert not host_readable(host(False), cuda)
+    assert not host_readable(host(True), cpu)
+    assert not host_readable(SimpleNamespace(device=torch.device("cuda", 1),
+                                             is_pinned=lambda: False), cuda)
+
+
 def test_block_size_tables():
     from vllm.kernels.triton.fused_moe_config import (_check_entry, get_moe_config,
                                                       load_table, table_file_name)
@@ -231,3 +248,17 @@ def test_compiled_on_cuda(dtype, activation):
                           (8193, 7, 3, 96, 40)]:
         for bias in (False, True):
             check(km, T, E, K, H, N, dtype, activation, bias, seed=T)
+
+
+@pytest.mark.gpu
+def test_pinned_host_weights_on_cuda_equal_device_weights():
+    """The uva design: the kernels read w13/w2 from pinned host memory in place, bit for bit
+    what they compute from the same weights on the device."""
+    from vllm.kernels.triton import fused_moe as km
+    x, w13, w2, w, ids, _, _ = make(33, 16, 4, 256, 128, torch.bfloat16, device="cuda")
+    want = torch.zeros(33, 4, 256, dtype=torch.bfloat16, device="cuda")
+    km.fused_moe_pairs(x, w13, w2, w, ids, want, "silu", ALPHA, LIMIT)
+    got = torch.zeros_like(want)
+    km.fused_moe_pairs(x, w13.cpu().pin_memory(), w2.cpu().pin_memory(), w, ids, got, "silu",
+                       ALPHA, LIMIT)
+    assert torch.equal(got, want)

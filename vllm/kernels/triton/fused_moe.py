@@ -189,6 +189,14 @@ def _activation(gate_up: torch.Tensor, act: torch.Tensor, align, activation: str
                           BLOCK_N=ACT_BLOCK_N)
 
 
+def host_readable(t, device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can read ``t`` in place although it is host memory: pinned
+    (page-locked) host tensors are mapped into a CUDA device's address space (UVA), and Triton
+    passes a kernel their device address. The expert-offload benchmark's ``uva`` design runs the
+    experts this way, straight from the host store. NOT YET RUN ON A GPU."""
+    return device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()
+
+
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2) -> None:
     """Clear errors for shapes, dtypes and devices the kernels cannot take."""
     def fail(msg: str):
@@ -214,8 +222,10 @@ def _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2) 
         fail(f"x.dtype={x.dtype} is not supported: must be one of {list(DTYPES)}")
     named = {"w13": w13, "w2": w2, "out": out, "b13": b13, "b2": b2}
     for name, t in named.items():
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            fail(f"{name} is {t.dtype} on {t.device}; x is {x.dtype} on {x.device}")
+        if t is not None and (t.dtype != x.dtype or not (
+                t.device == x.device or name != "out" and host_readable(t, x.device))):
+            fail(f"{name} is {t.dtype} on {t.device}; x is {x.dtype} on {x.device} (weights may "
+                 "also be pinned host memory when x is on CUDA)")
     if topk_ids.device != x.device or topk_weights.device != x.device:
         fail(f"topk_ids ({topk_ids.device}) and topk_weights ({topk_weights.device}) must be on "
              f"x's device {x.device}")
