@@ -17,6 +17,18 @@ torch.set_num_threads(1)
 # triton; torch and vllm do not import it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_INTERPRETER_ON = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """For tests that run Triton kernels on CPU tensors: they need the interpreter on from the
+    start (a GPU machine has it off, and runs the compiled kernels in the gpu tests instead;
+    ``TRITON_INTERPRET=1 pytest ...`` includes these there)."""
+    if not TRITON_INTERPRETER_ON:
+        pytest.skip("runs Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 before triton "
+                    "is imported (set by default only without a GPU)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,7 +21,7 @@ from vllm.platforms.cuda import CudaPlatform
 from vllm.worker import cuda_graphs
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
 
 
 class RehearsalPlatform(CudaPlatform):
@@ -61,7 +61,6 @@ class AuditingCapturer(cuda_graphs.EagerCapturer):
 
 @pytest.fixture
 def rehearsal(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
     monkeypatch.setattr(cuda_graphs, "uses_cuda_graphs", lambda device: True)
     capturer = AuditingCapturer()

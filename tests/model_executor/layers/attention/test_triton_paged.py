@@ -19,6 +19,8 @@ from vllm.platforms import platform_for
 from .test_attention_options import BATCHES, OPTIONS, make_layer, paged_case, run_paged
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+# Every test here runs (or selects for) Triton on CPU tensors: interpreter only (conftest).
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 REFUSED_ON_CPU = (r"attention_backend='triton_paged' cannot run .*: Triton kernels run on "
                   r"CUDA, or on CPU only under TRITON_INTERPRET=1; not on 'cpu'")
@@ -29,8 +31,8 @@ def _query(dtype=torch.float16, contiguous=True, device="cpu", features=frozense
 
 
 @pytest.fixture
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpreter(triton_interpreter):
+    """Triton kernels on CPU tensors (tests/conftest.py: skipped where the interpreter is off)."""
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

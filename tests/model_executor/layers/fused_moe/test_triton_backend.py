@@ -14,7 +14,8 @@ from vllm.platforms import platform_for
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
-pytestmark = pytest.mark.triton
+# Every test here runs (or selects for) Triton on CPU tensors: interpreter only (conftest).
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
 E, K = 6, 2          # the tiny Qwen3-MoE config (tests/model_executor/tiny_checkpoints.py)
 
 
@@ -23,8 +24,8 @@ def query(activation="silu", dtype=torch.float32, scheme="unquantized", bias=Fal
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpreted(triton_interpreter):
+    """Triton kernels on CPU tensors (tests/conftest.py: skipped where the interpreter is off)."""
 
 
 @pytest.mark.parametrize("activation", MOE_ACTIVATIONS)

@@ -22,7 +22,8 @@ from model_executor.tiny_checkpoints import layer_config
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
-pytestmark = pytest.mark.triton
+# Every test here runs (or selects for) Triton on CPU tensors: interpreter only (conftest).
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
 E, H, N, TOP_K = 6, 40, 24, 2      # H = 40: partial K tiles and a partial 16x32 scale block
 
 # name -> (method factory, quantizer of one [out, in] weight)
@@ -41,8 +42,8 @@ LAYER_SCHEMES = {
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpreted(triton_interpreter):
+    """Triton kernels on CPU tensors (tests/conftest.py: skipped where the interpreter is off)."""
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq"])
