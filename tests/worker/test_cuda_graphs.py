@@ -138,7 +138,6 @@ def test_a_failed_capture_runs_decode_eagerly_from_then_on(tiny_model_factory, o
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(moe_backend="torch"), "MoE backend 'torch' is not cuda_graph_safe"),
     (dict(attention_backend="torch_sdpa"), "attention backend 'torch_sdpa' is not"),
-    (dict(moe_expert_cache_size=2, moe_expert_prefetch="next-layer"), "prefetch"),
     (dict(moe_routing_trace_path="TRACE"), "routing trace")])
 def test_refused_models_decode_eagerly(tiny_model_factory, on_cpu, tmp_path, vllm_log, kwargs,
                                        reason):
@@ -172,7 +171,6 @@ def _moe(kernel=None, cache=None, observer=None):
 
 @pytest.mark.parametrize("layers,reason", [
     (dict(state_layers=[object()]), "1 recurrent-state layers"),
-    (dict(prefetch=True), "next-layer expert prefetch"),
     (dict(attn_layers=[_attn(None)]), "no KV cache is bound"),
     (dict(attn_layers=[_attn(TorchSdpaAttention(4, 8, 2, 1.0))]),
      "attention backend 'torch_sdpa' is not cuda_graph_safe"),
@@ -185,7 +183,7 @@ def _moe(kernel=None, cache=None, observer=None):
     (dict(moe_layers=[_moe(cache=_Cache())]), None),
     (dict(), None)])
 def test_refusal_reasons(layers, reason):
-    args = dict(attn_layers=[_attn()], moe_layers=[_moe()], state_layers=[], prefetch=False)
+    args = dict(attn_layers=[_attn()], moe_layers=[_moe()], state_layers=[])
     args.update(layers)
     got = cuda_graph_refusal(**args)
     assert got == reason if reason is None else reason in got

@@ -139,20 +139,28 @@ class InlineSideStream:
         pass
 
 
-def test_overlapped_miss_copies_on_the_cuda_path_have_no_host_reads(tiny_model_factory,
-                                                                    rehearsal, monkeypatch):
-    """``moe_expert_overlap``: the hit/miss split and the forked copy inside the graphs read
-    nothing on the host; tokens equal enforce_eager without overlap."""
+@pytest.mark.parametrize("overlap,prefetch", [(True, "off"), (False, "next-layer"),
+                                              (True, "next-layer")])
+def test_overlap_and_prefetch_on_the_cuda_path_have_no_host_reads(tiny_model_factory, rehearsal,
+                                                                  monkeypatch, overlap,
+                                                                  prefetch):
+    """``moe_expert_overlap`` (the hit/miss split, forked copies) and next-layer prefetch (its
+    hooks: the next router, ``Residency.load``, the copy) inside the graphs read nothing on the
+    host; tokens and every cache counter equal enforce_eager's."""
     monkeypatch.setattr(RehearsalPlatform, "side_stream", lambda self, device: InlineSideStream(),
                         raising=False)
-    path = tiny_model_factory("Qwen3MoeForCausalLM")
-    kw = dict(dtype="float32", moe_expert_cache_size=2)
-    eager, _ = _run(path, enforce_eager=True, **kw)
+    path = tiny_model_factory("Qwen3MoeForCausalLM", num_hidden_layers=3)
+    kw = dict(dtype="float32", moe_expert_cache_size=2, moe_expert_prefetch=prefetch)
+    eager, eager_runner = _run(path, enforce_eager=True, **kw)
     forks = InlineSideStream.forks
-    got, runner = _run(path, moe_expert_overlap=True, **kw)
+    got, runner = _run(path, moe_expert_overlap=overlap, **kw)
     assert runner.decode_graphs.refused is None and rehearsal.replays > 0
-    assert InlineSideStream.forks > forks
+    assert (InlineSideStream.forks > forks) == overlap
     assert got == eager
+    stats = [m.expert_cache.stats() for m in runner.moe_layers]
+    assert stats == [m.expert_cache.stats() for m in eager_runner.moe_layers]
+    if prefetch != "off":
+        assert stats[1]["prefetch_loads"] > 0
 
 
 def test_the_audit_catches_a_host_read_in_a_captured_step(tiny_model_factory, rehearsal,

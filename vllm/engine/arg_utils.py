@@ -58,11 +58,12 @@ class EngineArgs:
     """Expert-cache eviction policy (auto = the measured best; see docs/expert-cache.md)."""
     moe_expert_prefetch: str = "off"
     """Expert-cache prefetch: off, or next-layer (each MoE layer runs the next one's router on
-    its hidden state and loads the predicted experts early; outputs unchanged, decode steps run
-    eagerly; see docs/expert-cache.md)."""
+    its hidden state and loads the predicted experts early; outputs unchanged; CPU decode steps
+    run eagerly, CUDA graphs capture it; see docs/expert-cache.md)."""
     moe_expert_overlap: bool = False
-    """Expert cache: copy each wave's misses on a side stream while the layer computes its hit
-    experts (CUDA; outputs unchanged; no effect on CPU; see docs/expert-cache.md)."""
+    """Expert cache: copy each wave's misses (and prefetch loads) on a side stream while the layer
+    computes its hit experts (CUDA; outputs unchanged; no effect on CPU; see
+    docs/expert-cache.md)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""
     tensor_parallel_size: int = 1

@@ -36,8 +36,11 @@ Eligibility (``cuda_graph_refusal``, logged once by the runner): every attention
 ``cuda_graph_safe``; so does every MoE backend (``MoEExperts``: ``grouped_mm`` and ``triton``,
 not the ``torch`` loop); a cached layer's provider has no ``cuda_graph_refusal`` (the fused
 residency step, a sync-free copy). Refused: a routing trace (its observer is Python per step),
-next-layer prefetch (Python hooks per layer), recurrent-state models (padding rows would need
-state slots of their own, and ``has_initial_state`` is a host list per step).
+recurrent-state models (padding rows would need state slots of their own, and
+``has_initial_state`` is a host list per step). Next-layer prefetch is captured: its hooks only
+enqueue device work (the next router, ``Residency.load``, the copy), and the one Python flag they
+keep (``CachedWeightProvider._settled``) takes the same values in every decode step, so a replay
+repeats what the capture recorded.
 """
 from __future__ import annotations
 
@@ -65,14 +68,12 @@ def uses_cuda_graphs(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def cuda_graph_refusal(attn_layers: list, moe_layers: list, state_layers: list = (),
-                       prefetch: bool = False) -> str | None:
+def cuda_graph_refusal(attn_layers: list, moe_layers: list, state_layers: list = ()
+                       ) -> str | None:
     """Why the model's decode steps cannot be captured (the first reason found), or None."""
     if state_layers:
         return (f"the model has {len(state_layers)} recurrent-state layers (padding rows would "
                 "need state slots of their own)")
-    if prefetch:
-        return "next-layer expert prefetch runs Python hooks per layer, which a replay would skip"
     for a in attn_layers:
         if a.impl is None:
             return f"{a.prefix}: no KV cache is bound"

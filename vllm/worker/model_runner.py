@@ -149,7 +149,7 @@ class ModelRunner:
         max_blocks = -(-max_len // self.block_size)
         if cuda_graphs.uses_cuda_graphs(self.device):
             refusal = cuda_graphs.cuda_graph_refusal(self.attn_layers, self.moe_layers,
-                                                     self.state_layers, bool(self.prefetch_pairs))
+                                                     self.state_layers)
             if refusal is not None:
                 logger.info("decode steps run eagerly (no CUDA graphs): %s", refusal)
                 return None

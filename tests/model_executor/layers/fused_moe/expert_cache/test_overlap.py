@@ -18,10 +18,11 @@ from vllm.platforms import platform_for
 
 
 class RecordingSideStream:
-    """Runs forked work inline; ``log`` gets "fork" / "join" (and the spies below add theirs)."""
+    """Runs forked work inline; ``log`` gets "fork" and "join" (the spies below add the copies
+    and kernel passes of the provider that owns the stream)."""
 
-    def __init__(self, log: list):
-        self.log, self.forked = log, False
+    def __init__(self):
+        self.log, self.forked = [], False
 
     @contextlib.contextmanager
     def fork(self):
@@ -37,12 +38,15 @@ class RecordingSideStream:
 
 
 @pytest.fixture
-def side_log(monkeypatch):
-    """The CPU platform hands out recording side streams; returns the shared log."""
-    log: list = []
-    monkeypatch.setattr(type(platform_for("cpu")), "side_stream",
-                        lambda self, device: RecordingSideStream(log), raising=False)
-    return log
+def side_streams(monkeypatch):
+    """The CPU platform hands out recording side streams; returns every one it made."""
+    made: list[RecordingSideStream] = []
+
+    def side_stream(self, device):
+        made.append(RecordingSideStream())
+        return made[-1]
+    monkeypatch.setattr(type(platform_for("cpu")), "side_stream", side_stream, raising=False)
+    return made
 
 
 def _plan(g, N, T, K):
@@ -69,42 +73,71 @@ def test_split_pairs_against_a_loop(N, T, K):
                 assert int(hits[t, k]) == (-1 if want_miss else s)
 
 
-def _spy(llm, log):
-    """Log every copy (and whether it ran inside a fork) and every kernel pass's ids."""
+def _spy(llm):
+    """Log every copy (whether it ran inside a fork, what it loaded) and every kernel pass's ids
+    into the log of the provider's side stream."""
     for m in llm.llm_engine.runner.moe_layers:
         provider, method = m.expert_cache, m.quant_method
-        copy, apply_pairs = provider.copy, method.apply_pairs
+        copy, apply_pairs, side = provider.copy, method.apply_pairs, provider.side_stream
 
-        def spy_copy(slots, plan, copy=copy, side=provider.side_stream):
-            log.append(("copy", side.forked, plan.slots.clone(), plan.valid.clone()))
+        def spy_copy(slots, plan, copy=copy, side=side):
+            side.log.append(("copy", side.forked, plan.slots.clone(), plan.valid.clone()))
             copy(slots, plan)
 
-        def spy_apply(weights, x, w, ids, out, apply_pairs=apply_pairs):
-            log.append(("pass", ids.clone()))
+        def spy_apply(weights, x, w, ids, out, apply_pairs=apply_pairs, side=side):
+            side.log.append(("pass", ids.clone()))
             apply_pairs(weights, x, w, ids, out)
         provider.copy, method.apply_pairs = spy_copy, spy_apply
 
 
-def test_schedule_copy_forked_hits_before_join_misses_after(tiny_model_factory, side_log):
+def _check_waves(log: list) -> tuple[int, int]:
     """Per wave: fork, the copy inside it, the hit pass, join, the miss pass; the hit pass never
-    reads a slot the copy writes, the miss pass reads only such slots."""
-    path = tiny_model_factory("Qwen3MoeForCausalLM")
-    llm = LLM(path, moe_expert_cache_size=2, moe_expert_overlap=True, enforce_eager=True)
-    assert all(m.expert_cache.side_stream is not None for m in llm.llm_engine.runner.moe_layers)
-    _spy(llm, side_log)
-    llm.generate([[5, 17, 99, 3], [250, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    reads a slot the copy writes, the miss pass only such slots. -> (waves, miss pairs)."""
     waves, i, missed = 0, 0, 0
-    while i < len(side_log):
-        assert side_log[i] == "fork", side_log[i]
-        _, forked, slots, valid = side_log[i + 1]
-        (_, hits), join, (_, misses) = side_log[i + 2:i + 5]
+    while i < len(log):
+        assert log[i] == "fork", log[i]
+        _, forked, slots, valid = log[i + 1]
+        (_, hits), join, (_, misses) = log[i + 2:i + 5]
         assert forked and join == "join"
         loaded = set(slots[valid].tolist())
         assert not loaded & set(hits[hits >= 0].tolist())
         assert set(misses[misses >= 0].tolist()) <= loaded
         assert not ((hits >= 0) & (misses >= 0)).any()
         waves, missed, i = waves + 1, missed + int((misses >= 0).sum()), i + 5
-    assert waves > 0 and missed > 0
+    return waves, missed
+
+
+def test_schedule_copy_forked_hits_before_join_misses_after(tiny_model_factory, side_streams):
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    llm = LLM(path, moe_expert_cache_size=2, moe_expert_overlap=True, enforce_eager=True)
+    assert all(m.expert_cache.side_stream is not None for m in llm.llm_engine.runner.moe_layers)
+    _spy(llm)
+    llm.generate([[5, 17, 99, 3], [250, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    for stream in side_streams:
+        waves, missed = _check_waves(stream.log)
+        assert waves > 0 and missed > 0
+
+
+def test_prefetch_copies_are_forked_and_joined_before_the_next_plan(tiny_model_factory,
+                                                                    side_streams):
+    """With next-layer prefetch, a predicted layer's log is: fork, the prefetch's copy inside
+    it; then join before anything of that layer's real step; then its waves as above."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM", num_hidden_layers=3)
+    llm = LLM(path, moe_expert_cache_size=2, moe_expert_overlap=True,
+              moe_expert_prefetch="next-layer", enforce_eager=True)
+    _spy(llm)
+    llm.generate([[5, 17, 99, 3], [250, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    first, *predicted = side_streams
+    assert _check_waves(first.log)[0] > 0                      # nothing predicts layer 0
+    for stream in predicted:
+        log, i, prefetches, waves = stream.log, 0, 0, 0
+        while i < len(log):
+            assert log[i] == "fork" and log[i + 1][0] == "copy" and log[i + 1][1], log[i:i + 2]
+            if log[i + 2] == "join":                           # a prefetch, then the real plan
+                prefetches, i = prefetches + 1, i + 3
+                continue
+            waves, i = waves + _check_waves(log[i:i + 5])[0], i + 5
+        assert prefetches > 0 and waves > 0
 
 
 def _outputs(llm, prompts, params):
@@ -115,8 +148,8 @@ def _outputs(llm, prompts, params):
 
 @pytest.mark.parametrize("arch,E,K", [("Qwen3MoeForCausalLM", 6, 2),
                                       ("GptOssForCausalLM", 4, 2)])
-def test_outputs_bitwise_equal_with_overlap_on_and_off(tiny_model_factory, side_log, arch, E,
-                                                       K):
+def test_outputs_bitwise_equal_with_overlap_on_and_off(tiny_model_factory, side_streams, arch,
+                                                       E, K):
     """Capacities 1 (waves), top_k, E/2, with next-layer prefetch off and on (a cached layer
     with a side stream runs eagerly: CPU graphs do not record the split): tokens and logprobs
     equal the uncached engine's bit for bit."""
@@ -131,7 +164,7 @@ def test_outputs_bitwise_equal_with_overlap_on_and_off(tiny_model_factory, side_
                       moe_expert_prefetch=prefetch)
             assert _outputs(llm, prompts, params) == ref, f"capacity {n}, prefetch {prefetch}"
             assert llm.get_moe_cache_stats()["misses"] > 0
-    assert side_log.count("join") > 0
+    assert sum(s.log.count("join") for s in side_streams) > 0
 
 
 def test_without_a_side_stream_overlap_changes_nothing(tiny_model_factory, vllm_log):

@@ -50,7 +50,8 @@ from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POL
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
                                                                         wanted_experts)
 from vllm.kernels.cpu.graph import capturing
-from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency, num_waves
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import (LoadPlan, Residency,
+                                                                         num_waves)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
     ReferenceStep, ResidencyStep, select_residency_step)
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, as_parameter
@@ -123,6 +124,10 @@ class ExpertPlan:
         p = self.provider
         step, res = p.step_for_this_call(), p.residency
         skip_empty = step.on_host and not capturing()
+        if p._prefetch_in_flight is not None:
+            # The real step may hit on an expert the prefetch is still copying.
+            p.side_stream.join()
+            p._prefetch_in_flight = None
         for wave in range(self.num_waves):
             plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
             if p.side_stream is not None:
@@ -161,6 +166,9 @@ class CachedWeightProvider(WeightProvider):
         prefetch the layer holds none of its [E] tensors."""
         self._settled = False
         """A prefetch settled the last real step since it ran (``prepare`` need not)."""
+        self._prefetch_in_flight: LoadPlan | None = None
+        """The plan of a prefetch copy forked onto the side stream (kept alive until the next
+        plan joins the side stream, first thing)."""
 
     @property
     def cpu_graph_safe(self) -> bool:
@@ -252,7 +260,14 @@ class CachedWeightProvider(WeightProvider):
         self.prefetch_state.settle(res)
         wanted = wanted_experts(topk_ids, self.num_experts, self.num_slots, row_slots)
         plan = res.load(wanted)
-        self.copy(self.slots, plan)
+        if self.side_stream is not None:
+            # Forked after this layer's last step (stream order): no kernel still reads the
+            # victims; the copy then runs beside the layers in between until ``prepare``.
+            with self.side_stream.fork():
+                self.copy(self.slots, plan)
+            self._prefetch_in_flight = plan      # kept alive: the side stream reads it
+        else:
+            self.copy(self.slots, plan)
         self.prefetch_state.record(res, wanted, plan)
         self._settled = True
 
