@@ -23,7 +23,9 @@ rule) one engine is built; for each batch, ``batch`` prompts of fixed random tok
 same batch. Decode = the steps after every prompt is prefilled: tok/s = tokens sampled in them /
 their wall seconds; hit rate, bytes copied and copy GB/s (bytes / decode seconds) are the expert
 cache's counters over the same steps. ``tokens_identical`` says, per batch, whether every cache size
-produced the same greedy tokens.
+produced the same greedy tokens. ``--profile-steps K`` adds a ``profile`` to each row: K more
+decode steps under torch.profiler (``decode_profile.py``: kernel and graph launches, GPU kernels
+and busy time, aten ops, per step).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import tempfile
 import time
 
 import torch
+from decode_profile import profile_decode_steps
 
 PRESETS = {
     "probe-4.8g": ("Qwen3MoeForCausalLM", dict(
@@ -219,6 +222,8 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int) -> t
             r = decode(llm, prompts, args.output_len)
             tokens[b][n] = r["tokens"]
             rows.append(_row(n, b, r))
+            if args.profile_steps:
+                rows[-1]["profile"] = profile_decode_steps(llm, prompts, args.profile_steps)
         llm.llm_engine.shutdown()
         del llm
         gc.collect()
@@ -274,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--enforce-eager", action="store_true", help="no CPU / CUDA graphs")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile this many decode steps per row (launches per step)")
     ap.add_argument("--moe-expert-overlap", action="store_true",
                     help="copy misses on a side stream while the hit experts compute (CUDA)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -292,6 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               ("--moe-expert-cache-size", args.moe_expert_cache_size, 0)):
         if any(v < low for v in values):
             ap.error(f"{flag} {values} is invalid: every value must be >= {low}")
+    if args.profile_steps < 0:
+        ap.error(f"--profile-steps {args.profile_steps} is invalid: must be >= 0")
     for flag, value in (("--output-len", args.output_len), ("--prompt-len", args.prompt_len)):
         if value < 1:
             ap.error(f"{flag} {value} is invalid: must be >= 1")

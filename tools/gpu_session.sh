@@ -44,10 +44,11 @@ decode)
     common=(--random-model probe-4.8g --output-len 64 --dtype bf16 --device cuda
             --checkpoint /tmp/probe --json)
     $RUN timeout 280 python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
-        --moe-expert-cache-size 0 48 32 16 --out "$OUT/decode-graphs.json" \
+        --moe-expert-cache-size 0 48 32 16 --profile-steps 8 --out "$OUT/decode-graphs.json" \
         2>"$OUT/decode-graphs.log" | tail -c 2000
     $RUN timeout 120 python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
-        --moe-expert-cache-size 0 16 --enforce-eager --out "$OUT/decode-eager.json" \
+        --moe-expert-cache-size 0 16 --enforce-eager --profile-steps 4 \
+        --out "$OUT/decode-eager.json" \
         2>"$OUT/decode-eager.log" | tail -c 2000
     $RUN timeout 120 python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
         --moe-expert-cache-size 16 --moe-expert-overlap --out "$OUT/decode-overlap.json" \

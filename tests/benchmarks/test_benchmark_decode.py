@@ -109,3 +109,36 @@ def test_bad_arguments_name_the_value(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_profile_steps_count_what_a_decode_step_dispatches(tmp_path):
+    """--profile-steps: per row, K decode steps under torch.profiler; on CPU no CUDA launch, some
+    aten ops per step; the wall time per step is positive."""
+    out = bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+                      "2", "--moe-expert-cache-size", "0", "4", "--output-len", "3",
+                      "--prompt-len", "4", "--checkpoint", str(tmp_path / "ckpt"), "--json",
+                      "--profile-steps", "3", "--enforce-eager"])
+    for r in out["rows"]:
+        p = r["profile"]
+        assert p["steps"] == 3 and p["launches_per_step"] == 0 == p["graph_launches_per_step"]
+        assert p["gpu_kernels_per_step"] == 0 and p["torch_ops_per_step"] > 10
+        assert p["wall_ms_per_step"] > 0
+
+
+def test_profile_summary_counts_launches():
+    """The per-step arithmetic on stand-in profiler events."""
+    from types import SimpleNamespace
+
+    import torch
+    from decode_profile import summarize
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(key="cudaLaunchKernel", count=30),
+              SimpleNamespace(key="cuLaunchKernel", count=10),
+              SimpleNamespace(key="cudaGraphLaunch", count=4),
+              SimpleNamespace(key="aten::mm", count=8),
+              SimpleNamespace(key="gemm_kernel", count=12, device_type=cuda,
+                              self_device_time_total=2000.0)]
+    got = summarize(events, steps=4, wall_s=0.01)
+    assert got["launches_per_step"] == 10 and got["graph_launches_per_step"] == 1
+    assert got["torch_ops_per_step"] == 2 and got["gpu_kernels_per_step"] == 3
+    assert got["gpu_busy_ms_per_step"] == 0.5 and got["gpu_busy_fraction"] == 0.2
