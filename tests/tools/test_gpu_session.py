@@ -16,6 +16,7 @@ SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
 
 
 def _bench(name: str):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))     # their sibling modules
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks",
                                                                      f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
