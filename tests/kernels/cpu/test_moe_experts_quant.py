@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pair_checks import assert_pairs_independent
 import torch.nn.functional as F
 
 from vllm.kernels.cpu.ops import prepack
@@ -151,19 +152,7 @@ def test_batch_invariant_and_slot_rows(scheme, dtype):
     kernel, packed, _, _, _, _ = _experts(scheme, E, H, N, seed=3)
     ids, wts = _routing(T, E, K, seed=5)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
-    whole = torch.zeros(T, K, H, dtype=dtype)
-    kernel.apply_pairs(packed, x, wts, ids, whole)
-    alone = torch.zeros_like(whole)
-    for t in range(T):
-        kernel.apply_pairs(packed, x[t:t + 1], wts[t:t + 1], ids[t:t + 1], alone[t:t + 1])
-    assert torch.equal(alone, whole)
-    waves = torch.zeros_like(whole)
-    for lo in range(0, E, 2):                        # two slots < top_k = 3: one wave each
-        resident = torch.tensor([lo, lo + 1])
-        slots = {n: t[resident].clone() for n, t in packed.items()}
-        slot_ids = torch.where((ids >= lo) & (ids < lo + 2), ids - lo, -1)
-        kernel.apply_pairs(slots, x, wts, slot_ids, waves)
-    assert torch.equal(waves, whole)
+    assert_pairs_independent(kernel, packed, x, wts, ids, E)
 
 
 def test_token_count_bounds():

@@ -11,9 +11,10 @@
  * x, weights, biases and out share one dtype: f32 or bf16 (bf16 products run in pairs as
  * gemm.h says; all accumulation is f32, and the biases are added to the f32 accumulators).
  *
- * Quantized experts (moe_expert_pairs_quant: FP8 e4m3 and INT4 GPTQ, weight-only): the same
- * computation over codes packed by the cpu_kernel backend (qgemm.h: layout and dequantization),
- * gate and up as two matrices [N, H] (each with its own group table), down as one [H, N].
+ * Quantized experts (moe_expert_pairs_quant: FP8 e4m3, INT4 GPTQ, NVFP4 and MXFP4,
+ * weight-only): the same computation over codes packed by the cpu_kernel backend (layout and
+ * dequantization: qgemm.h, qgemm_fp4.h), gate and up as two matrices [N, H] (each with its own
+ * group table or global scale), down as one [H, N].
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is the one chain over the input dim
@@ -27,6 +28,7 @@
 
 #include "gemm.h"
 #include "qgemm.h"
+#include "qgemm_fp4.h"
 #include "vec.h"
 
 #define CHUNK 32      /* tokens of one expert processed together (bounds the scratch) */
@@ -76,12 +78,36 @@ INLINE void add_bias(float *v, const void *bias, int bf16, int64_t M, int64_t n)
 }
 
 /* One expert's weights as the chunk reads them: packed w13/w2 (unquantized), or quantized
- * matrices q13[0] (gate; up alone when not gated), q13[1] (up) and q2 (down). */
+ * matrices 0 (gate; up alone when not gated), 1 (up) and 2 (down): q[] (FP8 / INT4) or f[]
+ * (FP4, fp4 != 0). */
 typedef struct {
     const void *w13, *w2;      /* NULL when quantized */
-    qmat q13[2], q2;
+    qmat q[3];
+    fp4mat f[3];
+    int fp4;
     void *wbuf;                /* quantized: the thread's BLOCK * max(H, N) f32 block buffer */
 } expert_w;
+
+/* The quantized GEMMs, one out-of-line copy per format and dtype (a copy inlined at each of
+ * the three projections would double the build time and gain nothing: one call per matrix). */
+#define QGEMM_COPY(name, fn, mat, bf16)                                                      \
+    static __attribute__((noinline)) void name(const void *a, int64_t M, const mat *q,       \
+                                               int64_t n, int64_t cols, float *y,            \
+                                               int64_t ldy, void *wbuf) {                    \
+        fn(a, M, q, bf16, n, cols, y, ldy, wbuf);                                            \
+    }
+QGEMM_COPY(qmatmul_f32, qmatmul, qmat, 0)
+QGEMM_COPY(qmatmul_bf16, qmatmul, qmat, 1)
+QGEMM_COPY(fp4_matmul_f32, fp4_matmul, fp4mat, 0)
+QGEMM_COPY(fp4_matmul_bf16, fp4_matmul, fp4mat, 1)
+
+/* y [M, cols] (row stride ldy) = a [M, n] @ quantized matrix h of the expert. */
+INLINE void qproject(const expert_w *ew, int h, const void *a, int64_t M, int bf16, int64_t n,
+                     int64_t cols, float *y, int64_t ldy) {
+    if (ew->fp4) (bf16 ? fp4_matmul_bf16 : fp4_matmul_f32)(a, M, &ew->f[h], n, cols, y, ldy,
+                                                            ew->wbuf);
+    else (bf16 ? qmatmul_bf16 : qmatmul_f32)(a, M, &ew->q[h], n, cols, y, ldy, ew->wbuf);
+}
 
 /* gu [M, R] = xs @ w13: [gate | up] columns, or up alone (R = N). */
 INLINE void first_projection(const expert_w *ew, const void *xs, int64_t M, int bf16, int64_t H,
@@ -90,8 +116,8 @@ INLINE void first_projection(const expert_w *ew, const void *xs, int64_t M, int 
         matmul(xs, M, ew->w13, bf16, H, R, gu);
         return;
     }
-    qmatmul(xs, M, &ew->q13[0], bf16, H, N, gu, R, ew->wbuf);
-    if (R == 2 * N) qmatmul(xs, M, &ew->q13[1], bf16, H, N, gu + N, R, ew->wbuf);
+    qproject(ew, 0, xs, M, bf16, H, N, gu, R);
+    if (R == 2 * N) qproject(ew, 1, xs, M, bf16, H, N, gu + N, R);
 }
 
 /* One expert over M of its pairs: rows of x -> out rows, through scratch. The matmuls take
@@ -123,7 +149,7 @@ INLINE void expert_chunk(const void *x, const expert_w *ew, const void *b13,
         for (; j < M * N; j++) hb[j] = f32_to_bf16(h[j]);
     }
     if (ew->w2) matmul(bf16 ? (const void *)hb : h, M, ew->w2, bf16, N, H, y);
-    else qmatmul(bf16 ? (const void *)hb : h, M, &ew->q2, bf16, N, H, y, H, ew->wbuf);
+    else qproject(ew, 2, bf16 ? (const void *)hb : h, M, bf16, N, H, y, H);
     add_bias(y, b2, bf16, M, H);
     for (int64_t m = 0; m < M; m++) {
         const float wt = topk_w[pairs[m]];
@@ -135,15 +161,33 @@ INLINE void expert_chunk(const void *x, const expert_w *ew, const void *b13,
 }
 
 /* A layer's expert weights (rows of every tensor: experts, or cache slots). Quantized:
- * codes in w13/w2 (gate then up in w13), scale (and int4 zero) tables [ng, R] and [ng2, H]
- * per expert, group tables g13 [2, H] and g2 [1, N], per expert (gstride 1) or shared (0). */
+ * codes in w13/w2 (gate then up in w13), scale (and int4 zero) tables [ng13, R] and [ng2, H]
+ * per expert (f32; FP4: bytes), group tables g13 [2, H] and g2 [1, N], per expert (gstride 1)
+ * or shared (0; FP4: none, row i is in group i / (H / ng13) or i / (N / ng2)). FP4 global
+ * scales: z13 [R / N] and z2 [1] per expert (NULL: 1). */
 typedef struct {
     const void *w13, *w2;
     const float *s13, *s2, *z13, *z2;
     const int32_t *g13, *g2;
     int64_t ng13, ng2, gstride;
-    int qtype;                  /* -1 unquantized, 0 fp8, 1 int4 */
+    int qtype;                  /* -1 unquantized, 0 fp8, 1 int4, 2 nvfp4, 3 mxfp4 */
 } layer_w;
+
+/* Expert e's FP4 matrices (qtype 2: e4m3 scales, 3: e8m0), codes n * cols / 2 bytes each. */
+static void fp4_weights(const layer_w *L, int64_t e, int64_t H, int64_t N, int64_t R,
+                        expert_w *ew) {
+    const size_t half = (size_t)N * H / 2;
+    const uint8_t *w13 = (const uint8_t *)L->w13 + e * (R / N) * half;
+    const uint8_t *s13 = (const uint8_t *)L->s13 + e * L->ng13 * R;
+    const uint8_t *s2 = (const uint8_t *)L->s2 + e * L->ng2 * H;
+    const int e8m0 = L->qtype == 3;
+    for (int h = 0; h < 2; h++)
+        ew->f[h] = (fp4mat){w13 + h * half, s13 + h * N, L->z13 ? L->z13[e * (R / N) + h] : 1.0f,
+                            R, (int)(H / L->ng13), e8m0};
+    ew->f[2] = (fp4mat){(const uint8_t *)L->w2 + e * half, s2, L->z2 ? L->z2[e] : 1.0f, H,
+                        (int)(N / L->ng2), e8m0};
+    ew->fp4 = 1;
+}
 
 static expert_w expert_weights(const layer_w *L, int64_t e, int64_t H, int64_t N, int64_t R,
                                int bf16) {
@@ -155,16 +199,20 @@ static expert_w expert_weights(const layer_w *L, int64_t e, int64_t H, int64_t N
         ew.w2 = (const char *)L->w2 + e * (size_t)H * N * esz;
         return ew;
     }
+    if (L->qtype >= 2) {
+        fp4_weights(L, e, H, N, R, &ew);
+        return ew;
+    }
     const int int4 = L->qtype == 1;
     const size_t half = int4 ? (size_t)N * H / 2 : (size_t)N * H;     /* bytes of [N, H] */
     const uint8_t *w13 = (const uint8_t *)L->w13 + e * (R / N) * half;
     const int32_t *g13 = L->g13 + e * L->gstride * 2 * H, *g2 = L->g2 + e * L->gstride * N;
     const int64_t s13 = e * L->ng13 * R, s2 = e * L->ng2 * H;
     for (int h = 0; h < 2; h++)
-        ew.q13[h] = (qmat){w13 + h * half, L->s13 + s13 + h * N,
-                           int4 ? L->z13 + s13 + h * N : NULL, g13 + h * H, R, int4};
-    ew.q2 = (qmat){(const uint8_t *)L->w2 + e * half, L->s2 + s2, int4 ? L->z2 + s2 : NULL,
-                   g2, H, int4};
+        ew.q[h] = (qmat){w13 + h * half, L->s13 + s13 + h * N,
+                         int4 ? L->z13 + s13 + h * N : NULL, g13 + h * H, R, int4};
+    ew.q[2] = (qmat){(const uint8_t *)L->w2 + e * half, L->s2 + s2, int4 ? L->z2 + s2 : NULL,
+                     g2, H, int4};
     return ew;
 }
 
@@ -243,11 +291,14 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
     return run_pairs(x, &L, topk_w, ids, out, T, K, G, H, N, bf16, act, b13, b2, alpha, limit);
 }
 
-/* Quantized experts (qtype 0: fp8 e4m3, 1: int4), packed by the cpu_kernel backend: codes
- * w13 [G, R * H] / w2 [G, H * N] bytes (int4: half), scales s13 [G, ng13, R], s2 [G, ng2, H]
- * (f32), int4 zero points z13, z2 likewise (f32; NULL for fp8), group tables g13 [2, H] and
- * g2 [1, N] (int32) per expert when gstride is 1, one shared table when 0. Other arguments
- * as moe_expert_pairs. */
+/* Quantized experts (qtype 0: fp8 e4m3, 1: int4, 2: nvfp4, 3: mxfp4), packed by the cpu_kernel
+ * backend: codes w13 [G, R * H] / w2 [G, H * N] bytes (int4 and FP4: half), scales s13
+ * [G, ng13, R], s2 [G, ng2, H] (f32; FP4: e4m3 / e8m0 bytes), int4 zero points z13, z2
+ * likewise (f32; NULL for fp8), group tables g13 [2, H] and g2 [1, N] (int32) per expert when
+ * gstride is 1, one shared table when 0. FP4: no group tables (g13, g2 unread; groups of
+ * H / ng13 and N / ng2 consecutive rows, even, H and N multiples of 16) and z13 [G, R / N],
+ * z2 [G, 1] the f32 global scales (NULL: 1). Other arguments as moe_expert_pairs. Returns -2
+ * for a qtype or FP4 shape outside these. */
 int moe_expert_pairs_quant(const void *x, const void *w13, const void *w2, const float *s13,
                            const float *s2, const float *z13, const float *z2,
                            const int32_t *g13, const int32_t *g2, const float *topk_w,
@@ -255,7 +306,10 @@ int moe_expert_pairs_quant(const void *x, const void *w13, const void *w2, const
                            int64_t H, int64_t N, int bf16, int act, const void *b13,
                            const void *b2, float alpha, float limit, int qtype, int64_t ng13,
                            int64_t ng2, int64_t gstride) {
-    if (qtype != 0 && qtype != 1) return -2;
+    if (qtype < 0 || qtype > 3) return -2;
+    if (qtype >= 2 && (H % LANES || N % LANES || ng13 < 1 || ng2 < 1 || H % ng13 ||
+                       N % ng2 || (H / ng13) % 2 || (N / ng2) % 2))
+        return -2;
     const layer_w L = {w13, w2, s13, s2, z13, z2, g13, g2, ng13, ng2, gstride, qtype};
     return run_pairs(x, &L, topk_w, ids, out, T, K, G, H, N, bf16, act, b13, b2, alpha, limit);
 }

@@ -36,6 +36,21 @@ def prepack(w: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
+def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes [cols, n] (cols % 16 == 0, n even) -> qgemm_fp4.h's stream: gemm.h's
+    column blocks; in each, pair p of 16 columns is 16 bytes, byte 2j + r holding row 2p + r of
+    column j (low nibble) and of column 8 + j (high nibble)."""
+    cols, n = codes.shape
+    if cols % 16 or n % 2:
+        raise ValueError(f"fp4 codes [{cols}, {n}]: need cols % 16 == 0 and an even input dim")
+    block, parts = load_cpu_kernels().pack_block_width(), []
+    for c in range(0, cols, block):
+        blk = codes[c:c + block]
+        v = blk.reshape(blk.shape[0] // 16, 2, 8, n // 2, 2).permute(3, 0, 1, 2, 4)
+        parts.append((v[:, :, 0] | (v[:, :, 1] << 4)).reshape(-1))    # [p, vector, (j, r)]
+    return torch.cat(parts).contiguous()
+
+
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """x [..., n] as a contiguous [rows, n] (no call when it already is one: each torch call
     costs about a microsecond here, and a decode step makes dozens)."""

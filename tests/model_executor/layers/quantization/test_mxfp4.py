@@ -1,7 +1,9 @@
 """MXFP4 experts in the published GPT-OSS layout: codes packed here by an independent packer,
 dequantized by a plain reference written from the format, by transformers' reader
 (``convert_moe_packed_tensors``) and by ours; the layer (biases, swigluoai) against a float layer
-on the reference weights; the expert cache holding the packed tensors; config parsing."""
+on the reference weights, on the torch backend (the layout as loaded) and on the C kernel (CPU
+"auto": bit for bit the float layer's C kernel); the expert cache holding the packed tensors;
+config parsing."""
 from __future__ import annotations
 
 import pytest
@@ -54,8 +56,8 @@ def ck():
             "b2": torch.randn(E, H, generator=g).bfloat16()}
 
 
-def mxfp4_layer(ck, cache_size=0):
-    with set_current_vllm_config(vllm_config(cache_size)):
+def mxfp4_layer(ck, cache_size=0, backend="torch"):
+    with set_current_vllm_config(vllm_config(cache_size, moe_backend=backend)):
         method = Mxfp4MoEMethod(ACT)
         layer = FusedMoE(E, TOP_K, H, N, activation=ACT, bias=True, quant_method=method,
                          params_dtype=torch.float32)
@@ -110,21 +112,35 @@ def test_dequantize_matches_reference_and_tensors_stay_packed(ck):
         assert torch.equal(w2.double(), reference(ck["c2"], ck["s2"])[e])
 
 
-def test_layer_equals_float_layer_on_reference_weights(ck):
-    layer, flt = mxfp4_layer(ck), float_layer(ck)
-    assert layer.quant_method.backend_name == "torch"
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_layer_equals_float_layer_on_reference_weights(ck, backend):
+    layer, flt = mxfp4_layer(ck, backend=backend), float_layer(ck)
+    if backend == "torch":
+        assert layer.quant_method.backend_name == "torch"
+        for x, logits in batches():
+            torch.testing.assert_close(layer(x, logits), flt(x, logits), rtol=1e-6, atol=1e-6)
+        return
+    # The C kernel dequantizes in its GEMM to the very weights of the float layer's C kernel.
+    assert layer.quant_method.backend_name == flt.quant_method.backend_name == "cpu_kernel"
     for x, logits in batches():
-        torch.testing.assert_close(layer(x, logits), flt(x, logits), rtol=1e-6, atol=1e-6)
+        assert torch.equal(layer(x, logits), flt(x, logits))
 
 
-def test_cached_bitwise_equal_uncached_with_packed_slots(ck):
-    want = [mxfp4_layer(ck)(x, lg) for x, lg in batches(seed=4)]
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_cached_bitwise_equal_uncached_with_packed_slots(ck, backend):
+    want = [mxfp4_layer(ck, backend=backend)(x, lg) for x, lg in batches(seed=4)]
     for n in (1, TOP_K, E // 2):
-        layer = mxfp4_layer(ck, cache_size=n)
+        layer = mxfp4_layer(ck, cache_size=n, backend=backend)
         cache = layer.expert_cache
         assert set(cache.names) == set(layer.quant_method.expert_tensor_names())
-        assert layer.w13_blocks.shape == (n, 2 * N, 2, 16) and layer.w13_blocks.dtype == torch.uint8
-        assert cache.store.tensors["w13_blocks"].shape == (E, 2 * N, 2, 16)
+        assert layer.w13_blocks.dtype == torch.uint8
+        if backend == "torch":        # as loaded
+            assert layer.w13_blocks.shape == (n, 2 * N, 2, 16)
+            assert cache.store.tensors["w13_blocks"].shape == (E, 2 * N, 2, 16)
+        else:                         # the C kernel's layout: still 4-bit codes, e8m0 bytes
+            assert layer.quant_method.backend_name == "cpu_kernel"
+            assert layer.w13_blocks.shape == (n, 2 * N * H // 2)
+            assert cache.store.tensors["w13_scales"].shape == (E, 2 * N * H // 32)
         got = [layer(x, lg) for x, lg in batches(seed=4)]
         assert all(torch.equal(a, b) for a, b in zip(got, want)), n
 

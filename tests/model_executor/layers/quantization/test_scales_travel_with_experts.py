@@ -91,17 +91,17 @@ def test_scales_travel_with_experts(tiny_model_factory, tmp_path, scheme, backen
     quantize_main(["--model", src, "--out", path, "--scheme", scheme, *SCHEMES[scheme]])
     cached, twin = _moe_layer(path, N_SLOTS, backend), _moe_layer(path, 0, backend)
     assert cached.quant_method.backend_name == twin.quant_method.backend_name
-    if backend == "torch":
-        assert cached.quant_method.backend_name == "torch"
+    # On CPU "auto" is the C kernel for every scheme here (FP8, INT4, NVFP4).
+    assert cached.quant_method.backend_name == ("torch" if backend == "torch" else "cpu_kernel")
     check_scales_travel(cached, twin)
 
 
-def _mxfp4_layer(cache_size: int) -> FusedMoE:
-    from vllm.config import (CacheConfig, DeviceConfig, MoECacheConfig, SchedulerConfig,
-                             VllmConfig)
+def _mxfp4_layer(cache_size: int, backend: str) -> FusedMoE:
+    from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig,
+                             SchedulerConfig, VllmConfig)
     E, H, N = 6, 64, 32
     cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
-                     DeviceConfig("cpu"))
+                     DeviceConfig("cpu"), kernel_config=KernelConfig(moe_backend=backend))
     g = torch.Generator().manual_seed(3)
     act = MoEActivation("swigluoai", 1.702, 7.0)
     with set_current_vllm_config(cfg):
@@ -122,5 +122,8 @@ def _mxfp4_layer(cache_size: int) -> FusedMoE:
     return layer
 
 
-def test_mxfp4_scales_travel_with_experts():
-    check_scales_travel(_mxfp4_layer(N_SLOTS), _mxfp4_layer(0))
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_mxfp4_scales_travel_with_experts(backend):
+    cached, twin = _mxfp4_layer(N_SLOTS, backend), _mxfp4_layer(0, backend)
+    assert cached.quant_method.backend_name == ("torch" if backend == "torch" else "cpu_kernel")
+    check_scales_travel(cached, twin)

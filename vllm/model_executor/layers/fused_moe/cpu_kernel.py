@@ -12,10 +12,10 @@ pairs in the call (see the invariant in the C file), so cached and uncached runs
 Results differ from ``torch_ref`` by f32 summation order and, in bf16, by where values are
 rounded to bf16 (the hidden activation once, the output once; tested within tolerance).
 
-Quantized experts (FP8 e4m3 tensor/channel/block scales, GPTQ INT4) go through
+Quantized experts (FP8 e4m3 tensor/channel/block scales, GPTQ INT4, NVFP4, MXFP4) go through
 ``expert_pairs_cpu_quant`` over codes and scale tables packed by ``pack_quantized`` (layout:
-``vllm/kernels/cpu/qgemm.h``), dequantized tile by tile inside the same GEMM: each output equals
-the unquantized kernel's on the dequantized weights, bit for bit.
+``vllm/kernels/cpu/qgemm.h``, ``qgemm_fp4.h``), dequantized tile by tile inside the same GEMM:
+each output equals the unquantized kernel's on the dequantized weights, bit for bit.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 
 from vllm.kernels.cpu.graph import launch
 from vllm.kernels.cpu.ops import KERNEL_DTYPES as _DTYPES
-from vllm.kernels.cpu.ops import prepack
+from vllm.kernels.cpu.ops import pack_fp4_codes, prepack
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swigluoai": 2, "relu2_no_mul": 3}
@@ -91,35 +91,58 @@ def _bias(b: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype,
     return b.contiguous()
 
 
-# ---- weight-only quantized experts (FP8 e4m3, INT4 GPTQ): vllm/kernels/cpu/qgemm.h ------------
+# ---- weight-only quantized experts: vllm/kernels/cpu/qgemm.h (FP8 e4m3, INT4 GPTQ), ----------
+# qgemm_fp4.h (NVFP4, MXFP4).
 # Design: the packed layout is what the expert cache's host store holds. The backend's ``pack``
 # runs once per expert at store build (``prepare_expert``, after the method's post-load
 # processing), so a cache miss stays a plain row copy of every expert tensor, the kernel reads
 # slot rows and expert rows alike, and cached == uncached bit for bit. The store keeps the
 # method's tensor names; their contents become the kernel's: codes (pair-interleaved bytes),
-# f32 scale and zero-point tables [groups, columns], int32 group tables.
-QTYPES = {"fp8": 0, "int4": 1}
+# f32 scale and zero-point tables [groups, columns] (FP4: the scale bytes as loaded, transposed
+# to [groups, columns]; global scales as loaded), int32 group tables.
+QTYPES = {"fp8": 0, "int4": 1, "nvfp4": 2, "mxfp4": 3}
+FP4_KINDS = ("nvfp4", "mxfp4")
 _MIN_SCALE = 2.0 ** -117
 """Smallest nonzero scale packed: |code * scale| >= 2^-126 then (qgemm.h's vcvtne2ps2bf16
 flushes f32 subnormals)."""
-ROLES = ("w13", "w2", "s13", "s2", "z13", "z2", "g13", "g2")
-"""What the kernel reads: codes, scales, zero points, group tables of w13 and w2."""
+_MIN_FP4_SCALE = 2.0 ** -125
+"""FP4: the smallest nonzero effective scale of a group holding a nonzero code (|e2m1| >= 0.5,
+so every nonzero weight is >= 2^-126)."""
+ROLES = ("w13", "w2", "s13", "s2", "z13", "z2", "g13", "g2", "gs13", "gs2")
+"""What the kernel reads: codes, scales, zero points, group tables, FP4 global scales of w13 and
+w2."""
 
 
 @dataclass(frozen=True)
 class QuantLayout:
     """How a quant method's expert tensors become the kernel's (``cpu_kernel_layout()``)."""
     kind: str
-    """"fp8" (e4m3 codes) or "int4" (values 0..15, zero points)."""
+    """"fp8" (e4m3 codes), "int4" (values 0..15, zero points), "nvfp4" (e2m1 codes, e4m3 scale
+    bytes, global scales) or "mxfp4" (e2m1 codes, e8m0 scale bytes)."""
     names: dict[str, str]
     """Role (``ROLES``) -> the method's expert tensor name holding it after packing. fp8 has no
-    z13/z2, and no g13/g2 when its groups are ``block_in`` rows (shared by all experts)."""
+    z13/z2, and no g13/g2 when its groups are ``block_in`` rows (shared by all experts); FP4
+    has s13/s2 (and nvfp4 gs13/gs2) besides the codes."""
     canonical: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     """One expert's tensors (method layout) -> role -> w13 uint8 [R, H], w2 uint8 [H, N] (codes,
     output rows first), s13 f32 [groups, R], s2 [groups, H] (scale of group g, column c), z13/z2
-    likewise (int4), g13 int32 [2, H] (gate, up), g2 [1, N] (int4: GPTQ's g_idx)."""
+    likewise (int4), g13 int32 [2, H] (gate, up), g2 [1, N] (int4: GPTQ's g_idx). FP4: s13/s2
+    the scale bytes (e4m3 or uint8 e8m0) [groups, R] / [groups, H] of consecutive input groups,
+    gs13 f32 [2] (gate, up) and gs2 [1] the global scales (nvfp4)."""
     block_in: int | None = None
     """fp8: input rows per scale group (128 for block scales); None: one group."""
+    expert_dims: int = 2
+    """Dims of one expert's w13 codes tensor in the method's layout (mxfp4's blocks: 3), which
+    tells ``pack`` one expert from a stack."""
+
+    @property
+    def shared_groups(self) -> bool:
+        """The kernel reads group tables that the backend makes, shared by all experts (fp8)."""
+        return self.kind == "fp8"
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 1 if self.kind == "fp8" else 2
 
 
 def pack_codes(codes: torch.Tensor, int4: bool) -> torch.Tensor:
@@ -133,9 +156,39 @@ def pack_codes(codes: torch.Tensor, int4: bool) -> torch.Tensor:
     return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous()
 
 
+def _check_fp4_scales(layout: QuantLayout, c: dict[str, torch.Tensor]) -> None:
+    """Refuse scales the kernel cannot reproduce exactly: non-finite effective scales (the e4m3
+    NaN code, e8m0 255) and, in groups holding a nonzero code, nonzero ones below 2^-125."""
+    for p, rows in (("13", c["w13"].shape[0]), ("2", c["w2"].shape[0])):
+        s = c[f"s{p}"]
+        if layout.kind == "mxfp4":          # 2^(s - 127) as the kernel decodes it; 255: inf
+            bits = (s.to(torch.int32) << 23) | (s == 0).to(torch.int32) * 0x400000
+            eff = bits.view(torch.float32)
+        else:
+            g = c[f"gs{p}"].float()
+            eff = s.float() * g.repeat_interleave(rows // g.numel())[None]
+        codes = c[f"w{p}"]                                         # [cols, n], groups along n
+        nonzero = (codes & 7).reshape(rows, s.shape[0], -1).amax(-1).t() > 0   # [groups, cols]
+        bad = ~torch.isfinite(eff) | (nonzero & (eff != 0) & (eff.abs() < _MIN_FP4_SCALE))
+        if bad.any():
+            v = eff[bad][0].item()
+            raise ValueError(f"{layout.names[f's{p}']} holds a scale of {v:.3g} (times its "
+                             f"global scale): the cpu_kernel backend needs finite scales and, "
+                             f"with nonzero codes, at least 2^-125 (its bf16 rounding would "
+                             f"flush their products); use moe_backend='torch'")
+
+
 def pack_quantized(layout: QuantLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One expert's tensors (method layout) -> the same names holding the kernel's layout."""
     c = layout.canonical(tensors)
+    if layout.kind in FP4_KINDS:
+        _check_fp4_scales(layout, c)
+        n = c["w13"].shape[0] // 2
+        packed = {"w13": torch.cat([pack_fp4_codes(c["w13"][:n]), pack_fp4_codes(c["w13"][n:])]),
+                  "w2": pack_fp4_codes(c["w2"])}
+        packed |= {r: c[r].contiguous().reshape(-1) for r in ("s13", "s2", "gs13", "gs2")
+                   if r in layout.names}
+        return dict(tensors) | {layout.names[r]: t for r, t in packed.items()}
     int4 = layout.kind == "int4"
     for r in ("s13", "s2"):
         tiny = c[r][(c[r] != 0) & (c[r].abs() < _MIN_SCALE)]
@@ -154,6 +207,30 @@ def pack_quantized(layout: QuantLayout, tensors: dict[str, torch.Tensor]) -> dic
     return out
 
 
+def _packed_groups(layout: QuantLayout, w: dict[str, torch.Tensor],
+                   groups: tuple[torch.Tensor, torch.Tensor] | None, G: int, H: int, N: int,
+                   R: int) -> tuple[int, int]:
+    """(ng13, ng2): scale groups per input dim of w13 / w2, after checking the packed shapes."""
+    ng13, ng2 = w["s13"].shape[-1] // R, w["s2"].shape[-1] // H
+    ok = tuple(w["w13"].shape) == (G, R * H // layout.codes_per_byte) and ng13 and ng2 and \
+        w["s13"].shape == (G, ng13 * R) and w["s2"].shape == (G, ng2 * H)
+    if layout.kind in FP4_KINDS:
+        gs13, gs2 = H // max(ng13, 1), N // max(ng2, 1)
+        ok = ok and not (H % 16 or N % 16 or gs13 * ng13 != H or gs2 * ng2 != N or gs13 % 2 or
+                         gs2 % 2)
+        for r, shape in (("gs13", (G, R // N)), ("gs2", (G, 1))):
+            t = w.get(r)
+            ok = ok and (t is None or (tuple(t.shape) == shape and t.dtype == torch.float32))
+    else:
+        g13, g2 = (w["g13"], w["g2"]) if groups is None else groups
+        ok = ok and g13.shape[-1] == H and g2.shape[-1] == N
+    if not ok:
+        raise ValueError(f"expert_pairs_cpu_quant: packed codes {tuple(w['w13'].shape)}, "
+                         f"{tuple(w['w2'].shape)}, scales {tuple(w['s13'].shape)}, "
+                         f"{tuple(w['s2'].shape)} do not fit H={H}, N={N} ({layout.kind})")
+    return ng13, ng2
+
+
 def expert_pairs_cpu_quant(x: torch.Tensor, layout: QuantLayout, w: dict[str, torch.Tensor],
                            shared_groups: tuple[torch.Tensor, torch.Tensor] | None,
                            topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
@@ -161,29 +238,25 @@ def expert_pairs_cpu_quant(x: torch.Tensor, layout: QuantLayout, w: dict[str, to
                            b2: torch.Tensor | None = None) -> None:
     """``expert_pairs_cpu`` on quantized experts: ``w`` role -> [G, ...] packed tensors
     (``pack_quantized`` rows); ``shared_groups`` (g13 [2, H], g2 [1, N]) when the layout has
-    no per-expert group tables."""
+    shared group tables (fp8). FP4 reads no group tables; its global scales (gs13, gs2) take the
+    kernel's zero-point arguments."""
     if torch.compiler.is_compiling():
         raise RuntimeError("the cpu_kernel MoE backend cannot be traced by torch.compile")
     dtype, H = x.dtype, x.shape[-1]
     T, top_k = topk_ids.shape
-    G, N = w["w2"].shape[0], w["w2"].shape[-1] * (2 if layout.kind == "int4" else 1) // max(H, 1)
+    G, N = w["w2"].shape[0], w["w2"].shape[-1] * layout.codes_per_byte // max(H, 1)
     R = N * (2 if activation.gated else 1)
     if dtype not in _DTYPES or out.dtype != dtype or not out.is_contiguous() or \
             tuple(out.shape) != (T, top_k, H) or x.shape[0] != T or N == 0:
         raise ValueError(f"expert_pairs_cpu_quant: x {tuple(x.shape)} {x.dtype}, out "
                          f"{tuple(out.shape)} {out.dtype}, codes {tuple(w['w2'].shape)} do not "
                          f"fit [T, K] f32/bf16, [T, top_k, K] contiguous")
-    g13, g2 = (w["g13"], w["g2"]) if shared_groups is None else shared_groups
-    ng13, ng2 = w["s13"].shape[-1] // R, w["s2"].shape[-1] // H
-    per_byte = 2 if layout.kind == "int4" else 1
-    if tuple(w["w13"].shape) != (G, R * H // per_byte) or w["s13"].shape != (G, ng13 * R) or \
-            w["s2"].shape != (G, ng2 * H) or g13.shape[-1] != H or g2.shape[-1] != N or \
-            not ng13 or not ng2:
-        raise ValueError(f"expert_pairs_cpu_quant: packed codes {tuple(w['w13'].shape)}, "
-                         f"{tuple(w['w2'].shape)}, scales {tuple(w['s13'].shape)}, "
-                         f"{tuple(w['s2'].shape)} do not fit H={H}, N={N} ({layout.kind})")
+    ng13, ng2 = _packed_groups(layout, w, shared_groups, G, H, N, R)
+    fp4 = layout.kind in FP4_KINDS
+    g13, g2 = (None, None) if fp4 else (w["g13"], w["g2"]) if shared_groups is None \
+        else shared_groups
+    z13, z2 = (w.get("gs13"), w.get("gs2")) if fp4 else (w.get("z13"), w.get("z2"))
     b13, b2 = (_bias(b, (G, m), dtype, name) for b, m, name in ((b13, R, "b13"), (b2, H, "b2")))
-    z13, z2 = w.get("z13"), w.get("z2")
     x = x.contiguous()
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
@@ -191,9 +264,12 @@ def expert_pairs_cpu_quant(x: torch.Tensor, layout: QuantLayout, w: dict[str, to
     rc = launch(
         "moe_expert_pairs_quant", x.data_ptr(), w["w13"].data_ptr(),
         w["w2"].data_ptr(), w["s13"].data_ptr(), w["s2"].data_ptr(), ptr(z13), ptr(z2),
-        g13.data_ptr(), g2.data_ptr(), wts.data_ptr(), ids.data_ptr(), out.data_ptr(), T, top_k,
+        ptr(g13), ptr(g2), wts.data_ptr(), ids.data_ptr(), out.data_ptr(), T, top_k,
         G, H, N, _DTYPES[dtype], _ACTIVATIONS[activation.name], ptr(b13), ptr(b2),
         activation.alpha, activation.limit, QTYPES[layout.kind], ng13, ng2,
-        int(shared_groups is None))
+        int(shared_groups is None and not fp4))
+    if rc == -2:
+        raise ValueError(f"expert_pairs_cpu_quant: the kernel refused qtype {layout.kind} with "
+                         f"H={H}, N={N}, {ng13} / {ng2} scale groups")
     if rc:
         raise MemoryError("expert_pairs_cpu_quant: the kernel could not allocate its scratch")

@@ -6,8 +6,8 @@ against them. "auto" tries the platform's preference order (``Platform.moe_backe
 any other registered backend; a forced name that cannot run the layer is an error that names
 the reason and the backends that would. The choice is logged once per distinct decision.
 
-Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16: unquantized, FP8 tensor/channel/block and
-GPTQ INT4 weights dequantized tile by tile inside its GEMM), ``grouped_mm``
+Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16: unquantized, FP8 tensor/channel/block,
+GPTQ INT4, NVFP4 and MXFP4 weights dequantized tile by tile inside its GEMM), ``grouped_mm``
 (``torch._grouped_mm``, unquantized; CUDA needs SM 9.0 and bf16) and ``torch`` (the per-expert
 loop reference: every scheme, every platform; quantized experts are dequantized per expert).
 All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gated ones, and the
@@ -40,9 +40,10 @@ from vllm.model_executor.layers.fused_moe.triton_experts import (TRITON_DTYPES, 
                                                                  TritonExperts,
                                                                  triton_moe_refusal)
 
-CPU_KERNEL_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
-"""Schemes the C expert kernel runs: unquantized, and weight-only FP8 / INT4 dequantized inside
-its GEMM (vllm/kernels/cpu/qgemm.h)."""
+CPU_KERNEL_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq",
+                      "nvfp4", "mxfp4")
+"""Schemes the C expert kernel runs: unquantized, and weight-only FP8 / INT4 / FP4 dequantized
+inside its GEMM (vllm/kernels/cpu/qgemm.h, qgemm_fp4.h)."""
 
 Dequantize = Callable[[dict[str, torch.Tensor], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 """One expert's tensors (row e of each), dtype -> (w13 [2N, K], w2 [K, N]) in that dtype."""
@@ -146,9 +147,9 @@ class CpuKernelExperts(MoEExperts):
         if self.qlayout is None:
             # Biases are read as loaded; only the weights take the GEMM's layout.
             return {n: t if n in BIAS_NAMES else prepack(t) for n, t in tensors.items()}
-        one = tensors[self.qlayout.names["w13"]].dim() == 2          # one expert, or [E, ...]
         w13 = tensors[self.qlayout.names["w13"]]
-        if "g13" not in self.qlayout.names:     # made here, never while a CPU graph captures
+        one = w13.dim() == self.qlayout.expert_dims                 # one expert, or [E, ...]
+        if self.qlayout.shared_groups:          # made here, never while a CPU graph captures
             self._shared_groups(w13.shape[-1], w13.shape[-2] // 2)
         if one:
             return pack_quantized(self.qlayout, tensors)
@@ -173,7 +174,7 @@ class CpuKernelExperts(MoEExperts):
         lay = self.qlayout
         w = {r: weights[n] for r, n in lay.names.items()}
         shared = None
-        if "g13" not in w:
+        if lay.shared_groups:
             H = x.shape[-1]
             shared = self._shared_groups(H, w["w2"].shape[-1] // H)   # fp8: a byte a weight
         expert_pairs_cpu_quant(x, lay, w, shared, topk_weights, ids, out, self.activation,

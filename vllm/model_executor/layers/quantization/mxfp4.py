@@ -15,7 +15,9 @@ file de-interleaves them into per-expert gate/up shards before they reach this m
 Layer layout (rows kept packed as published, one expert per leading index): w13_blocks
 [E, 2N, K/32, 16] and w13_scales [E, 2N, K/32] (gate rows, then up rows), w2_blocks
 [E, K, N/32, 16] and w2_scales [E, K, N/32]. All four are expert-indexed, so the expert cache's
-slots hold them packed; the ``torch`` backend dequantizes the rows it needs per expert.
+slots hold them packed; the ``torch`` backend dequantizes the rows it needs per expert. The C
+kernel (``cpu_kernel``, the CPU default) packs each expert once at load into its own layout
+(still 4-bit codes and e8m0 bytes) and dequantizes inside its GEMM.
 """
 from __future__ import annotations
 
@@ -72,3 +74,19 @@ class Mxfp4MoEMethod(QuantizedFusedMoEMethod):
         w13 = dequantize_mxfp4(t["w13_blocks"], t["w13_scales"])
         w2 = dequantize_mxfp4(t["w2_blocks"], t["w2_scales"])
         return w13.to(dtype), w2.to(dtype)
+
+    def cpu_kernel_layout(self):
+        """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm_fp4.h):
+        e2m1 codes and the e8m0 scales as [groups, columns] bytes (global scale 1)."""
+        from vllm.model_executor.layers.fused_moe.cpu_kernel import QuantLayout
+        return QuantLayout("mxfp4", {"w13": "w13_blocks", "w2": "w2_blocks", "s13": "w13_scales",
+                                     "s2": "w2_scales"}, self._kernel_tensors, expert_dims=3)
+
+    @staticmethod
+    def _kernel_tensors(t):
+        out = {}
+        for p in ("w13", "w2"):
+            blocks = t[f"{p}_blocks"]
+            out[p] = unpack_e2m1(blocks.reshape(blocks.shape[0], -1))       # [rows, C]
+            out[f"s{p[1:]}"] = t[f"{p}_scales"].t()                         # [C/32, rows]
+        return out

@@ -12,6 +12,8 @@ weight[o, i] = e2m1(weight)[o, i] * float(weight_scale[o, i // 16]) * weight_sca
 Layer layout: w13_weight [E, 2N, K/2], w13_weight_scale [E, 2N, K/16], w13_weight_scale_2 [E, 2]
 (gate, up: one global scale per expert and projection, so it is expert-indexed and moves with
 the expert), w2_weight [E, K, N/2], w2_weight_scale [E, K, N/16], w2_weight_scale_2 [E, 1].
+The C kernel (``cpu_kernel``, the CPU default) packs each expert once at load into its own
+layout (still 4-bit codes, e4m3 scale bytes, these global scales) and dequantizes inside its GEMM.
 """
 from __future__ import annotations
 
@@ -66,6 +68,22 @@ class Nvfp4MoEMethod(QuantizedFusedMoEMethod):
         w13 = self._dequant(t["w13_weight"], t["w13_weight_scale"], t["w13_weight_scale_2"])
         w2 = self._dequant(t["w2_weight"], t["w2_weight_scale"], t["w2_weight_scale_2"])
         return w13.to(dtype), w2.to(dtype)
+
+    def cpu_kernel_layout(self):
+        """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm_fp4.h):
+        e2m1 codes, the e4m3 scales as [groups, columns] bytes, the global scales as loaded
+        (the kernel computes ``_dequant``'s vals * (scale * global) in f32)."""
+        from vllm.model_executor.layers.fused_moe.cpu_kernel import QuantLayout
+        return QuantLayout("nvfp4", {"w13": "w13_weight", "w2": "w2_weight",
+                                     "s13": "w13_weight_scale", "s2": "w2_weight_scale",
+                                     "gs13": "w13_weight_scale_2", "gs2": "w2_weight_scale_2"},
+                           self._kernel_tensors)
+
+    @staticmethod
+    def _kernel_tensors(t):
+        return {"w13": unpack_e2m1(t["w13_weight"]), "w2": unpack_e2m1(t["w2_weight"]),
+                "s13": t["w13_weight_scale"].t(), "s2": t["w2_weight_scale"].t(),
+                "gs13": t["w13_weight_scale_2"], "gs2": t["w2_weight_scale_2"]}
 
 
 # ---- offline quantizer ------------------------------------------------------------------------
