@@ -6,12 +6,14 @@ teacher forcing on held-out text, and expert-cache hit rate / bytes copied per t
     python benchmarks/benchmark_quantization.py --tiny             # random Qwen3-MoE, byte tokens
     python benchmarks/benchmark_quantization.py --speed            # decode tok/s per scheme
 
-``--speed``: per scheme (bf16 beside fp8-tensor/channel/block and w4a16-gptq, all run in bf16),
-load time, bytes per expert (what a cache miss copies) and greedy decode tokens/s of ``vllm.LLM``
-at batch 1 and 32, without the expert cache and with N = E/4 slots, on a random Qwen3-MoE of
-``--speed-shape`` (default: E=32, top-4, hidden 512, expert intermediate 256, 4 layers: bf16
-experts 100 MB, over a 32 MB L3), on the MoE backend ``--moe-backend`` picks (auto: the C kernel
-on CPU).
+``--speed``: per scheme (bf16 beside fp8-tensor/channel/block, w4a16-gptq and nvfp4, all run in
+bf16), load time, bytes per expert (what a cache miss copies) and greedy decode tokens/s of
+``vllm.LLM`` at batch 1 and 32, without the expert cache and with N = E/4 slots, on a random
+Qwen3-MoE of ``--speed-shape`` (default: E=32, top-4, hidden 512, expert intermediate 256, 4
+layers: bf16 experts 100 MB, over a 32 MB L3), on the MoE backend ``--moe-backend`` picks (auto:
+the C kernel on CPU). mxfp4 loads on GPT-OSS only, so it runs on a random GPT-OSS of the same
+shape (expert biases, swigluoai), beside that model's bf16 row ("gpt-oss-bf16"); its experts
+are rounded to MXFP4 here (e8m0 scale 2^ceil(log2(amax / 6)) per 32 inputs).
 
 Teacher forcing: the held-out text (a stdlib module the default model never trained on) is fed
 one token per step (batch 1, decode steps over a paged KV cache, like the engine's decode), and
@@ -45,8 +47,8 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
 from vllm.config.quantization import SCHEMES  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 
-SPEED_SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
-"""The schemes the C expert kernel runs (``--speed``); FP4 schemes run on the torch backend."""
+SPEED_SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4", "mxfp4")
+"""The schemes ``--speed`` times (all run on the C expert kernel on CPU)."""
 HELDOUT = "textwrap.py"   # first of tools/train_default_model.py's HELDOUT_MODULES
 BLOCK = 16
 
@@ -126,6 +128,71 @@ def build_speed_model(path: str, hidden: int, inter: int, experts: int, layers: 
         shutil.copy(os.path.join(vllm.DEFAULT_MODEL, f), path)
 
 
+def build_gpt_oss_speed_model(path: str, hidden: int, inter: int, experts: int,
+                              layers: int) -> None:
+    """A random GPT-OSS (top-4, nonzero expert biases) in bf16 with the shipped tokenizer."""
+    import shutil
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        vocab_size=4096, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=hidden // 8, intermediate_size=inter,
+        num_local_experts=experts, num_experts_per_tok=4, sliding_window=128,
+        max_position_embeddings=4096, initializer_range=0.05, torch_dtype="bfloat16")
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.normal_(0, 0.05)
+    model.to(torch.bfloat16).eval().save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(vllm.DEFAULT_MODEL, f), path)
+
+
+def mxfp4_gpt_oss(src: str, dst: str) -> None:
+    """``src``'s GPT-OSS with its experts rounded to nearest MXFP4 in the published layout
+    (rows = outputs, 16 bytes per 32 inputs, code 2j in the low nibble; e8m0 scales)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from vllm.model_executor.layers.quantization.utils import float_to_e2m1
+    shutil.copytree(src, dst)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = [], []
+        for w in state.pop(name).float().transpose(1, 2):               # [out, in] per expert
+            b = w.reshape(w.shape[0], -1, 32)
+            exp = torch.ceil(torch.log2(b.abs().amax(-1).clamp(min=2.0 ** -60) / 6))
+            codes = float_to_e2m1(b / 2.0 ** exp[..., None])
+            blocks.append(codes[..., 0::2] | (codes[..., 1::2] << 4))
+            scales.append((exp + 127).to(torch.uint8))
+        state[name + "_blocks"], state[name + "_scales"] = torch.stack(blocks), torch.stack(scales)
+    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def speed_checkpoint(scheme: str, work: str, shape: list[int]) -> str:
+    """The checkpoint directory of one ``--speed`` row (built on first use)."""
+    if scheme in ("bf16", "gpt-oss-bf16"):
+        path = os.path.join(work, scheme)
+        if not os.path.isdir(path):
+            build = build_speed_model if scheme == "bf16" else build_gpt_oss_speed_model
+            build(path, *shape)
+        return path
+    qdir = os.path.join(work, scheme)
+    if scheme == "mxfp4":
+        mxfp4_gpt_oss(speed_checkpoint("gpt-oss-bf16", work, shape), qdir)
+        return qdir
+    with contextlib.redirect_stdout(sys.stderr):
+        quantize_main(["--model", speed_checkpoint("bf16", work, shape), "--out", qdir,
+                       "--scheme", scheme])
+    return qdir
+
+
 def _prompts(b: int) -> list[dict]:
     return [{"prompt_token_ids": [(7 * i + j) % 2000 + 3 for j in range(8)]} for i in range(b)]
 
@@ -157,15 +224,11 @@ def speed(args, work: str) -> None:
     rounds, each row's median reported: on a shared machine the load drifts, and interleaving
     gives every row the same drift."""
     H, I, E, L = args.speed_shape
-    model = os.path.join(work, "bf16")
-    build_speed_model(model, H, I, E, L)
     rows, engines, batches = [], [], [1, 32]
-    for scheme in ["bf16", *args.schemes]:
-        qdir = model
-        if scheme != "bf16":
-            qdir = os.path.join(work, scheme)
-            with contextlib.redirect_stdout(sys.stderr):
-                quantize_main(["--model", model, "--out", qdir, "--scheme", scheme])
+    schemes = ["bf16", *(s for s in args.schemes if s != "mxfp4")]
+    schemes += ["gpt-oss-bf16", "mxfp4"] if "mxfp4" in args.schemes else []
+    for scheme in schemes:
+        qdir = speed_checkpoint(scheme, work, args.speed_shape)
         per, _, _ = expert_bytes(qdir, "bfloat16", args.moe_backend)
         for cache in (0, E // 4):
             llm, load_s = load_engine(qdir, cache, args.moe_backend, batches)
@@ -184,9 +247,9 @@ def speed(args, work: str) -> None:
         print(json.dumps({"shape": dict(hidden=H, moe_intermediate=I, experts=E, layers=L),
                           "threads": torch.get_num_threads(), "rows": rows}))
         return
-    print(f"Qwen3-MoE random, bf16: hidden {H}, expert intermediate {I}, E={E}, top-4, {L} "
-          f"layers; {torch.get_num_threads()} thread(s); {args.speed_tokens} new tokens/seq, "
-          f"median of {args.speed_reps} interleaved rounds")
+    print(f"Qwen3-MoE random (GPT-OSS for gpt-oss-bf16, mxfp4), bf16: hidden {H}, expert "
+          f"intermediate {I}, E={E}, top-4, {L} layers; {torch.get_num_threads()} thread(s); "
+          f"{args.speed_tokens} new tokens/seq, median of {args.speed_reps} interleaved rounds")
     print(f"{'scheme':<12} {'backend':<10} {'cache N':>7} {'B/expert':>9} {'load s':>7} "
           f"{'tok/s b1':>9} {'tok/s b32':>10}")
     for r in rows:
@@ -214,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.speed:
         args.schemes = [s for s in args.schemes if s in SPEED_SCHEMES]
         return speed(args, work)
+    # tools/quantize_checkpoint.py writes no MXFP4 (a GPT-OSS-only format): the teacher-forced
+    # Qwen3-MoE rows cover the other schemes.
+    args.schemes = [s for s in args.schemes if s != "mxfp4"]
     model = args.model or vllm.DEFAULT_MODEL
     if args.tiny or not os.path.isdir(model):
         model = os.path.join(work, "tiny")
