@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_builds import run_with_cflags
 import torch.nn.functional as F
 
 from vllm.kernels.cpu import build
@@ -137,12 +138,6 @@ def test_bf16_portable_chain_equals_the_instruction(monkeypatch):
         return dense_linear(x, prepack(w), 70), out, attn
 
     native = run()
-    monkeypatch.setenv("VLLM_CPU_KERNEL_CFLAGS", "-mno-avx512bf16")
-    build.load_cpu_kernels.cache_clear()
-    try:
-        portable = run()
-    finally:
-        monkeypatch.delenv("VLLM_CPU_KERNEL_CFLAGS")
-        build.load_cpu_kernels.cache_clear()
+    portable = run_with_cflags(monkeypatch, "-mno-avx512bf16", run)
     for a, b in zip(native, portable):
         assert torch.equal(a, b)

@@ -1,12 +1,17 @@
 """The C expert kernel on FP8 (tensor, channel, block scales) and INT4 GPTQ experts
-(``qgemm.h``), against a plain torch dequantize-then-matmul reference written here from the
-checkpoint layouts, and bit for bit against the unquantized kernel on the same dequantized
-weights (the kernel dequantizes each weight as float(code - zero) * scale, rounded to the
-activation dtype, then runs the unquantized kernel's chains)."""
+(``qgemm.h``, ``qgemm_codes.h``), against a plain torch dequantize-then-matmul reference written
+here from the checkpoint layouts. f32 activations, and bf16 ones under GPTQ act order, run the
+unquantized kernel's chains on float(code - zero) * scale rounded to the activation dtype: bit
+for bit that kernel on the dequantized weights. bf16 activations otherwise feed the codes' exact
+values to the bf16 pair chain and scale f32 accumulators per group (``qgemm_codes.h``): within
+f32 rounding of the reference on the unrounded dequantized weights, the same bits in every
+build, and each pair's value independent of the others in the call.
+"""
 from __future__ import annotations
 
 import pytest
 import torch
+from cpu_builds import run_with_cflags
 from pair_checks import assert_pairs_independent
 import torch.nn.functional as F
 
@@ -66,6 +71,8 @@ SCHEMES = {
 }
 FP8 = [s for s in SCHEMES if s.startswith("fp8")]
 GPTQ = [s for s in SCHEMES if s.startswith("gptq")]
+OLD_CHAIN = ["gptq-g32-asym-descact"]
+"""Schemes whose bf16 activations keep the dequantize-to-bf16 chain (groups not runs of pairs)."""
 
 
 def _experts(scheme, E, H, N, seed=0, activation="silu"):
@@ -101,10 +108,13 @@ def _routing(T, E, K, seed, skip_frac=0.0):
     return ids, torch.rand(T, K, generator=g)
 
 
-def _reference(x, w13, w2, wts, ids, dtype):
-    """Dequantize-then-matmul in f32 on the weights rounded to the activation dtype."""
+def _reference(x, w13, w2, wts, ids, dtype, round_weights=True):
+    """Dequantize-then-matmul in f32 on the weights rounded to the activation dtype (or not:
+    round_weights False); in bf16 the hidden activation is rounded to bf16, as the kernel
+    does."""
     out = torch.zeros(*ids.shape, x.shape[1])
-    w13, w2 = w13.to(dtype).float(), w2.to(dtype).float()
+    if round_weights:
+        w13, w2 = w13.to(dtype).float(), w2.to(dtype).float()
     for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
         e = ids[t, k]
         gate, up = F.linear(x[t].float(), w13[e]).chunk(2)
@@ -127,23 +137,32 @@ def test_matches_dequantize_then_matmul(scheme, dtype):
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = torch.zeros(T, K, H, dtype=dtype)
     kernel.apply_pairs(packed, x, wts, ids, got)
-    want = _reference(x, w13, w2, wts, ids, dtype)
+    codes_chain = dtype == torch.bfloat16 and scheme not in OLD_CHAIN
+    want = _reference(x, w13, w2, wts, ids, dtype, round_weights=not codes_chain)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    scale = 1.0 if dtype == torch.float32 else max(1.0, want.abs().max().item())
+    if codes_chain:
+        # Exact weights, f32 accumulation: what is left is the bf16 rounding of h and of the
+        # output (half an ulp of the largest output is 2^-9 of it). The last assert below
+        # tells this chain from the dequantize-to-bf16 one.
+        torch.testing.assert_close(got.float(), want, atol=5e-3 * scale, rtol=0)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     # The torch backend (what runs without this kernel) agrees within the same tolerance; in
     # bf16 it rounds after every op (gate_up, the activation, each product), so relative to
     # the output's magnitude.
     via_torch = torch.zeros(T, K, H, dtype=dtype)
     torch_be.apply_pairs(raw, x, wts, ids, via_torch)
-    scale = 1.0 if dtype == torch.float32 else max(1.0, want.abs().max().item())
     torch.testing.assert_close(got.float(), via_torch.float(), atol=tol * scale, rtol=tol)
-    # Bit for bit the unquantized kernel on the dequantized weights in the activation dtype.
+    # The dequantize-to-the-activation-dtype chains: bit for bit the unquantized kernel on the
+    # dequantized weights in the activation dtype.
     plain = torch.zeros(T, K, H, dtype=dtype)
     expert_pairs_cpu(x, prepack(w13.to(dtype)), prepack(w2.to(dtype)), wts, ids, plain)
-    assert torch.equal(got, plain)
+    assert torch.equal(got, plain) != codes_chain
 
 
-@pytest.mark.parametrize("scheme", ["fp8-block16x32", "gptq-g32-asym-descact"])
+@pytest.mark.parametrize("scheme", ["fp8-block16x32", "fp8-channel", "gptq-g32-sym",
+                                    "gptq-g32-asym-descact"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_and_slot_rows(scheme, dtype):
     """Rows together == one by one == split into waves, bitwise; and slot rows (fewer slots
@@ -153,6 +172,34 @@ def test_batch_invariant_and_slot_rows(scheme, dtype):
     ids, wts = _routing(T, E, K, seed=5)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(2)).to(dtype)
     assert_pairs_independent(kernel, packed, x, wts, ids, E)
+
+
+@pytest.mark.parametrize("flags", ["-mno-avx512bf16", "-mno-avx512vbmi"])
+def test_codes_chain_same_bits_in_every_build(monkeypatch, flags):
+    """The bf16 codes chain converts codes with vpermi2b / vpermw tables where the build has
+    AVX512-BF16 (and VBMI), through f32 elsewhere: the same values, so the same bits (odd input
+    dims, ragged blocks, 1-3 token remainders, experts with more than 4 tokens included)."""
+    cases = []
+    for scheme, (H, N) in (("fp8-block16x32", (200, 37)), ("gptq-g64-asym", (136, 40))):
+        kernel, packed, _, _, _, _ = _experts(scheme, 4, H, N, seed=11)
+        ids, wts = _routing(13, 4, 2, seed=4)
+        x = torch.randn(13, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+        assert torch.bincount(ids.flatten()).max() > 4
+        cases.append((kernel, packed, x, wts, ids))
+
+    def run():
+        outs = []
+        for kernel, packed, x, wts, ids in cases:
+            for t in (1, 3, x.shape[0]):        # register tiles alone, and the block buffer
+                out = torch.zeros(t, ids.shape[1], x.shape[1], dtype=torch.bfloat16)
+                kernel.apply_pairs(packed, x[:t], wts[:t], ids[:t], out)
+                outs.append(out)
+        return outs
+
+    native = run()
+    portable = run_with_cflags(monkeypatch, flags, run)
+    for a, b in zip(native, portable):
+        assert torch.equal(a, b)
 
 
 def test_token_count_bounds():

@@ -13,13 +13,14 @@
  *
  * Quantized experts (moe_expert_pairs_quant: FP8 e4m3, INT4 GPTQ, NVFP4 and MXFP4,
  * weight-only): the same computation over codes packed by the cpu_kernel backend (layout and
- * dequantization: qgemm.h, qgemm_fp4.h), gate and up as two matrices [N, H] (each with its own
+ * dequantization: qgemm.h, qgemm_fp4.h; FP8 and INT4 with bf16 activations: qgemm_codes.h,
+ * scales applied to f32 accumulators), gate and up as two matrices [N, H] (each with its own
  * group table or global scale), down as one [H, N].
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is the one chain over the input dim
- * that gemm.h states for its dtype, whatever register tile computed it. So a batch split into
- * expert-cache waves, or a token batched with others, gives identical bits.
+ * that gemm.h (or qgemm_codes.h) states for its dtype, whatever register tile computed it. So a
+ * batch split into expert-cache waves, or a token batched with others, gives identical bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,6 +29,7 @@
 
 #include "gemm.h"
 #include "qgemm.h"
+#include "qgemm_codes.h"
 #include "qgemm_fp4.h"
 #include "vec.h"
 
@@ -97,7 +99,11 @@ typedef struct {
         fn(a, M, q, bf16, n, cols, y, ldy, wbuf);                                            \
     }
 QGEMM_COPY(qmatmul_f32, qmatmul, qmat, 0)
-QGEMM_COPY(qmatmul_bf16, qmatmul, qmat, 1)
+static __attribute__((noinline)) void qmatmul_bf16(const void *a, int64_t M, const qmat *q,
+                                                   int64_t n, int64_t cols, float *y,
+                                                   int64_t ldy, void *wbuf) {
+    qmatmul_bf16_act(a, M, q, n, cols, y, ldy, wbuf);     /* qgemm_codes.h */
+}
 QGEMM_COPY(fp4_matmul_f32, fp4_matmul, fp4mat, 0)
 QGEMM_COPY(fp4_matmul_bf16, fp4_matmul, fp4mat, 1)
 

@@ -11,6 +11,11 @@
  * the dequantized weights, bit for bit, and inherits its invariant: a row's value never
  * depends on the other rows in the call.
  *
+ * The expert kernel runs these chains for f32 activations, and for bf16 ones only where the
+ * groups are not runs of row pairs (GPTQ act order): other bf16 calls go through
+ * qgemm_codes.h, which feeds the codes' exact values to vdpbf16ps and scales f32 accumulators
+ * per group instead (other bits, the same invariant; its header states the chain).
+ *
  * Packed layout of one quantized matrix [cols, n] (out, in), made by the cpu_kernel backend's
  * pack (fused_moe/cpu_kernel.py, pack_quantized): gemm.h's column blocks of BLOCK columns
  * (width bw), each one contiguous stream of codes with input-row pairs interleaved:
