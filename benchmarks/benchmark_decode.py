@@ -39,7 +39,7 @@ import tempfile
 import time
 
 import torch
-from decode_profile import profile_decode_steps
+from decode_profile import prefilled, profile_decode_steps
 
 PRESETS = {
     "probe-4.8g": ("Qwen3MoeForCausalLM", dict(
@@ -153,12 +153,6 @@ def make_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[lis
     return torch.randint(8, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def _prefilled(engine) -> bool:
-    s = engine.scheduler
-    return not s.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
-                                 for r in s.running)
-
-
 def _cache_counts(llm) -> dict | None:
     s = llm.get_moe_cache_stats()
     return None if s is None else {k: s[k] for k in ("hits", "misses", "bytes_copied")}
@@ -176,7 +170,7 @@ def decode(llm, prompts: list[list[int]], output_len: int) -> dict:
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
     done = {}
-    while engine.has_unfinished_requests() and not _prefilled(engine):
+    while engine.has_unfinished_requests() and not prefilled(engine):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     before, steps = _cache_counts(llm), 0
     start = time.perf_counter()

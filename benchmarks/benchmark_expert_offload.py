@@ -198,8 +198,9 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     """One cold run of the whole trace. Returns the row (and "_outputs": the last layer's h per
     step when ``keep_outputs``)."""
     s = setup
-    if design == "uva" and uva_refusal(s) is not None:
-        return {"design": design, "capacity": None, "batch": batch, "status": uva_refusal(s)}
+    refusal = uva_refusal(s) if design == "uva" else None
+    if refusal is not None:
+        return {"design": design, "capacity": None, "batch": batch, "status": refusal}
     providers = make_providers(s, design, capacity, policy)
     counted = count_copies(providers, s.store.bytes_per_expert) \
         if count and design in CACHED else None

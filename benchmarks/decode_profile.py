@@ -47,6 +47,13 @@ def summarize(events, steps: int, wall_s: float) -> dict:
     return out
 
 
+def prefilled(engine) -> bool:
+    """Whether every request of ``engine`` has its whole prompt computed (decode steps from now)."""
+    s = engine.scheduler
+    return not s.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens
+                                 for r in s.running)
+
+
 def profile_decode_steps(llm, prompts: list[list[int]], steps: int) -> dict:
     """Prefill ``prompts`` (greedy, ``steps + 1`` new tokens each), then profile ``steps``
     decode steps of the whole batch; the requests finish inside the profile."""
@@ -55,9 +62,7 @@ def profile_decode_steps(llm, prompts: list[list[int]], steps: int) -> dict:
     sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"profile-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, sp)
-    s = engine.scheduler
-    while engine.has_unfinished_requests() and (s.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in s.running)):
+    while engine.has_unfinished_requests() and not prefilled(engine):
         engine.step()
     on_cuda = engine.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
