@@ -9,11 +9,10 @@ CUDA graph capture refuses) fails the test. What this cannot check: the capture 
 pinned memory and the compiled kernels (the ``gpu`` tests in test_cuda_graphs.py do)."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from host_sync_audit import HostSync, audit_host_syncs
+from side_streams import hand_out_side_streams
 
 from vllm import LLM, SamplingParams
 from vllm.platforms import _PLATFORMS, elementwise_ops
@@ -126,19 +125,6 @@ def test_quantized_experts_on_the_cuda_path_have_no_host_reads(tiny_model_factor
     assert got == eager
 
 
-class InlineSideStream:
-    """Forked work runs inline (the schedule is what matters here; a GPU runs it beside)."""
-    forks = 0
-
-    @contextlib.contextmanager
-    def fork(self):
-        InlineSideStream.forks += 1
-        yield
-
-    def join(self):
-        pass
-
-
 @pytest.mark.parametrize("overlap,prefetch", [(True, "off"), (False, "next-layer"),
                                               (True, "next-layer")])
 def test_overlap_and_prefetch_on_the_cuda_path_have_no_host_reads(tiny_model_factory, rehearsal,
@@ -147,15 +133,14 @@ def test_overlap_and_prefetch_on_the_cuda_path_have_no_host_reads(tiny_model_fac
     """``moe_expert_overlap`` (the hit/miss split, forked copies) and next-layer prefetch (its
     hooks: the next router, ``Residency.load``, the copy) inside the graphs read nothing on the
     host; tokens and every cache counter equal enforce_eager's."""
-    monkeypatch.setattr(RehearsalPlatform, "side_stream", lambda self, device: InlineSideStream(),
-                        raising=False)
+    streams = hand_out_side_streams(monkeypatch, RehearsalPlatform)
     path = tiny_model_factory("Qwen3MoeForCausalLM", num_hidden_layers=3)
     kw = dict(dtype="float32", moe_expert_cache_size=2, moe_expert_prefetch=prefetch)
     eager, eager_runner = _run(path, enforce_eager=True, **kw)
-    forks = InlineSideStream.forks
+    assert not streams
     got, runner = _run(path, moe_expert_overlap=overlap, **kw)
     assert runner.decode_graphs.refused is None and rehearsal.replays > 0
-    assert (InlineSideStream.forks > forks) == overlap
+    assert any("fork" in st.log for st in streams) == overlap
     assert got == eager
     stats = [m.expert_cache.stats() for m in runner.moe_layers]
     assert stats == [m.expert_cache.stats() for m in eager_runner.moe_layers]

@@ -1,15 +1,14 @@
 """Miss copies overlapped with the hit experts (``expert_cache/overlap.py``).
 
-On CPU there is no side stream, so these tests give the platform ``RecordingSideStream``: it runs
-forked work inline and records the order of forks, copies, joins and kernel passes, which is the
-schedule a CUDA stream would be given. What a GPU adds (the copy really running beside the hit
+On CPU there is no side stream, so these tests give the platform ``RecordingSideStream``
+(tests/side_streams.py): it runs forked work inline and records the order of forks, copies, joins
+and kernel passes, which is the schedule a CUDA stream would be given. What a GPU adds (the copy really running beside the hit
 pass) is checked by the ``gpu`` test at the end."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from side_streams import hand_out_side_streams
 
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe.expert_cache.overlap import split_pairs
@@ -17,36 +16,10 @@ from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.platforms import platform_for
 
 
-class RecordingSideStream:
-    """Runs forked work inline; ``log`` gets "fork" and "join" (the spies below add the copies
-    and kernel passes of the provider that owns the stream)."""
-
-    def __init__(self):
-        self.log, self.forked = [], False
-
-    @contextlib.contextmanager
-    def fork(self):
-        self.log.append("fork")
-        self.forked = True
-        try:
-            yield
-        finally:
-            self.forked = False
-
-    def join(self):
-        self.log.append("join")
-
-
 @pytest.fixture
 def side_streams(monkeypatch):
     """The CPU platform hands out recording side streams; returns every one it made."""
-    made: list[RecordingSideStream] = []
-
-    def side_stream(self, device):
-        made.append(RecordingSideStream())
-        return made[-1]
-    monkeypatch.setattr(type(platform_for("cpu")), "side_stream", side_stream, raising=False)
-    return made
+    return hand_out_side_streams(monkeypatch, type(platform_for("cpu")))
 
 
 def _plan(g, N, T, K):

@@ -1,0 +1,37 @@
+"""A stand-in for a device side stream on CPU (``Platform.side_stream``), for the overlap tests:
+forked work runs inline, and the order of forks and joins is logged."""
+from __future__ import annotations
+
+import contextlib
+
+
+class RecordingSideStream:
+    """Runs forked work inline; ``log`` gets "fork" and "join" (tests may append their own
+    entries, e.g. the copies and kernel passes of the provider that owns the stream)."""
+
+    def __init__(self):
+        self.log, self.forked = [], False
+
+    @contextlib.contextmanager
+    def fork(self):
+        self.log.append("fork")
+        self.forked = True
+        try:
+            yield
+        finally:
+            self.forked = False
+
+    def join(self):
+        self.log.append("join")
+
+
+def hand_out_side_streams(monkeypatch, platform_type) -> list[RecordingSideStream]:
+    """Make ``platform_type.side_stream`` return a new recording stream; returns every stream it
+    makes (in the order the providers asked)."""
+    made: list[RecordingSideStream] = []
+
+    def side_stream(self, device):
+        made.append(RecordingSideStream())
+        return made[-1]
+    monkeypatch.setattr(platform_type, "side_stream", side_stream, raising=False)
+    return made
