@@ -252,17 +252,19 @@ def check_projection(name: str, wq: QuantProjection, rows: int, cols: int, G: in
                  f"block_out={wq.block_out}, block_in={wq.block_in}")
 
 
-def _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2) -> None:
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2,
+                  check=check_projection, who: str = "fused_moe_quant") -> None:
+    """Shared by fused_moe_fp4: ``check`` validates one projection as check_projection does."""
     def fail(msg: str):
-        raise ValueError(f"triton fused_moe_quant: {msg}")
+        raise ValueError(f"triton {who}: {msg}")
     if activation not in ACTIVATION_CODES or activation == "relu2_no_mul":
         fail(f"activation={activation!r} is invalid: the quantized layouts are gated "
              f"({[a for a in ACTIVATION_CODES if a != 'relu2_no_mul']})")
     if x.dim() != 2 or x.dtype not in DTYPES:
         fail(f"x must be [T, H] in {list(DTYPES)}, got {tuple(x.shape)} {x.dtype}")
     (T, H), G, N = x.shape, w13.codes.shape[0], w2.cols
-    check_projection("w13", w13, 2 * N, H, G, x.device)
-    check_projection("w2", w2, H, N, G, x.device)
+    check("w13", w13, 2 * N, H, G, x.device)
+    check("w2", w2, H, N, G, x.device)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
         fail(f"need topk_ids and topk_weights [T={T}, K]; got {tuple(topk_ids.shape)} and "
              f"{tuple(topk_weights.shape)}")

@@ -42,9 +42,9 @@ def test_refused_with_the_reason(monkeypatch):
                                          r"TRITON_INTERPRET=1; not on 'cpu'"):
         select_moe_backend(query(), "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match=r"'triton' cannot run .*handles schemes "
-                                         r"\['unquantized', 'fp8-tensor', .*\], not 'nvfp4'"):
-        select_moe_backend(query(scheme="nvfp4"), "triton")
+    with pytest.raises(ValueError, match=r"'triton' cannot run .*quantized path runs gated "
+                                         r"activations only, not 'relu2_no_mul'"):
+        select_moe_backend(query("relu2_no_mul", scheme="nvfp4"), "triton")
 
 
 def _prompts():

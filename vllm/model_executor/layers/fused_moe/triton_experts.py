@@ -1,16 +1,20 @@
 """The "triton" MoE expert backend: the Triton fused-MoE kernels behind the ``MoEExperts`` pair
 contract, over unquantized experts (``vllm/kernels/triton/fused_moe.py``) and weight-only
 quantized ones (``fused_moe_quant.py``: FP8 e4m3 with tensor / channel / block scales, GPTQ
-INT4 with g_idx, act order included), dequantized in registers right before each ``tl.dot``.
+INT4 with g_idx, act order included; ``fused_moe_fp4.py``: NVFP4 with e4m3 block scales and
+per-expert global scales, MXFP4 with e8m0 block scales), dequantized in registers right before
+each ``tl.dot``.
 
 It reads the loaded layout as is (no ``pack``): unquantized w13 [G, 2N, H] or [G, N, H]
 non-gated, w2 [G, H, N]; a quantized scheme's expert tensors under the method's names (fp8.py,
-gptq.py), which ``bind_scheme`` maps onto ``QuantProjection``s; the optional biases. It writes
-the pairs of each wave straight into the layer's ``out`` [T, K, H]; the ids are expert ids, or
-the expert cache's slot ids, and every scale, zero point and g_idx is read at the same id as its
-codes (the kernels never know which). Runs on CUDA, or on CPU tensors under
-``TRITON_INTERPRET=1`` (how the tests check it).
-NOT YET RUN ON A GPU: interpreted and compiled (SM90/SM120) only; block sizes untuned.
+gptq.py, nvfp4.py, mxfp4.py), which ``bind_scheme`` maps onto ``QuantProjection``s or
+``Fp4Projection``s (views: MXFP4's [G, R, C/32, 16] blocks as the [G, R, C/2] bytes they are);
+the optional biases. It writes the pairs of each wave straight into the layer's ``out``
+[T, K, H]; the ids are expert ids, or the expert cache's slot ids, and every scale, global
+scale, zero point and g_idx is read at the same id as its codes (the kernels never know which).
+Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it).
+NOT YET RUN ON A GPU: interpreted, and compiled (SM90/SM120) by tests/build except the FP4
+GEMM; block sizes untuned.
 """
 from __future__ import annotations
 
@@ -25,10 +29,14 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIO
 from vllm.platforms import platform_for
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TRITON_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
-"""Schemes the Triton kernels run: unquantized, and weight-only FP8 / GPTQ INT4."""
+TRITON_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq",
+                  "nvfp4", "mxfp4")
+"""Schemes the Triton kernels run: unquantized, and weight-only FP8 / GPTQ INT4 / FP4."""
+FP4_KINDS = ("nvfp4", "mxfp4")
+"""TritonExperts.kind values run by ``fused_moe_fp4`` (the others by ``fused_moe_quant``)."""
 Projections = Callable[[dict[str, torch.Tensor]], tuple[dict, dict]]
-"""Expert tensors by name ([G, ...]) -> (w13, w2) keyword arguments of ``QuantProjection``."""
+"""Expert tensors by name ([G, ...]) -> (w13, w2) keyword arguments of ``QuantProjection``
+(or ``Fp4Projection`` for the FP4 kinds)."""
 
 
 def triton_moe_refusal(q: MoEKernelQuery) -> str | None:
@@ -94,9 +102,33 @@ def gptq_projections(method) -> Projections:
     return projections
 
 
+def nvfp4_projections(method) -> Projections:
+    """nvfp4.py's layout (ModelOpt; compressed-tensors nvfp4-pack-quantized maps onto it):
+    w13_weight uint8 [G, 2N, H/2], w13_weight_scale e4m3 [G, 2N, H/16], w13_weight_scale_2
+    float32 [G, 2] (gate, up); w2_* [G, H, N/2], [G, H, N/16], [G, 1]."""
+    def projections(t):
+        return tuple(dict(codes=t[f"{p}_weight"], scales=t[f"{p}_weight_scale"],
+                          global_scales=t[f"{p}_weight_scale_2"]) for p in ("w13", "w2"))
+    return projections
+
+
+def mxfp4_projections(method) -> Projections:
+    """mxfp4.py's layout (GPT-OSS): w13_blocks uint8 [G, 2N, H/32, 16] (input 32 b + 2 j in the
+    low nibble of byte j of block b: byte (32 b + 2 j) // 2 of the row), w13_scales e8m0
+    [G, 2N, H/32]; w2_* [G, H, N/32, 16], [G, H, N/32]."""
+    def projections(t):
+        out = []
+        for p in ("w13", "w2"):
+            blocks = t[f"{p}_blocks"]
+            # A view (raises rather than copies if the blocks were ever non-contiguous).
+            out.append(dict(codes=blocks.view(*blocks.shape[:2], -1), scales=t[f"{p}_scales"]))
+        return out[0], out[1]
+    return projections
+
+
 class TritonExperts(MoEExperts):
-    """``fused_moe_pairs`` (unquantized) or ``fused_moe_quant_pairs`` (after ``bind_scheme``)
-    over the layer's tensors (no repacking)."""
+    """``fused_moe_pairs`` (unquantized) or ``fused_moe_quant_pairs`` / ``fused_moe_fp4_pairs``
+    (after ``bind_scheme``) over the layer's tensors (no repacking)."""
     name = "triton"
     cuda_graph_safe = True    # grids and block sizes fixed by [T, top_k] and G; no host read
 
@@ -104,7 +136,7 @@ class TritonExperts(MoEExperts):
         self.activation = activation
         self._device_names: dict[torch.device, str] = {}
         self.kind: str | None = None
-        """None (unquantized), "fp8" or "int4"."""
+        """None (unquantized), "fp8", "int4", "nvfp4" or "mxfp4"."""
         self._projections: Projections | None = None
 
     def bind_scheme(self, method) -> None:
@@ -113,6 +145,10 @@ class TritonExperts(MoEExperts):
             self.kind, self._projections = "fp8", fp8_projections(method)
         elif method.scheme == "w4a16-gptq":
             self.kind, self._projections = "int4", gptq_projections(method)
+        elif method.scheme == "nvfp4":
+            self.kind, self._projections = "nvfp4", nvfp4_projections(method)
+        elif method.scheme == "mxfp4":
+            self.kind, self._projections = "mxfp4", mxfp4_projections(method)
 
     def _device_name(self, device: torch.device) -> str:
         """The name the block-size tables are keyed by (asked of the platform once)."""
@@ -129,6 +165,12 @@ class TritonExperts(MoEExperts):
             from vllm.kernels.triton.fused_moe import fused_moe_pairs
             fused_moe_pairs(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
                             out, act.name, act.alpha, act.limit, *biases, device_name=name)
+            return
+        if self.kind in FP4_KINDS:
+            from vllm.kernels.triton.fused_moe_fp4 import Fp4Projection, fused_moe_fp4_pairs
+            w13, w2 = (Fp4Projection(self.kind, **p) for p in self._projections(weights))
+            fused_moe_fp4_pairs(x, w13, w2, topk_weights, ids, out, act.name, act.alpha,
+                                act.limit, *biases, device_name=name)
             return
         from vllm.kernels.triton.fused_moe_quant import QuantProjection, fused_moe_quant_pairs
         w13, w2 = (QuantProjection(self.kind, **p) for p in self._projections(weights))
