@@ -73,7 +73,8 @@ class EngineArgs:
     checkpoint's quantization_config decides, and a mismatch is an error."""
     moe_backend: str = "auto"
     """MoE expert kernel: auto, cpu_kernel (C, CPU f32/bf16), grouped_mm (torch._grouped_mm),
-    or torch (per-expert loop reference; the only one for quantized experts today)."""
+    triton (Triton fused MoE, CUDA), flashinfer_cutlass (FlashInfer CUTLASS, CUDA; never
+    chosen by auto) or torch (per-expert loop reference, every scheme); see docs/quantization.md."""
     attention_backend: str = "auto"
     """Attention kernel: auto, cpu_paged (C, CPU f32/bf16) or torch_sdpa."""
     moe_routing_trace_path: str | None = None

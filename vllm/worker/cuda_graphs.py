@@ -22,7 +22,8 @@ bound; a ``cuda_graph_safe`` backend never reads them).
 
 Capture is lazy, on the first decode step of a size: that step runs eagerly over the static
 buffers (the warm-up: Triton compiles and cuBLAS initialises for these shapes, and its KV writes
-and expert-cache updates are the step's own), then the graph is captured (which records without
+and expert-cache updates are the step's own; MoE backends see ``capture_warm_up`` with the largest
+size and allocate what a capture must not), then the graph is captured (which records without
 executing), so no dummy forward ever touches the KV cache or the cache's clock and policy state,
 and sizes a run never sees cost nothing. All graphs share one memory pool
 (``torch.cuda.graph_pool_handle()``); a graph's output is its own, its intermediates are reused
@@ -54,6 +55,7 @@ from vllm.config.graph_sizes import padded_size
 from vllm.logger import init_logger
 from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
                                                  set_forward_context)
+from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
 from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
@@ -235,7 +237,10 @@ class CudaDecodeGraphs:
                                                         self.static.positions[:P]))
 
     def _warm_up_and_capture(self, P: int, e: _Entry) -> torch.Tensor:
-        out = self._run(P, e)                  # this step, eagerly: the warm-up
+        # This step, eagerly: the warm-up. MoE backends that must not allocate or compile inside
+        # a capture prepare for the largest size here (flashinfer_cutlass: its workspace).
+        with capture_warm_up(self.sizes[-1]):
+            out = self._run(P, e)
         try:
             e.replay = self.capturer.capture(lambda: self._run(P, e))
         except Exception as err:               # noqa: BLE001 - any failure means: stay eager

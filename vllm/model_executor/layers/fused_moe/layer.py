@@ -133,6 +133,12 @@ class FusedMoE(nn.Module):
                                                     self._moe_cache_config, device, self.prefix)
         for name, t in self.weight_provider.slot_weights().items():
             self._hold(name, t)
+        # A backend that quantizes activations (flashinfer_cutlass on NVFP4) reads the scheme's
+        # shared input scales; loaded by now, never expert-indexed.
+        bind = getattr(self.quant_method.kernel, "bind_shared", None)
+        if bind is not None:
+            names = getattr(self.quant_method, "shared_param_names", tuple)()
+            bind({n: getattr(self, n) for n in names})
 
     def _hold(self, name: str, t: torch.Tensor) -> None:
         """Register ``t`` under ``name`` (replacing the loading target): ``state_dict`` and

@@ -10,6 +10,8 @@ why cached and uncached runs agree bitwise.
 """
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +122,27 @@ class MoEExperts:
         """x [T, H]; topk_weights, ids [T, top_k] (ids index dim 0 of every tensor in
         ``weights``, -1 = skip); out [T, top_k, H]: the pair contract above."""
         raise NotImplementedError
+
+
+_CAPTURE_WARM_UP: ContextVar[int | None] = ContextVar("moe_capture_warm_up", default=None)
+
+
+@contextlib.contextmanager
+def capture_warm_up(max_tokens: int):
+    """Marks the eager step that precedes a CUDA-graph capture (``worker/cuda_graphs.py``);
+    ``max_tokens`` is the largest batch any decode graph captures. A backend whose calls need
+    one-time host work for the captured shapes (a JIT build, a persistent workspace:
+    ``flashinfer_cutlass``) does it inside, while nothing is being captured."""
+    token = _CAPTURE_WARM_UP.set(max_tokens)
+    try:
+        yield
+    finally:
+        _CAPTURE_WARM_UP.reset(token)
+
+
+def capture_warm_up_tokens() -> int | None:
+    """Inside ``capture_warm_up``: its ``max_tokens``; else None."""
+    return _CAPTURE_WARM_UP.get()
 
 
 def combine_pairs(out: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A backend declares the quantization schemes, activations, platforms, compute capabilities and
 dtypes it handles (``MoEBackend``); ``select_moe_backend`` matches a layer's ``MoEKernelQuery``
 against them. "auto" tries the platform's preference order (``Platform.moe_backends``), then
-any other registered backend; a forced name that cannot run the layer is an error that names
-the reason and the backends that would. The choice is logged once per distinct decision.
+any other registered backend, skipping those registered ``auto=False``; a forced name that
+cannot run the layer is an error that names the reason and the backends that would. The choice
+is logged once per distinct decision.
 
 Built in: ``cpu_kernel`` (the C kernel, CPU f32/bf16: unquantized, FP8 tensor/channel/block,
 GPTQ INT4, NVFP4 and MXFP4 weights dequantized tile by tile inside its GEMM), ``grouped_mm``
@@ -13,9 +14,13 @@ loop reference: every scheme, every platform; quantized experts are dequantized 
 All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gated ones, and the
 non-gated ``relu2_no_mul`` whose w13 holds the up projection only). ``triton`` (the Triton
 fused-MoE kernels, ``triton_experts.py``; fp16/bf16/fp32, biases; unquantized with every
-activation, and FP8 tensor/channel/block and GPTQ INT4 weights, gated activations, dequantized
-tile by tile right before each ``tl.dot``) runs on CUDA, or on CPU only under
-``TRITON_INTERPRET=1``; not yet run on a GPU.
+activation, and FP8 tensor/channel/block, GPTQ INT4, NVFP4 and MXFP4 weights, gated
+activations, dequantized tile by tile right before each ``tl.dot``) runs on CUDA, or on CPU only
+under ``TRITON_INTERPRET=1``; not yet run on a GPU.
+
+``flashinfer_cutlass`` (FlashInfer's CUTLASS fused MoE, ``flashinfer_cutlass.py``: unquantized
+fp16/bf16, FP8 128x128 blocks on SM90, NVFP4 on SM10x-12x; CUDA with flashinfer-python) has never
+run on a GPU: it is registered with ``auto=False``, so only a forced name selects it.
 """
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ from vllm.model_executor.layers.backend_registry import BackendRegistry
 from vllm.model_executor.layers.fused_moe.cpu_kernel import (QuantLayout, expert_pairs_cpu,
                                                             expert_pairs_cpu_quant,
                                                             pack_quantized)
+from vllm.model_executor.layers.fused_moe.flashinfer_cutlass import (FLASHINFER_DTYPES,
+                                                                     FLASHINFER_SCHEMES,
+                                                                     FlashInferCutlassExperts,
+                                                                     flashinfer_cutlass_refusal)
 from vllm.model_executor.layers.fused_moe.grouped_mm import (expert_pairs_grouped,
                                                              grouped_mm_refusal)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, GATED_ACTIVATIONS,
@@ -70,6 +79,8 @@ class MoEBackend:
     """The platform's compiled kernels must be loaded and take the dtype."""
     check: Callable[[MoEKernelQuery], str | None] | None = None
     """Further requirement (shapes, alignment): the reason it fails, or None."""
+    auto: bool = True
+    """False: "auto" never picks it (not yet run where it matters); only a forced name does."""
 
     def refusal(self, q: MoEKernelQuery) -> str | None:
         """Why this backend cannot run the query (the first requirement that fails), or None."""
@@ -121,8 +132,17 @@ def get_moe_backend(name: str) -> MoEBackend:
 
 def select_moe_backend(q: MoEKernelQuery, requested: str = "auto") -> MoEBackend:
     """The backend for ``q``: ``requested`` if it can run it (else ValueError with the reason and
-    the backends that would), or for "auto" the first in the platform's order that can."""
-    return _REGISTRY.select(q, requested, q.platform.moe_backends)
+    the backends that would), or for "auto" the first in the platform's order that can, among
+    the backends with ``auto`` set."""
+    registry = _REGISTRY
+    if requested == "auto":
+        # BackendRegistry.select tries the platform's order, then every other backend it holds:
+        # a view without the forced-only ones keeps them out of both.
+        registry = BackendRegistry(_REGISTRY.kind, _REGISTRY.option)
+        for name in _REGISTRY.names():
+            if _REGISTRY.get(name).auto:
+                registry.register(_REGISTRY.get(name))
+    return registry.select(q, requested, q.platform.moe_backends)
 
 
 # ---- built-in backends ---------------------------------------------------------------------
@@ -240,3 +260,9 @@ register_moe_backend(MoEBackend("torch", TorchExperts, activations=MOE_ACTIVATIO
 register_moe_backend(MoEBackend(
     "triton", lambda act, deq: TritonExperts(act), schemes=TRITON_SCHEMES,
     dtypes=TRITON_DTYPES, activations=MOE_ACTIVATIONS, bias=True, check=triton_moe_refusal))
+# Forced only (auto=False): never run on a GPU yet. ``make`` imports flashinfer; the registry
+# reaches it only after selecting the backend on CUDA.
+register_moe_backend(MoEBackend(
+    "flashinfer_cutlass", lambda act, deq: FlashInferCutlassExperts(act),
+    schemes=FLASHINFER_SCHEMES, platforms=("cuda",), dtypes=FLASHINFER_DTYPES,
+    activations=MOE_ACTIVATIONS, bias=True, check=flashinfer_cutlass_refusal, auto=False))

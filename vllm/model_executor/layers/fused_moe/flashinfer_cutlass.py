@@ -1,0 +1,356 @@
+"""The "flashinfer_cutlass" MoE expert backend: FlashInfer's CUTLASS fused MoE
+(``flashinfer.fused_moe.cutlass_fused_moe``, package flashinfer-python, the optional ``cuda``
+extra) behind the ``MoEExperts`` pair contract. NOT YET RUN ON A GPU, and never chosen by "auto":
+only ``moe_backend="flashinfer_cutlass"`` selects it.
+
+Schemes: unquantized fp16/bf16 (SM 89, 90, 10x, 11x, 12x); ``fp8-block`` 128x128, bf16, SM 90
+only (FlashInfer quantizes the activations per 1x128 group itself: W8A8); ``nvfp4`` fp16/bf16 on
+SM 10x-12x (W4A4: activations are quantized to FP4 with the checkpoint's static input scales).
+
+The contract, read from flashinfer-python 0.7.2 (``flashinfer/fused_moe/core.py``:
+``cutlass_fused_moe``, ``cutlass_fused_moe_workspace_size``; ``data/csrc/fused_moe/
+cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu``: dtypes, shapes, ``getQuantParams``;
+``cutlass_fused_moe_kernels.cuh``: the activation reads the gate at offset ``inter_size``, the
+linear (up) half first; finalize skips experts outside [0, G)):
+  fc1 [G, 2N, H] is [up; gate] (w3 then w1), ours is [gate; up]: ``pack`` swaps the halves (of
+  the weights, the FP8 block scale rows, the NVFP4 scales and w13_bias); fc2 [G, H, N] as ours.
+  fp8-block quant_scales = [fc1 scales f32 [G, 2N/128, H/128], fc2 [G, H/128, N/128]], dequant
+  multiplies. nvfp4: weights are our uint8 e2m1 pairs (low nibble first) viewed as int64;
+  quant_scales = [fc1 activation global scale (1 / input_scale), fc1 block scales (e4m3 in the
+  128x4-tiled layout, viewed as int32), fc1 alpha [G] (= weight global * input scale), the same
+  three for fc2]; one fc1 global scale per expert, so gate and up share one.
+  token_final_scales f32 multiplies fc2's output plus its bias; biases are in the output dtype.
+
+Pairs: each (token, k) pair is its own row with top_k = 1 (x repeated K times, which the kernel
+would expand to anyway), so ``out[t, k]`` is that pair alone and ``combine_pairs`` reduces in k
+order as for every backend. The ids are expert ids or the expert cache's slot ids: every weight
+and scale above is read at the same row. Rows with id -1 are outside the kernel's local
+experts [0, G), which it skips; their ``out`` entries keep what they held (a ``torch.where``),
+so a cache wave leaves the other waves' pairs untouched.
+
+CUDA graphs: a call does host work (the JIT build of the module on first use, FlashInfer's
+runner and tactic lookup, shape checks) and, without ``workspace_buffer``, allocates its
+workspace. The capture path's eager warm-up (``modular_kernel.capture_warm_up``, entered by
+``worker/cuda_graphs.py`` before each capture) runs the kernel once at the largest captured
+batch and sizes one workspace per device shared by every layer; captured calls then reuse it.
+A capture larger than that raises (the capture is refused, decode stays eager). The autotuner
+is not run: FlashInfer's default tactics.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from types import ModuleType
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.modular_kernel import (MoEActivation, MoEExperts,
+                                                                 MoEKernelQuery,
+                                                                 capture_warm_up_tokens)
+
+logger = init_logger(__name__)
+
+FLASHINFER_SCHEMES = ("unquantized", "fp8-block", "nvfp4")
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_SM = {"unquantized": (89, 90, 100, 103, 107, 110, 120, 121),
+                 "fp8-block": (90,),
+                 "nvfp4": (100, 103, 107, 110, 120, 121)}
+"""SMs per scheme: those FlashInfer builds a CUTLASS fused-MoE module for
+(``get_cutlass_fused_moe_module``); FP8 block scaling is SM90 only, NVFP4 SM10x-12x."""
+INSTALL_HINT = "pip install flashinfer-python, or the 'cuda' extra: pip install -e '.[cuda]'"
+_ACTIVATION_TYPES = {"silu": "Swiglu", "gelu": "Geglu", "swigluoai": "SwigluBias",
+                     "relu2_no_mul": "Relu2"}
+"""Ours -> FlashInfer's ActivationType. Geglu is CUTLASS's erf GELU, as F.gelu's default;
+SwigluBias is GPT-OSS's clamped (up + beta) * gate * sigmoid(alpha * gate) with beta = 1."""
+
+
+def flashinfer_cutlass_refusal(q: MoEKernelQuery) -> str | None:
+    """The registry's extra check (after schemes, platforms and dtypes): the scheme's SMs,
+    FP8 block's bf16, biases unquantized only, TMA / block alignment, and the package."""
+    cap = q.platform.get_device_capability()
+    sm = cap.to_int() if cap is not None else None
+    allowed = FLASHINFER_SM[q.scheme]
+    if sm not in allowed:
+        return (f"it runs {q.scheme} on SM {', '.join(map(str, allowed))}, not "
+                + (f"SM {sm}" if sm is not None else "a device without a compute capability"))
+    if q.scheme == "fp8-block" and q.dtype != torch.bfloat16:
+        return f"it runs fp8-block with bfloat16 activations only, not {q.dtype}"
+    if q.scheme != "unquantized" and q.has_bias:
+        return f"it adds expert biases to unquantized experts only, not {q.scheme}"
+    # Unquantized: TMA's 16-byte rows of 2-byte elements; quantized: 128-wide scale blocks
+    # (FP8) and 128-row NVFP4 scale tiles per half of fc1.
+    align = 8 if q.scheme == "unquantized" else 128
+    for what, v in (("hidden_size", q.hidden_size), ("intermediate_size", q.intermediate_size)):
+        if v % align:
+            return f"it runs {q.scheme} with {what} a multiple of {align}, not {v}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return f"the flashinfer-python package is not installed ({INSTALL_HINT})"
+    return None
+
+
+def import_flashinfer_moe() -> ModuleType:
+    """``flashinfer.fused_moe`` (about 2.5 s to import), or ImportError naming the package."""
+    try:
+        return importlib.import_module("flashinfer.fused_moe")
+    except ImportError as e:
+        raise ImportError(f"moe_backend='flashinfer_cutlass' needs the flashinfer-python "
+                          f"package, which does not import ({e}): {INSTALL_HINT}") from e
+
+
+# ---- layout conversion (per expert, or stacked [E, ...]; testable on CPU) --------------------
+def swap_halves(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """(a; b) halves of ``dim`` -> (b; a): our [gate; up] w13 rows -> FlashInfer's [up; gate]."""
+    a, b = t.chunk(2, dim=dim)
+    return torch.cat([b, a], dim=dim)
+
+
+def swizzle_block_scales(s: torch.Tensor) -> torch.Tensor:
+    """NVFP4 block scales [..., R, C] (row r's scale of inputs 16c .. 16c + 15) -> the 128x4
+    tiled layout FlashInfer's CUTLASS kernels read: [..., R', C'] with R' = ceil(R / 128) * 128,
+    C' = ceil(C / 4) * 4 (zero padded), whose bytes are a [R'/128, C'/4, 32, 4, 4] tensor with
+    entry [i, j, a, b, c] = padded s[128 i + 32 b + a, 4 j + c] (the inverse of FlashInfer's
+    test helper ``convert_swizzled_to_linear``)."""
+    *lead, R, C = s.shape
+    Rp, Cp = -(-R // 128) * 128, -(-C // 4) * 4
+    u8 = s.view(torch.uint8)
+    padded = u8.new_zeros(*lead, Rp, Cp)
+    padded[..., :R, :C] = u8
+    tiles = padded.view(*lead, Rp // 128, 4, 32, Cp // 4, 4)            # [.., i, b, a, j, c]
+    return tiles.permute(*range(len(lead)), -5, -2, -3, -4, -1).reshape(*lead, Rp, Cp) \
+        .view(s.dtype)
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)      # torch's cast does not saturate
+
+
+def nvfp4_to_flashinfer(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """nvfp4.py's tensors (one expert, or stacked with a leading [E]) -> FlashInfer's; N =
+    intermediate, K = hidden:
+      w13_weight uint8 [.., 2N, K/2]          -> [up; gate] rows, same e2m1 packing
+      w13_weight_scale e4m3 [.., 2N, K/16]    -> [up; gate], each half rescaled onto the shared
+                                                 global scale g = max(g_gate, g_up) (exact when
+                                                 equal, else rounded to e4m3), swizzled
+                                                 [.., pad128(2N), pad4(K/16)]
+      w13_weight_scale_2 f32 [.., 2]          -> [.., 2], both g (FlashInfer: one per expert)
+      w2_weight_scale e4m3 [.., K, N/16]      -> swizzled [.., pad128(K), pad4(N/16)]
+      w2_weight, w2_weight_scale_2            unchanged."""
+    g2 = t["w13_weight_scale_2"].float()                                 # [.., 2] gate, up
+    g = g2.amax(dim=-1, keepdim=True)                                    # [.., 1]
+    s13 = t["w13_weight_scale"].float()
+    N = s13.shape[-2] // 2
+    ratio = torch.where(g > 0, g2 / g, 1.0).unsqueeze(-1)                # [.., 2, 1]
+    s13 = torch.cat([s13[..., :N, :] * ratio[..., 0:1, :], s13[..., N:, :] * ratio[..., 1:2, :]],
+                    dim=-2)
+    out = dict(t)
+    out["w13_weight"] = swap_halves(t["w13_weight"])
+    out["w13_weight_scale"] = swizzle_block_scales(swap_halves(_e4m3(s13)))
+    out["w13_weight_scale_2"] = g.expand_as(g2).to(t["w13_weight_scale_2"].dtype).contiguous()
+    out["w2_weight_scale"] = swizzle_block_scales(t["w2_weight_scale"])
+    return out
+
+
+def fp8_block_to_flashinfer(t: dict[str, torch.Tensor], scale_name: str
+                            ) -> dict[str, torch.Tensor]:
+    """fp8.py's block layout (128x128 blocks, N a multiple of 128) -> FlashInfer's: w13_weight
+    e4m3 [.., 2N, K] and w13_<scale_name> f32 [.., 2N/128, K/128] to [up; gate] rows; w2 as is."""
+    out = dict(t)
+    for name in ("w13_weight", f"w13_{scale_name}"):
+        out[name] = swap_halves(t[name])
+    return out
+
+
+def unquantized_to_flashinfer(t: dict[str, torch.Tensor], gated: bool
+                              ) -> dict[str, torch.Tensor]:
+    """w13_weight [.., 2N, K] and w13_bias [.., 2N] to [up; gate]; non-gated (N rows: up only)
+    and w2 unchanged."""
+    out = dict(t)
+    if gated:
+        out["w13_weight"] = swap_halves(t["w13_weight"])
+        if "w13_bias" in t:
+            out["w13_bias"] = swap_halves(t["w13_bias"], dim=-1)
+    return out
+
+
+# ---- the backend ---------------------------------------------------------------------------
+class _SharedWorkspace:
+    """One FlashInfer workspace per device, shared by every layer (their calls run one after
+    another on one stream). Grown only outside a capture; a replaced buffer stays referenced,
+    since a graph captured earlier may hold its address."""
+
+    def __init__(self):
+        self.buffers: dict[torch.device, torch.Tensor] = {}
+        self.retired: list[torch.Tensor] = []
+
+    def ensure(self, device: torch.device, nbytes: int) -> None:
+        cur = self.buffers.get(device)
+        if cur is None or cur.numel() < nbytes:
+            if cur is not None:
+                self.retired.append(cur)
+            self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+_WORKSPACE = _SharedWorkspace()
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class FlashInferCutlassExperts(MoEExperts):
+    """``cutlass_fused_moe`` over the layout ``pack`` makes (module docstring). ``api``: the
+    ``flashinfer.fused_moe`` module (imported here), or a stand-in with the same three names
+    (``cutlass_fused_moe``, ``cutlass_fused_moe_workspace_size``, ``ActivationType``)."""
+    name = "flashinfer_cutlass"
+    cuda_graph_safe = True    # after the capture warm-up: a preallocated workspace, no host read
+
+    def __init__(self, activation: MoEActivation, api: ModuleType | None = None):
+        self.activation = activation
+        self.api = api if api is not None else import_flashinfer_moe()
+        self.kind = "unquantized"
+        self.scale_name = ""
+        self._act_type = getattr(self.api.ActivationType, _ACTIVATION_TYPES[activation.name])
+        self._act_params: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+        self._input_scales: tuple[torch.Tensor, ...] | None = None
+        self._ws_rows = 0
+        """Pair rows the shared workspace was sized for by this layer (0: never)."""
+        params = inspect.signature(self.api.cutlass_fused_moe).parameters
+        self._has_workspace = "workspace_buffer" in params
+        if not self._has_workspace:
+            # Older FlashInfer allocates its workspace inside every call: keep decode eager.
+            self.cuda_graph_safe = False
+            logger.warning("flashinfer_cutlass: this flashinfer-python has no workspace_buffer "
+                           "argument; decode steps will not be captured in CUDA graphs")
+
+    def bind_scheme(self, method) -> None:
+        """Called once by the quant method after selection."""
+        if method.scheme == "fp8-block":
+            if tuple(method.block) != (128, 128):
+                raise ValueError(f"moe_backend='flashinfer_cutlass' runs fp8-block with 128x128 "
+                                 f"blocks only, not {tuple(method.block)}; use 'triton' or "
+                                 "'torch'")
+            self.kind, self.scale_name = "fp8-block", method.scale_name
+        elif method.scheme == "nvfp4":
+            self.kind = "nvfp4"
+
+    def bind_shared(self, shared: dict[str, torch.Tensor]) -> None:
+        """The layer's shared (not expert-indexed) tensors after loading. NVFP4 quantizes
+        activations with the checkpoint's static input scales (0-d, ModelOpt's dequant
+        convention, max over experts): both must be present."""
+        if self.kind != "nvfp4":
+            return
+        scales = [shared.get(n) for n in ("w13_input_scale", "w2_input_scale")]
+        # One host read per layer at load time, never in a forward.
+        if any(s is None or not float(s) > 0 for s in scales):
+            raise ValueError("moe_backend='flashinfer_cutlass' quantizes NVFP4 activations "
+                             "(W4A4) with the checkpoint's input_scale of each projection; this "
+                             "checkpoint has none for gate/up or down: use 'torch' (weight-only)")
+        s13, s2 = (s.detach().float().reshape(()) for s in scales)
+        self._input_scales = (1.0 / s13, 1.0 / s2, s13, s2)
+
+    def pack(self, tensors):
+        if self.kind == "nvfp4":
+            return nvfp4_to_flashinfer(tensors)
+        if self.kind == "fp8-block":
+            return fp8_block_to_flashinfer(tensors, self.scale_name)
+        return unquantized_to_flashinfer(tensors, self.activation.gated)
+
+    def apply_pairs(self, weights, x, topk_weights, ids, out):
+        T, K = ids.shape
+        if T == 0:
+            return
+        max_tokens = capture_warm_up_tokens()
+        if max_tokens is not None and not _capturing(x):
+            self._warm_up(weights, x, max(max_tokens, T), K)
+        res = self._run(weights, x, topk_weights, ids)
+        # Rows of id -1 came back zero: keep what earlier waves wrote there.
+        out.copy_(torch.where((ids >= 0).unsqueeze(-1), res.view(T, K, -1), out))
+
+    # ---- one call ---------------------------------------------------------------------------
+    def _run(self, weights, x, topk_weights, ids) -> torch.Tensor:
+        """One kernel call over the T * K pair rows of ``ids`` [T, K] -> [T * K, H]."""
+        T, K = ids.shape
+        rows = T * K
+        xr = x.repeat_interleave(K, dim=0) if K > 1 else x.contiguous()   # row t*K + k: x[t]
+        res = torch.empty(rows, x.shape[-1], dtype=x.dtype, device=x.device)
+        w1, w2, quant_scales = self._operands(weights)
+        kwargs = self._call_kwargs(weights, w2.shape[0], x.device)
+        if self._has_workspace:
+            kwargs["workspace_buffer"] = self._workspace(x, rows)
+        self.api.cutlass_fused_moe(
+            xr, ids.reshape(rows, 1).to(torch.int32),
+            topk_weights.reshape(rows, 1).to(torch.float32), w1, w2, x.dtype, quant_scales,
+            output=res, **kwargs)
+        return res
+
+    def _operands(self, weights) -> tuple[torch.Tensor, torch.Tensor, list | None]:
+        """(fc1 weights, fc2 weights, quant_scales) as FlashInfer takes them, from the slot (or
+        expert) tensors of this call: views and [G]-sized products only."""
+        w13, w2 = weights["w13_weight"], weights["w2_weight"]
+        if self.kind == "fp8-block":
+            s = self.scale_name
+            return w13, w2, [weights[f"w13_{s}"], weights[f"w2_{s}"]]
+        if self.kind != "nvfp4":
+            return w13, w2, None
+        if self._input_scales is None:
+            raise RuntimeError("flashinfer_cutlass: NVFP4 input scales were never bound "
+                               "(FusedMoE.finish_loading calls bind_shared)")
+        a13, a2, s13, s2 = self._input_scales
+        alpha13 = (weights["w13_weight_scale_2"][:, 0] * s13).contiguous()      # [G] f32
+        alpha2 = (weights["w2_weight_scale_2"][:, 0] * s2).contiguous()
+        return (w13.view(torch.int64), w2.view(torch.int64),
+                [a13, weights["w13_weight_scale"].view(torch.int32), alpha13,
+                 a2, weights["w2_weight_scale"].view(torch.int32), alpha2])
+
+    def _call_kwargs(self, weights, G: int, device: torch.device) -> dict:
+        kw = dict(fc1_expert_biases=weights.get("w13_bias"),
+                  fc2_expert_biases=weights.get("w2_bias"), activation_type=self._act_type,
+                  use_fused_finalize=False)      # the deterministic finalize (top_k is 1 anyway)
+        if self.kind == "fp8-block":
+            kw["use_deepseek_fp8_block_scale"] = True
+        if self.activation.name == "swigluoai":
+            kw.update(self._swiglu_params(G, device))
+        return kw
+
+    def _swiglu_params(self, G: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """GPT-OSS's alpha, beta = 1 and limit, one float32 per slot (FlashInfer's [G] shape);
+        made on the first, eager, call of a (G, device)."""
+        key = (G, device)
+        if key not in self._act_params:
+            a = self.activation
+            self._act_params[key] = {n: torch.full((G,), v, dtype=torch.float32, device=device)
+                                     for n, v in (("swiglu_alpha", a.alpha), ("swiglu_beta", 1.0),
+                                                  ("swiglu_limit", a.limit))}
+        return self._act_params[key]
+
+    # ---- capture ----------------------------------------------------------------------------
+    def _workspace(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The shared workspace when sized for ``rows``; None (FlashInfer allocates) for a
+        larger eager call; a larger captured call raises: it would allocate inside the graph."""
+        if rows <= self._ws_rows:
+            return _WORKSPACE.buffers[x.device]
+        if _capturing(x):
+            raise RuntimeError(f"flashinfer_cutlass: capturing {rows} pair rows, but the "
+                               f"workspace was sized for {self._ws_rows} (the capture warm-up, "
+                               "modular_kernel.capture_warm_up, did not cover this batch)")
+        return None
+
+    def _warm_up(self, weights, x: torch.Tensor, max_tokens: int, K: int) -> None:
+        """Before a capture: size the shared workspace for ``max_tokens`` * K pair rows and run
+        the kernel once at that size on zeros (JIT build, runner and tactic lookup), eagerly."""
+        rows = max_tokens * K
+        if rows <= self._ws_rows or not self._has_workspace:
+            return
+        w13, w2, _ = self._operands(weights)
+        G, H = w2.shape[0], x.shape[-1]
+        inter = weights["w2_weight"].shape[-1] * (2 if self.kind == "nvfp4" else 1)
+        nbytes = self.api.cutlass_fused_moe_workspace_size(
+            rows, H, inter, G, 1, x_dtype=x.dtype, weight_dtype=w13.dtype, output_dtype=x.dtype,
+            activation_type=self._act_type, use_deepseek_fp8_block_scale=self.kind == "fp8-block",
+            use_fused_finalize=False, device=x.device)
+        _WORKSPACE.ensure(x.device, int(nbytes))
+        self._ws_rows = rows
+        ids = (torch.arange(rows, device=x.device) % G).view(max_tokens, K)
+        self._run(weights, x.new_zeros(max_tokens, H), x.new_ones(max_tokens, K), ids)
