@@ -5,28 +5,42 @@ only ``moe_backend="flashinfer_cutlass"`` selects it.
 
 Schemes: unquantized fp16/bf16 (SM 89, 90, 10x, 11x, 12x); ``fp8-block`` 128x128, bf16, SM 90
 only (FlashInfer quantizes the activations per 1x128 group itself: W8A8); ``nvfp4`` fp16/bf16 on
-SM 10x-12x (W4A4: activations are quantized to FP4 with the checkpoint's static input scales).
+SM 10x-12x (W4A4: activations are quantized to FP4 with the checkpoint's static input scales);
+``mxfp4`` (GPT-OSS) bf16 on SM 90: FlashInfer's mixed-input W4A16 path (``isWFP4A16Quant``:
+``use_w4_group_scaling=True``, uint8 weights, bf16 activations kept as they are), with biases
+and swigluoai. ``w4a16-gptq`` is not run (``UNMAPPED_SCHEMES``).
 
 The contract, read from flashinfer-python 0.7.2 (``flashinfer/fused_moe/core.py``:
-``cutlass_fused_moe``, ``cutlass_fused_moe_workspace_size``; ``data/csrc/fused_moe/
-cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu``: dtypes, shapes, ``getQuantParams``;
-``cutlass_fused_moe_kernels.cuh``: the activation reads the gate at offset ``inter_size``, the
-linear (up) half first; finalize skips experts outside [0, G)):
+``cutlass_fused_moe``, ``cutlass_fused_moe_workspace_size``; ``fused_moe/prepare.py``:
+``interleave_moe_{weights,scales}_for_sm90_mixed_gemm``, ``prepare_cutlass_w4a16_weights``;
+``data/csrc/fused_moe/cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu``: dtypes, shapes,
+``getQuantParams``; ``cutlass_fused_moe_kernels.cuh``: the activation reads the gate at offset
+``inter_size``, the linear (up) half first; finalize skips experts outside [0, G) and adds fc2's
+bias before the router weight):
   fc1 [G, 2N, H] is [up; gate] (w3 then w1), ours is [gate; up]: ``pack`` swaps the halves (of
-  the weights, the FP8 block scale rows, the NVFP4 scales and w13_bias); fc2 [G, H, N] as ours.
+  every w13 tensor, ``flashinfer_cutlass_layouts.py``); fc2 [G, H, N] as ours.
   fp8-block quant_scales = [fc1 scales f32 [G, 2N/128, H/128], fc2 [G, H/128, N/128]], dequant
   multiplies. nvfp4: weights are our uint8 e2m1 pairs (low nibble first) viewed as int64;
   quant_scales = [fc1 activation global scale (1 / input_scale), fc1 block scales (e4m3 in the
   128x4-tiled layout, viewed as int32), fc1 alpha [G] (= weight global * input scale), the same
   three for fc2]; one fc1 global scale per expert, so gate and up share one.
+  mxfp4: weights uint8 e2m1 pairs [G, 2N, H/2] and [G, H, N/2] (the binding's inner-dim
+  multiplier 2), in the byte order of FlashInfer's ``interleave_moe_weights_for_sm90_mixed_gemm``
+  (quant_type "fp4", a CUDA kernel: ``pack`` runs it, on the GPU for a host tensor); quant_scales
+  = [fc1, fc2] e8m0 bytes [G, rows, K/32] folded by ``interleave_moe_scales_for_sm90_mixed_gemm``
+  (group 32, ``wfp4a16_group_size``), viewed as int32; no alpha. H and N are padded to 128
+  (``MXFP4_ALIGN``; GPT-OSS's 2880 becomes 2944) with zero weights; x is padded and the output
+  sliced per call.
   token_final_scales f32 multiplies fc2's output plus its bias; biases are in the output dtype.
 
 Pairs: each (token, k) pair is its own row with top_k = 1 (x repeated K times, which the kernel
 would expand to anyway), so ``out[t, k]`` is that pair alone and ``combine_pairs`` reduces in k
 order as for every backend. The ids are expert ids or the expert cache's slot ids: every weight
-and scale above is read at the same row. Rows with id -1 are outside the kernel's local
-experts [0, G), which it skips; their ``out`` entries keep what they held (a ``torch.where``),
-so a cache wave leaves the other waves' pairs untouched.
+and scale above is read at the same row, and ``pack`` works per expert (the interleave and the
+scale fold included), so a slot holds its expert's packed bytes and a miss copies them as they
+are. Rows with id -1 are outside the kernel's local experts [0, G), which it skips; their
+``out`` entries keep what they held (a ``torch.where``), so a cache wave leaves the other waves'
+pairs untouched.
 
 CUDA graphs: a call does host work (the JIT build of the module on first use, FlashInfer's
 runner and tactic lookup, shape checks) and, without ``workspace_buffer``, allocates its
@@ -44,21 +58,47 @@ import inspect
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe.modular_kernel import (MoEActivation, MoEExperts,
+from vllm.model_executor.layers.fused_moe.flashinfer_cutlass_layouts import (  # noqa: F401
+    MXFP4_ALIGN, fp8_block_to_flashinfer, mxfp4_to_flashinfer, nvfp4_to_flashinfer,
+    swap_halves, swizzle_block_scales, unquantized_to_flashinfer)
+from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIONS,
+                                                                 MoEActivation, MoEExperts,
                                                                  MoEKernelQuery,
                                                                  capture_warm_up_tokens)
 
 logger = init_logger(__name__)
 
-FLASHINFER_SCHEMES = ("unquantized", "fp8-block", "nvfp4")
+FLASHINFER_SCHEMES = ("unquantized", "fp8-block", "nvfp4", "mxfp4")
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 FLASHINFER_SM = {"unquantized": (89, 90, 100, 103, 107, 110, 120, 121),
                  "fp8-block": (90,),
-                 "nvfp4": (100, 103, 107, 110, 120, 121)}
+                 "nvfp4": (100, 103, 107, 110, 120, 121),
+                 "mxfp4": (90,)}
 """SMs per scheme: those FlashInfer builds a CUTLASS fused-MoE module for
-(``get_cutlass_fused_moe_module``); FP8 block scaling is SM90 only, NVFP4 SM10x-12x."""
+(``get_cutlass_fused_moe_module``); FP8 block scaling is SM90 only, NVFP4 SM10x-12x, and MXFP4
+here is the SM90 mixed-input W4A16 GEMM (``use_sm90_mixed_input_gemm``)."""
+BF16_ONLY = ("fp8-block", "mxfp4")
+"""Schemes FlashInfer runs with bfloat16 activations only (the binding refuses fp16 for W4A16
+MXFP4: "FP16 is incompatible with the interleaved weight layout")."""
+UNMAPPED_SCHEMES = {
+    "w4a16-gptq": "FlashInfer's INT4 W4A16 path (use_packed_weights=True with bf16/fp16 "
+                  "activations: CutlassMoeFCRunner<bf16, uint4b_t>) is not an SM90 mixed-input "
+                  "GEMM (isValidHopperMOESpecialisation pairs uint4 with FP8 activations only); "
+                  "it runs TensorRT-LLM's SM80 fpA_intB grouped GEMM, whose ColumnMajorTile"
+                  "Interleave<64, 4> weight layout FlashInfer neither prepares nor tests, and its "
+                  "SM90 int4 interleave is for W4A8 (FP8 activations); use 'triton' or 'torch'"}
+"""Schemes this backend does not run, and why (read from FlashInfer 0.7.2's sources)."""
+MXFP4_API = ("interleave_moe_weights_for_sm90_mixed_gemm",
+             "interleave_moe_scales_for_sm90_mixed_gemm")
+"""``flashinfer.fused_moe`` functions the MXFP4 layout needs (added with its SM90 W4A16 path)."""
+_SCHEME_FLAGS = {"fp8-block": {"use_deepseek_fp8_block_scale": True},
+                 "mxfp4": {"use_w4_group_scaling": True}}
+"""Keywords of ``cutlass_fused_moe`` and its workspace size that pick the scheme's runner."""
+_INNER_PER_ELEMENT = {"nvfp4": 16, "mxfp4": 2}
+"""Inputs per element of fc2's last dim as passed (int64 of 16 FP4, uint8 of 2)."""
 INSTALL_HINT = "pip install flashinfer-python, or the 'cuda' extra: pip install -e '.[cuda]'"
 _ACTIVATION_TYPES = {"silu": "Swiglu", "gelu": "Geglu", "swigluoai": "SwigluBias",
                      "relu2_no_mul": "Relu2"}
@@ -67,26 +107,37 @@ SwigluBias is GPT-OSS's clamped (up + beta) * gate * sigmoid(alpha * gate) with 
 
 
 def flashinfer_cutlass_refusal(q: MoEKernelQuery) -> str | None:
-    """The registry's extra check (after schemes, platforms and dtypes): the scheme's SMs,
-    FP8 block's bf16, biases unquantized only, TMA / block alignment, and the package."""
+    """The registry's extra check (after schemes, platforms and dtypes): the scheme's SMs and
+    dtypes, biases, gating, TMA / block alignment, and the package."""
+    if q.scheme in UNMAPPED_SCHEMES:
+        return f"it does not run {q.scheme}: {UNMAPPED_SCHEMES[q.scheme]}"
     cap = q.platform.get_device_capability()
     sm = cap.to_int() if cap is not None else None
     allowed = FLASHINFER_SM[q.scheme]
     if sm not in allowed:
         return (f"it runs {q.scheme} on SM {', '.join(map(str, allowed))}, not "
                 + (f"SM {sm}" if sm is not None else "a device without a compute capability"))
-    if q.scheme == "fp8-block" and q.dtype != torch.bfloat16:
-        return f"it runs fp8-block with bfloat16 activations only, not {q.dtype}"
-    if q.scheme != "unquantized" and q.has_bias:
-        return f"it adds expert biases to unquantized experts only, not {q.scheme}"
+    reason = _scheme_refusal(q)
+    if reason is None and importlib.util.find_spec("flashinfer") is None:
+        reason = f"the flashinfer-python package is not installed ({INSTALL_HINT})"
+    return reason
+
+
+def _scheme_refusal(q: MoEKernelQuery) -> str | None:
+    if q.scheme in BF16_ONLY and q.dtype != torch.bfloat16:
+        return f"it runs {q.scheme} with bfloat16 activations only, not {q.dtype}"
+    if q.scheme not in ("unquantized", "mxfp4") and q.has_bias:
+        return f"it adds expert biases to unquantized and mxfp4 experts only, not {q.scheme}"
+    if q.scheme == "mxfp4":
+        if q.activation not in GATED_ACTIVATIONS:
+            return f"it runs mxfp4 with gated activations only, not {q.activation!r}"
+        return None                       # any size the method loads: pack pads to 128
     # Unquantized: TMA's 16-byte rows of 2-byte elements; quantized: 128-wide scale blocks
     # (FP8) and 128-row NVFP4 scale tiles per half of fc1.
     align = 8 if q.scheme == "unquantized" else 128
     for what, v in (("hidden_size", q.hidden_size), ("intermediate_size", q.intermediate_size)):
         if v % align:
             return f"it runs {q.scheme} with {what} a multiple of {align}, not {v}"
-    if importlib.util.find_spec("flashinfer") is None:
-        return f"the flashinfer-python package is not installed ({INSTALL_HINT})"
     return None
 
 
@@ -97,81 +148,6 @@ def import_flashinfer_moe() -> ModuleType:
     except ImportError as e:
         raise ImportError(f"moe_backend='flashinfer_cutlass' needs the flashinfer-python "
                           f"package, which does not import ({e}): {INSTALL_HINT}") from e
-
-
-# ---- layout conversion (per expert, or stacked [E, ...]; testable on CPU) --------------------
-def swap_halves(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    """(a; b) halves of ``dim`` -> (b; a): our [gate; up] w13 rows -> FlashInfer's [up; gate]."""
-    a, b = t.chunk(2, dim=dim)
-    return torch.cat([b, a], dim=dim)
-
-
-def swizzle_block_scales(s: torch.Tensor) -> torch.Tensor:
-    """NVFP4 block scales [..., R, C] (row r's scale of inputs 16c .. 16c + 15) -> the 128x4
-    tiled layout FlashInfer's CUTLASS kernels read: [..., R', C'] with R' = ceil(R / 128) * 128,
-    C' = ceil(C / 4) * 4 (zero padded), whose bytes are a [R'/128, C'/4, 32, 4, 4] tensor with
-    entry [i, j, a, b, c] = padded s[128 i + 32 b + a, 4 j + c] (the inverse of FlashInfer's
-    test helper ``convert_swizzled_to_linear``)."""
-    *lead, R, C = s.shape
-    Rp, Cp = -(-R // 128) * 128, -(-C // 4) * 4
-    u8 = s.view(torch.uint8)
-    padded = u8.new_zeros(*lead, Rp, Cp)
-    padded[..., :R, :C] = u8
-    tiles = padded.view(*lead, Rp // 128, 4, 32, Cp // 4, 4)            # [.., i, b, a, j, c]
-    return tiles.permute(*range(len(lead)), -5, -2, -3, -4, -1).reshape(*lead, Rp, Cp) \
-        .view(s.dtype)
-
-
-def _e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)      # torch's cast does not saturate
-
-
-def nvfp4_to_flashinfer(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """nvfp4.py's tensors (one expert, or stacked with a leading [E]) -> FlashInfer's; N =
-    intermediate, K = hidden:
-      w13_weight uint8 [.., 2N, K/2]          -> [up; gate] rows, same e2m1 packing
-      w13_weight_scale e4m3 [.., 2N, K/16]    -> [up; gate], each half rescaled onto the shared
-                                                 global scale g = max(g_gate, g_up) (exact when
-                                                 equal, else rounded to e4m3), swizzled
-                                                 [.., pad128(2N), pad4(K/16)]
-      w13_weight_scale_2 f32 [.., 2]          -> [.., 2], both g (FlashInfer: one per expert)
-      w2_weight_scale e4m3 [.., K, N/16]      -> swizzled [.., pad128(K), pad4(N/16)]
-      w2_weight, w2_weight_scale_2            unchanged."""
-    g2 = t["w13_weight_scale_2"].float()                                 # [.., 2] gate, up
-    g = g2.amax(dim=-1, keepdim=True)                                    # [.., 1]
-    s13 = t["w13_weight_scale"].float()
-    N = s13.shape[-2] // 2
-    ratio = torch.where(g > 0, g2 / g, 1.0).unsqueeze(-1)                # [.., 2, 1]
-    s13 = torch.cat([s13[..., :N, :] * ratio[..., 0:1, :], s13[..., N:, :] * ratio[..., 1:2, :]],
-                    dim=-2)
-    out = dict(t)
-    out["w13_weight"] = swap_halves(t["w13_weight"])
-    out["w13_weight_scale"] = swizzle_block_scales(swap_halves(_e4m3(s13)))
-    out["w13_weight_scale_2"] = g.expand_as(g2).to(t["w13_weight_scale_2"].dtype).contiguous()
-    out["w2_weight_scale"] = swizzle_block_scales(t["w2_weight_scale"])
-    return out
-
-
-def fp8_block_to_flashinfer(t: dict[str, torch.Tensor], scale_name: str
-                            ) -> dict[str, torch.Tensor]:
-    """fp8.py's block layout (128x128 blocks, N a multiple of 128) -> FlashInfer's: w13_weight
-    e4m3 [.., 2N, K] and w13_<scale_name> f32 [.., 2N/128, K/128] to [up; gate] rows; w2 as is."""
-    out = dict(t)
-    for name in ("w13_weight", f"w13_{scale_name}"):
-        out[name] = swap_halves(t[name])
-    return out
-
-
-def unquantized_to_flashinfer(t: dict[str, torch.Tensor], gated: bool
-                              ) -> dict[str, torch.Tensor]:
-    """w13_weight [.., 2N, K] and w13_bias [.., 2N] to [up; gate]; non-gated (N rows: up only)
-    and w2 unchanged."""
-    out = dict(t)
-    if gated:
-        out["w13_weight"] = swap_halves(t["w13_weight"])
-        if "w13_bias" in t:
-            out["w13_bias"] = swap_halves(t["w13_bias"], dim=-1)
-    return out
 
 
 # ---- the backend ---------------------------------------------------------------------------
@@ -201,8 +177,9 @@ def _capturing(x: torch.Tensor) -> bool:
 
 class FlashInferCutlassExperts(MoEExperts):
     """``cutlass_fused_moe`` over the layout ``pack`` makes (module docstring). ``api``: the
-    ``flashinfer.fused_moe`` module (imported here), or a stand-in with the same three names
-    (``cutlass_fused_moe``, ``cutlass_fused_moe_workspace_size``, ``ActivationType``)."""
+    ``flashinfer.fused_moe`` module (imported here), or a stand-in with the same names
+    (``cutlass_fused_moe``, ``cutlass_fused_moe_workspace_size``, ``ActivationType``, and for
+    mxfp4 the two ``MXFP4_API`` functions)."""
     name = "flashinfer_cutlass"
     cuda_graph_safe = True    # after the capture warm-up: a preallocated workspace, no host read
 
@@ -226,6 +203,16 @@ class FlashInferCutlassExperts(MoEExperts):
 
     def bind_scheme(self, method) -> None:
         """Called once by the quant method after selection."""
+        if method.scheme not in FLASHINFER_SCHEMES:
+            raise ValueError(f"moe_backend='flashinfer_cutlass' does not run {method.scheme}: "
+                             + UNMAPPED_SCHEMES.get(method.scheme, "no FlashInfer path mapped"))
+        if method.scheme == "mxfp4":
+            missing = [n for n in MXFP4_API if not hasattr(self.api, n)]
+            if missing:
+                raise ValueError(f"moe_backend='flashinfer_cutlass' runs mxfp4 through "
+                                 f"FlashInfer's SM90 W4A16 layout, and this flashinfer-python "
+                                 f"has no {', '.join(missing)}: upgrade it ({INSTALL_HINT})")
+            self.kind = "mxfp4"
         if method.scheme == "fp8-block":
             if tuple(method.block) != (128, 128):
                 raise ValueError(f"moe_backend='flashinfer_cutlass' runs fp8-block with 128x128 "
@@ -251,11 +238,26 @@ class FlashInferCutlassExperts(MoEExperts):
         self._input_scales = (1.0 / s13, 1.0 / s2, s13, s2)
 
     def pack(self, tensors):
+        if self.kind == "mxfp4":
+            return mxfp4_to_flashinfer(tensors, self._interleave, self._fold_scales)
         if self.kind == "nvfp4":
             return nvfp4_to_flashinfer(tensors)
         if self.kind == "fp8-block":
             return fp8_block_to_flashinfer(tensors, self.scale_name)
         return unquantized_to_flashinfer(tensors, self.activation.gated)
+
+    def _interleave(self, w: torch.Tensor) -> torch.Tensor:
+        """FlashInfer's SM90 mixed-GEMM byte interleave of uint8 FP4 [E, rows, cols / 2]: a CUDA
+        kernel, so a host tensor (the expert cache's store) goes to the GPU and back."""
+        run_on = w.device
+        if w.device.type != "cuda" and torch.cuda.is_available():
+            run_on = torch.device("cuda", torch.cuda.current_device())
+        fn = getattr(self.api, MXFP4_API[0])
+        return fn(w.to(run_on).contiguous(), "fp4").to(w.device)
+
+    def _fold_scales(self, s: torch.Tensor) -> torch.Tensor:
+        """FlashInfer's fold of e8m0 scales [E, rows, cols / 32] (torch: any device)."""
+        return getattr(self.api, MXFP4_API[1])(s.contiguous(), 32)
 
     def apply_pairs(self, weights, x, topk_weights, ids, out):
         T, K = ids.shape
@@ -264,18 +266,21 @@ class FlashInferCutlassExperts(MoEExperts):
         max_tokens = capture_warm_up_tokens()
         if max_tokens is not None and not _capturing(x):
             self._warm_up(weights, x, max(max_tokens, T), K)
-        res = self._run(weights, x, topk_weights, ids)
+        res = self._run(weights, x, topk_weights, ids)[:, :x.shape[-1]]    # less H's padding
         # Rows of id -1 came back zero: keep what earlier waves wrote there.
-        out.copy_(torch.where((ids >= 0).unsqueeze(-1), res.view(T, K, -1), out))
+        out.copy_(torch.where((ids >= 0).unsqueeze(-1), res.reshape(T, K, -1), out))
 
     # ---- one call ---------------------------------------------------------------------------
     def _run(self, weights, x, topk_weights, ids) -> torch.Tensor:
-        """One kernel call over the T * K pair rows of ``ids`` [T, K] -> [T * K, H]."""
+        """One kernel call over the T * K pair rows of ``ids`` [T, K] -> [T * K, Hp], Hp the
+        hidden size ``pack`` padded to (fc2's rows; H but for MXFP4)."""
         T, K = ids.shape
         rows = T * K
-        xr = x.repeat_interleave(K, dim=0) if K > 1 else x.contiguous()   # row t*K + k: x[t]
-        res = torch.empty(rows, x.shape[-1], dtype=x.dtype, device=x.device)
         w1, w2, quant_scales = self._operands(weights)
+        Hp = w2.shape[1]
+        xp = F.pad(x, (0, Hp - x.shape[-1])) if Hp != x.shape[-1] else x
+        xr = xp.repeat_interleave(K, dim=0) if K > 1 else xp.contiguous()  # row t*K + k: x[t]
+        res = torch.empty(rows, Hp, dtype=x.dtype, device=x.device)
         kwargs = self._call_kwargs(weights, w2.shape[0], x.device)
         if self._has_workspace:
             kwargs["workspace_buffer"] = self._workspace(x, rows)
@@ -288,6 +293,10 @@ class FlashInferCutlassExperts(MoEExperts):
     def _operands(self, weights) -> tuple[torch.Tensor, torch.Tensor, list | None]:
         """(fc1 weights, fc2 weights, quant_scales) as FlashInfer takes them, from the slot (or
         expert) tensors of this call: views and [G]-sized products only."""
+        if self.kind == "mxfp4":
+            return (weights["w13_blocks"], weights["w2_blocks"],
+                    [weights["w13_scales"].view(torch.int32),
+                     weights["w2_scales"].view(torch.int32)])
         w13, w2 = weights["w13_weight"], weights["w2_weight"]
         if self.kind == "fp8-block":
             s = self.scale_name
@@ -308,8 +317,7 @@ class FlashInferCutlassExperts(MoEExperts):
         kw = dict(fc1_expert_biases=weights.get("w13_bias"),
                   fc2_expert_biases=weights.get("w2_bias"), activation_type=self._act_type,
                   use_fused_finalize=False)      # the deterministic finalize (top_k is 1 anyway)
-        if self.kind == "fp8-block":
-            kw["use_deepseek_fp8_block_scale"] = True
+        kw.update(_SCHEME_FLAGS.get(self.kind, {}))
         if self.activation.name == "swigluoai":
             kw.update(self._swiglu_params(G, device))
         return kw
@@ -344,13 +352,13 @@ class FlashInferCutlassExperts(MoEExperts):
         if rows <= self._ws_rows or not self._has_workspace:
             return
         w13, w2, _ = self._operands(weights)
-        G, H = w2.shape[0], x.shape[-1]
-        inter = weights["w2_weight"].shape[-1] * (2 if self.kind == "nvfp4" else 1)
+        G, Hp = w2.shape[0], w2.shape[1]                                  # padded: MXFP4
+        inter = w2.shape[-1] * _INNER_PER_ELEMENT.get(self.kind, 1)
         nbytes = self.api.cutlass_fused_moe_workspace_size(
-            rows, H, inter, G, 1, x_dtype=x.dtype, weight_dtype=w13.dtype, output_dtype=x.dtype,
-            activation_type=self._act_type, use_deepseek_fp8_block_scale=self.kind == "fp8-block",
-            use_fused_finalize=False, device=x.device)
+            rows, Hp, inter, G, 1, x_dtype=x.dtype, weight_dtype=w13.dtype, output_dtype=x.dtype,
+            activation_type=self._act_type, use_fused_finalize=False, device=x.device,
+            **_SCHEME_FLAGS.get(self.kind, {}))
         _WORKSPACE.ensure(x.device, int(nbytes))
         self._ws_rows = rows
         ids = (torch.arange(rows, device=x.device) % G).view(max_tokens, K)
-        self._run(weights, x.new_zeros(max_tokens, H), x.new_ones(max_tokens, K), ids)
+        self._run(weights, x.new_zeros(max_tokens, x.shape[-1]), x.new_ones(max_tokens, K), ids)
