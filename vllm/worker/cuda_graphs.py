@@ -33,6 +33,12 @@ the cost of a forward and a capture for every listed size before serving. A capt
 (e.g. a host sync inside the forward) is logged once; the step keeps its warm-up result and
 every later decode step runs eagerly.
 
+Host-side plans: an attention impl with a ``graph_planner(kv_cache)`` (``flashinfer_paged``,
+whose FlashInfer ``plan`` is host work that must not be captured) gets
+``plan_decode_graph(graph_md, seq_lens, block_tables)`` with the step's staged host rows [:P]
+(padding included) after each step is staged, before its warm-up or replay: outside the
+captured region, once per distinct planner.
+
 Eligibility (``cuda_graph_refusal``, logged once by the runner): every attention impl declares
 ``cuda_graph_safe``; so does every MoE backend (``MoEExperts``: ``grouped_mm`` and ``triton``,
 not the ``torch`` loop); a cached layer's provider has no ``cuda_graph_refusal`` (the fused
@@ -178,6 +184,8 @@ class CudaDecodeGraphs:
         self._entries: dict[int, _Entry] = {}
         self.refused: str | None = None
         """Why decode steps run eagerly from now on (a capture raised), or None."""
+        self._planners: list | None = None
+        """The distinct attention ``graph_planner``s of the model's bound caches (found once)."""
 
     @property
     def captured_sizes(self) -> list[int]:
@@ -198,6 +206,7 @@ class CudaDecodeGraphs:
             return None
         e = self._entries.get(P) or self._new_entry(P)
         self._stage(P, input_ids, positions, md)
+        self._plan(P, e)
         if e.replay is None:
             return self._warm_up_and_capture(P, e)[:B]
         return e.replay()[:B]
@@ -229,6 +238,19 @@ class CudaDecodeGraphs:
             dst[:P].copy_(src[:P], non_blocking=self.fence is not None)
         if self.fence is not None:
             self.fence.record()
+
+    def _plan(self, P: int, e: _Entry) -> None:
+        """Host-side per-step plans (module docstring), from the staged rows: never captured."""
+        if self._planners is None:
+            found = {}
+            for m in self.model.modules():
+                make = getattr(getattr(m, "impl", None), "graph_planner", None)
+                if make is not None and getattr(m, "kv_cache", None) is not None:
+                    planner = make(m.kv_cache)
+                    found[id(planner)] = planner
+            self._planners = list(found.values())
+        for planner in self._planners:
+            planner.plan_decode_graph(e.md, self.staging.seq_lens[:P], self.staging.tables[:P])
 
     def _run(self, P: int, e: _Entry) -> torch.Tensor:
         """The forward and logits over rows [:P] of the static inputs: [P, V]."""

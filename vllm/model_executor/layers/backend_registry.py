@@ -4,7 +4,8 @@ cannot run a query, and a selection that explains itself.
 Used by the MoE (``fused_moe/registry.py``) and attention (``attention/registry.py``) backends.
 A backend has ``name`` and ``refusal(query) -> reason | None``; a query has ``describe()``.
 "auto" tries ``order`` (the platform's preference), then every other registered backend in
-registration order; a forced name that cannot run the query is an error that names the reason
+registration order, skipping any whose ``auto`` attribute is False (forced-only: not yet run
+where it matters); a forced name that cannot run the query is an error that names the reason
 and the backends that would. Each distinct choice is logged once.
 """
 from __future__ import annotations
@@ -90,7 +91,8 @@ class BackendRegistry(Generic[B]):
     def select(self, q: Query, requested: str, order: Iterable[str]) -> B:
         """The backend for ``q``: ``requested`` if it can run it (else ValueError with the
         reason and the backends that would), or for "auto" the first of ``order`` then the
-        rest that can (else ValueError with every backend's reason)."""
+        rest that can, among those without ``auto = False`` (else ValueError with every such
+        backend's reason)."""
         if requested != "auto":
             backend = self.get(requested)
             reason = backend.refusal(q)
@@ -101,6 +103,7 @@ class BackendRegistry(Generic[B]):
         else:
             names = [n for n in order if n in self._backends]
             names += [n for n in self._backends if n not in names]
+            names = [n for n in names if getattr(self._backends[n], "auto", True)]
             reasons = {n: self._backends[n].refusal(q) for n in names}
             name = next((n for n in names if reasons[n] is None), None)
             if name is None:

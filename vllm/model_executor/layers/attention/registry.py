@@ -11,7 +11,10 @@ run the query is an error that names the reason and the backends that would. The
 Built in: ``cpu_paged`` (the C kernel, ``cpu_paged.py``: CPU, f32/bf16, contiguous cache),
 ``triton_paged`` (``triton_paged.py``: the Triton kernels; CUDA, or CPU under TRITON_INTERPRET=1;
 f16/bf16/f32, contiguous cache) and ``torch_sdpa`` (``torch_sdpa.py``: every platform, dtype and
-layout); all implement every feature.
+layout); all implement every feature. ``flashinfer_paged`` (``flashinfer_paged.py``:
+FlashInfer's paged prefill/decode wrappers; CUDA with flashinfer-python, fp16/bf16, head_dim
+64/128/256, sliding window and a shared K=V cache, sinks refused with the reason) has never run
+on a GPU: it is registered with ``auto=False``, so only a forced name selects it.
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ import torch
 from vllm.kernels.cpu.ops import KERNEL_DTYPES
 from vllm.kernels.triton import triton_refusal
 from vllm.model_executor.layers.attention.cpu_paged import CpuPagedAttention
+from vllm.model_executor.layers.attention.flashinfer_paged import (FLASHINFER_DTYPES,
+                                                                   UNSUPPORTED,
+                                                                   FlashInferPagedAttention,
+                                                                   flashinfer_paged_refusal)
 from vllm.model_executor.layers.attention.interface import (ATTENTION_FEATURES, AttentionImpl,
                                                             AttentionOptions)
 from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
@@ -66,6 +73,10 @@ class AttentionBackend:
     """The optional layer features it implements (of ``ATTENTION_FEATURES``)."""
     check: Callable[[AttentionQuery], str | None] | None = None
     """Further requirement (a package, the device type): the reason it fails, or None."""
+    unsupported: tuple[tuple[str, str], ...] = ()
+    """(feature, why it is not implemented): the reason a refusal gives for that feature."""
+    auto: bool = True
+    """False: "auto" never picks it (not yet run where it matters); only a forced name does."""
 
     def refusal(self, q: AttentionQuery) -> str | None:
         """Why this backend cannot run the query (the first requirement that fails), or None."""
@@ -76,7 +87,8 @@ class AttentionBackend:
         if self.needs_contiguous_cache and not q.contiguous:
             return "it needs a contiguous KV cache, this one is not"
         if q.features - self.features:
-            return f"it does not implement {sorted(q.features - self.features)}"
+            why = "".join(f"; {f}: {r}" for f, r in self.unsupported if f in q.features)
+            return f"it does not implement {sorted(q.features - self.features)}{why}"
         if self.needs_native_kernels and not q.platform.has_native_kernels(q.dtype):
             return (f"the {q.platform.name} kernels are not built or do not take {q.dtype} "
                     "(no C compiler, or VLLM_CPU_KERNELS=0)")
@@ -117,3 +129,10 @@ register_attention_backend(AttentionBackend(
     check=lambda q: triton_refusal(q.platform.device_type)))
 register_attention_backend(AttentionBackend("torch_sdpa", TorchSdpaAttention,
                                             features=ATTENTION_FEATURES))
+# Forced only (auto=False): never run on a GPU yet. ``make`` imports flashinfer; the registry
+# reaches it only after selecting the backend on CUDA.
+register_attention_backend(AttentionBackend(
+    "flashinfer_paged", FlashInferPagedAttention, platforms=("cuda",), dtypes=FLASHINFER_DTYPES,
+    needs_contiguous_cache=True, features=ATTENTION_FEATURES - UNSUPPORTED.keys(),
+    check=lambda q: flashinfer_paged_refusal(q.head_dim, q.platform.device_type),
+    unsupported=tuple(UNSUPPORTED.items()), auto=False))

@@ -68,6 +68,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIO
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery,
                                                                  capture_warm_up_tokens)
+from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
 
@@ -250,8 +251,8 @@ class FlashInferCutlassExperts(MoEExperts):
         """FlashInfer's SM90 mixed-GEMM byte interleave of uint8 FP4 [E, rows, cols / 2]: a CUDA
         kernel, so a host tensor (the expert cache's store) goes to the GPU and back."""
         run_on = w.device
-        if w.device.type != "cuda" and torch.cuda.is_available():
-            run_on = torch.device("cuda", torch.cuda.current_device())
+        if w.device.type != "cuda" and platform_for("cuda").is_available():
+            run_on = torch.device("cuda")            # the current device
         fn = getattr(self.api, MXFP4_API[0])
         return fn(w.to(run_on).contiguous(), "fp4").to(w.device)
 

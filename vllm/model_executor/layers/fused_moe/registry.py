@@ -136,15 +136,7 @@ def select_moe_backend(q: MoEKernelQuery, requested: str = "auto") -> MoEBackend
     """The backend for ``q``: ``requested`` if it can run it (else ValueError with the reason and
     the backends that would), or for "auto" the first in the platform's order that can, among
     the backends with ``auto`` set."""
-    registry = _REGISTRY
-    if requested == "auto":
-        # BackendRegistry.select tries the platform's order, then every other backend it holds:
-        # a view without the forced-only ones keeps them out of both.
-        registry = BackendRegistry(_REGISTRY.kind, _REGISTRY.option)
-        for name in _REGISTRY.names():
-            if _REGISTRY.get(name).auto:
-                registry.register(_REGISTRY.get(name))
-    return registry.select(q, requested, q.platform.moe_backends)
+    return _REGISTRY.select(q, requested, q.platform.moe_backends)
 
 
 # ---- built-in backends ---------------------------------------------------------------------
