@@ -13,14 +13,15 @@
  *
  * Quantized experts (moe_expert_pairs_quant: FP8 e4m3, INT4 GPTQ, NVFP4 and MXFP4,
  * weight-only): the same computation over codes packed by the cpu_kernel backend (layout and
- * dequantization: qgemm.h, qgemm_fp4.h; FP8 and INT4 with bf16 activations: qgemm_codes.h,
- * scales applied to f32 accumulators), gate and up as two matrices [N, H] (each with its own
- * group table or global scale), down as one [H, N].
+ * dequantization: qgemm.h, qgemm_fp4.h; bf16 activations: qgemm_codes.h (FP8, INT4) and
+ * qgemm_codes_fp4.h (NVFP4, MXFP4), scales applied to f32 accumulators), gate and up as two
+ * matrices [N, H] (each with its own group table or global scale), down as one [H, N].
  *
  * Invariant: a pair's value depends only on x[t], its expert's weights and its weight, never on
  * which other pairs are in the call: every output element is the one chain over the input dim
- * that gemm.h (or qgemm_codes.h) states for its dtype, whatever register tile computed it. So a
- * batch split into expert-cache waves, or a token batched with others, gives identical bits.
+ * that gemm.h (or qgemm_codes.h, qgemm_codes_fp4.h) states for its dtype, whatever register
+ * tile computed it. So a batch split into expert-cache waves, or a token batched with others,
+ * gives identical bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +31,7 @@
 #include "gemm.h"
 #include "qgemm.h"
 #include "qgemm_codes.h"
+#include "qgemm_codes_fp4.h"
 #include "qgemm_fp4.h"
 #include "vec.h"
 
@@ -104,8 +106,16 @@ static __attribute__((noinline)) void qmatmul_bf16(const void *a, int64_t M, con
                                                    int64_t ldy, void *wbuf) {
     qmatmul_bf16_act(a, M, q, n, cols, y, ldy, wbuf);     /* qgemm_codes.h */
 }
-QGEMM_COPY(fp4_matmul_f32, fp4_matmul, fp4mat, 0)
-QGEMM_COPY(fp4_matmul_bf16, fp4_matmul, fp4mat, 1)
+static __attribute__((noinline)) void fp4_matmul_f32(const void *a, int64_t M, const fp4mat *q,
+                                                     int64_t n, int64_t cols, float *y,
+                                                     int64_t ldy, void *wbuf) {
+    fp4_matmul(a, M, q, n, cols, y, ldy, wbuf);           /* qgemm_fp4.h */
+}
+static __attribute__((noinline)) void fp4_matmul_bf16(const void *a, int64_t M, const fp4mat *q,
+                                                      int64_t n, int64_t cols, float *y,
+                                                      int64_t ldy, void *wbuf) {
+    fp4_codes_matmul(a, M, q, n, cols, y, ldy, wbuf);     /* qgemm_codes_fp4.h */
+}
 
 /* y [M, cols] (row stride ldy) = a [M, n] @ quantized matrix h of the expert. */
 INLINE void qproject(const expert_w *ew, int h, const void *a, int64_t M, int bf16, int64_t n,

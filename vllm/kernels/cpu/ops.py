@@ -38,16 +38,23 @@ def prepack(w: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
 
 def pack_fp4_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 e2m1 codes [cols, n] (cols % 16 == 0, n even) -> qgemm_fp4.h's stream: gemm.h's
-    column blocks; in each, pair p of 16 columns is 16 bytes, byte 2j + r holding row 2p + r of
-    column j (low nibble) and of column 8 + j (high nibble)."""
+    column blocks; in each, pair of rows p is 16u-byte units of u 16-column vectors (u = width
+    // 16 in a full block, 1 in a narrower last one), where slot L = 32v + 2l + r (vector v,
+    column l, row 2p + r) is nibble L // 8u of 16-bit word L % 8u (little-endian): a shift and
+    one word-table permute turn a unit's words into a bf16 pair vector."""
     cols, n = codes.shape
     if cols % 16 or n % 2:
         raise ValueError(f"fp4 codes [{cols}, {n}]: need cols % 16 == 0 and an even input dim")
     block, parts = load_cpu_kernels().pack_block_width(), []
     for c in range(0, cols, block):
         blk = codes[c:c + block]
-        v = blk.reshape(blk.shape[0] // 16, 2, 8, n // 2, 2).permute(3, 0, 1, 2, 4)
-        parts.append((v[:, :, 0] | (v[:, :, 1] << 4)).reshape(-1))    # [p, vector, (j, r)]
+        u = block // 16 if blk.shape[0] == block else 1
+        units = blk.shape[0] // (16 * u)
+        slots = blk.reshape(units, u, 16, n // 2, 2).permute(3, 0, 1, 2, 4)   # [p, unit, L]
+        nib = slots.reshape(n // 2, units, 4, 8 * u)                      # nibble, word
+        words = torch.stack([nib[:, :, 0] | (nib[:, :, 1] << 4),         # little-endian bytes
+                             nib[:, :, 2] | (nib[:, :, 3] << 4)], dim=-1)
+        parts.append(words.reshape(-1))
     return torch.cat(parts).contiguous()
 
 

@@ -15,11 +15,11 @@ rounded to bf16 (the hidden activation once, the output once; tested within tole
 Quantized experts (FP8 e4m3 tensor/channel/block scales, GPTQ INT4, NVFP4, MXFP4) go through
 ``expert_pairs_cpu_quant`` over codes and scale tables packed by ``pack_quantized`` (layout:
 ``vllm/kernels/cpu/qgemm.h``, ``qgemm_fp4.h``), dequantized tile by tile inside the same GEMM:
-each output equals the unquantized kernel's on the dequantized weights, bit for bit, except FP8
-and INT4 (without act order) under bf16 activations (``qgemm_codes.h``): the codes' exact
-values run through the bf16 pair chain and the scales multiply f32 accumulators per group, so
-no weight is rounded to bf16 (within f32 rounding of a dequantize-then-matmul; still
-independent of the other pairs in the call).
+each output equals the unquantized kernel's on the dequantized weights, bit for bit, except
+under bf16 activations for FP8, INT4 (without act order), NVFP4 and MXFP4 (``qgemm_codes.h``,
+``qgemm_codes_fp4.h``): the codes' exact values run through the bf16 pair chain and the scales
+multiply f32 accumulators per group, so no weight is rounded to bf16 (within f32 rounding of a
+dequantize-then-matmul; still independent of the other pairs in the call).
 """
 from __future__ import annotations
 
