@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.fused_moe import _activation, _store_pairs, moe_align_block_size
-from vllm.kernels.triton.fused_moe_config import get_moe_config
-from vllm.kernels.triton.fused_moe_quant import _block_k, _check_inputs, _tile_ids
+from vllm.kernels.triton.fused_moe import _store_pairs
+from vllm.kernels.triton.fused_moe_quant import (_block_k, _check_inputs, _tile_ids,
+                                                run_pairs)
 
 FP4_GROUPS = {"nvfp4": 16, "mxfp4": 32}
 """Fp4Projection.kind -> inputs per scale byte (the GEMM's GROUP constexpr)."""
@@ -221,18 +221,8 @@ def fused_moe_fp4_pairs(x: torch.Tensor, w13: Fp4Projection, w2: Fp4Projection,
     b13 [G, 2N], b2 [G, H] in x's dtype; out [T, K, H] contiguous. Gated activations only."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2,
                   check=check_fp4_projection, who="fused_moe_fp4")
-    T, K = topk_ids.shape
-    G, H, N = w13.codes.shape[0], x.shape[1], w2.cols
-    P = T * K
-    if P == 0:
-        return
-    cfg = config or get_moe_config(G, N, T, device_name)
-    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G)
-    gate_up = x.new_empty(P, 2 * N)                  # [P, 2N] rows of the call's pairs
-    _fp4_gemm(x, w13, b13, gate_up, None, align, K, cfg)
-    act = x.new_empty(P, N)                          # [P, N]
-    _activation(gate_up, act, align, activation, alpha, limit, cfg["BLOCK_M"])
-    _fp4_gemm(act, w2, b2, out.view(P, H), topk_weights.reshape(P), align, 1, cfg)
+    run_pairs(_fp4_gemm, x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit,
+              b13, b2, config, device_name)
 
 
 def fused_moe_fp4(x: torch.Tensor, w13: Fp4Projection, w2: Fp4Projection,
