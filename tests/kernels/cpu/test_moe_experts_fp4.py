@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_builds import run_with_cflags
+from cpu_builds import assert_pairs_same_bits_in_build
 from pair_checks import assert_pairs_independent
 import torch.nn.functional as F
 
@@ -203,20 +203,7 @@ def test_codes_chain_same_bits_in_every_build(monkeypatch, flags):
         x = torch.randn(13, H, generator=torch.Generator().manual_seed(3)).bfloat16()
         assert torch.bincount(ids.flatten()).max() > 4
         cases.append((kernel, packed, x, wts, ids))
-
-    def run():
-        outs = []
-        for kernel, packed, x, wts, ids in cases:
-            for t in (1, 3, x.shape[0]):        # register tiles alone, and the block buffer
-                out = torch.zeros(t, ids.shape[1], x.shape[1], dtype=torch.bfloat16)
-                kernel.apply_pairs(packed, x[:t], wts[:t], ids[:t], out)
-                outs.append(out)
-        return outs
-
-    native = run()
-    portable = run_with_cflags(monkeypatch, flags, run)
-    for a, b in zip(native, portable):
-        assert torch.equal(a, b)
+    assert_pairs_same_bits_in_build(monkeypatch, flags, cases)
 
 
 def test_packed_codes_stay_4_bit():
