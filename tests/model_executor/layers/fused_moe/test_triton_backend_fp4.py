@@ -26,6 +26,7 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod, quantize_nvfp4
 from vllm.platforms import platform_for
 from model_executor.tiny_checkpoints import layer_config
+from greedy_runs import greedy_run
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
@@ -168,25 +169,13 @@ def quantized(request, tiny_model_factory, tmp_path_factory):
     return path
 
 
-def _run(path, **kw):
-    from vllm import LLM, SamplingParams
-    llm = LLM(path, device="cpu", dtype="float32", **kw)
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-    outs = llm.generate([[5, 17, 99, 3], [250, 7], list(range(40, 64))], params)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                for o in outs]
-    backends = {m.quant_method.backend_name for m in llm.llm_engine.runner.moe_layers}
-    return tokens, logprobs, backends, llm
-
-
 def test_fp4_tiny_model_tokens_equal_torch_backend(quantized):
-    ref, ref_lp, backends, _ = _run(quantized, moe_backend="torch", enforce_eager=True)
+    ref, ref_lp, backends, _ = greedy_run(quantized, moe_backend="torch", enforce_eager=True)
     assert backends == {"torch"}
-    got, got_lp, backends, _ = _run(quantized, moe_backend="triton")
+    got, got_lp, backends, _ = greedy_run(quantized, moe_backend="triton")
     assert backends == {"triton"}
     assert got == ref
     torch.testing.assert_close(got_lp, ref_lp, atol=1e-4, rtol=0)
-    cached, cached_lp, _, llm = _run(quantized, moe_backend="triton", moe_expert_cache_size=1)
+    cached, cached_lp, _, llm = greedy_run(quantized, moe_backend="triton", moe_expert_cache_size=1)
     assert (cached, cached_lp) == (got, got_lp)
     assert llm.get_moe_cache_stats()["misses"] > 0

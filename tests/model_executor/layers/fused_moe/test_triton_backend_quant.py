@@ -19,6 +19,7 @@ from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod, quantize_f
 from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod, quantize_gptq
 from vllm.platforms import platform_for
 from model_executor.tiny_checkpoints import layer_config
+from greedy_runs import greedy_run
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
@@ -111,23 +112,11 @@ def quantized(request, tiny_model_factory, tmp_path_factory):
     return path
 
 
-def _run(path, **kw):
-    from vllm import LLM, SamplingParams
-    llm = LLM(path, device="cpu", dtype="float32", **kw)
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
-    outs = llm.generate([[5, 17, 99, 3], [250, 7], list(range(40, 64))], params)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                for o in outs]
-    backends = {m.quant_method.backend_name for m in llm.llm_engine.runner.moe_layers}
-    return tokens, logprobs, backends, llm
-
-
 def test_quantized_tiny_model_tokens_equal_torch_backend(interpreted, quantized):
-    ref, ref_lp, backends, _ = _run(quantized, moe_backend="torch", enforce_eager=True)
+    ref, ref_lp, backends, _ = greedy_run(quantized, moe_backend="torch", enforce_eager=True)
     assert backends == {"torch"}
     for cache in (0, TOP_K):
-        got, got_lp, backends, llm = _run(quantized, moe_backend="triton",
+        got, got_lp, backends, llm = greedy_run(quantized, moe_backend="triton",
                                           moe_expert_cache_size=cache)
         assert backends == {"triton"}
         assert got == ref, f"moe_expert_cache_size={cache}"
