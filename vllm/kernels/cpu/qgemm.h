@@ -36,6 +36,53 @@
 
 typedef uint8_t vb16 __attribute__((vector_size(16), aligned(1)));
 
+/* Codes widened to 32-bit lanes, zero-extended: 16 bytes from p (widen_u8), 16 u16 from p
+ * (widen_u16), or a vh in a register (widen_vh). GCC 12 lowers __builtin_convertvector of an
+ * unaligned byte (or u16) vector to one scalar extract and insert per lane; vpmovzx* widen in
+ * one instruction (two 256-bit ones without AVX-512). The same values either way. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* two 256-bit halves as one vu (a 16-lane shuffle of them is lowered lane by lane there) */
+INLINE vu vu_cat(__m256i lo, __m256i hi) {
+    vu r;
+    memcpy(&r, &lo, sizeof(lo));
+    memcpy((char *)&r + sizeof(lo), &hi, sizeof(hi));
+    return r;
+}
+#endif
+
+INLINE vu widen_u8(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return vu_cat(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                  _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+#else
+    vb16 b;
+    memcpy(&b, p, sizeof(b));
+    return __builtin_convertvector(b, vu);
+#endif
+}
+
+INLINE vu widen_u16(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__)
+    return vu_cat(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
+                  _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+#else
+    vh h;
+    memcpy(&h, p, sizeof(h));
+    return __builtin_convertvector(h, vu);
+#endif
+}
+
+INLINE vu widen_vh(vh h) {
+    uint8_t b[sizeof(vh)];
+    memcpy(b, &h, sizeof(b));
+    return widen_u16(b);
+}
+
 typedef struct {
     const uint8_t *w;      /* packed codes (layout above) */
     const float *scale;    /* [groups, lds] */
@@ -72,9 +119,7 @@ INLINE void deq_pair(const qmat *q, const uint8_t *blk, int64_t bw, int64_t p, i
     memcpy(&s_e, se + c, sizeof(vf));
     memcpy(&s_o, so + c, sizeof(vf));
     if (q->int4) {
-        vb16 b;
-        memcpy(&b, blk + p * bw + c, sizeof(b));
-        const vu u = __builtin_convertvector(b, vu);
+        const vu u = widen_u8(blk + p * bw + c);
         vf z_e, z_o;
         memcpy(&z_e, ze + c, sizeof(vf));
         memcpy(&z_o, zo + c, sizeof(vf));
@@ -82,9 +127,7 @@ INLINE void deq_pair(const qmat *q, const uint8_t *blk, int64_t bw, int64_t p, i
         *odd = (__builtin_convertvector((vi)(u >> 4), vf) - z_o) * s_o;
         return;
     }
-    vh h;
-    memcpy(&h, blk + (p * bw + c) * 2, sizeof(h));
-    const vu u = __builtin_convertvector(h, vu);
+    const vu u = widen_u16(blk + (p * bw + c) * 2);
     *even = fp8_to_f32(u & 0xffu) * s_e;
     *odd = fp8_to_f32(u >> 8) * s_o;
 }
@@ -229,11 +272,10 @@ INLINE void qtile(const void *a, int TM, const qmat *q, const uint8_t *blk, int6
     }
     if (n & 1)      /* fp8 only (int4 needs n even): the last row, unpaired */
         for (int v = 0; v < CV; v++) {
-            vb16 b;
-            memcpy(&b, blk + (n - 1) * bw + c + v * LANES, sizeof(b));
+            const vu b = widen_u8(blk + (n - 1) * bw + c + v * LANES);
             vf s;
             memcpy(&s, q->scale + q->gidx[n - 1] * q->lds + col0 + c + v * LANES, sizeof(s));
-            const vf w = round_to(fp8_to_f32(__builtin_convertvector(b, vu)) * s, bf16);
+            const vf w = round_to(fp8_to_f32(b) * s, bf16);
             for (int m = 0; m < TM; m++)
                 acc[m][v] = vfma(splat(load1(a, bf16, m * n + n - 1)), w, acc[m][v]);
         }
@@ -304,11 +346,8 @@ INLINE void store_pair(const qmat *q, const uint8_t *blk, int64_t col0, int bf16
         return;
     }
     const vh he = f32_to_bf16v(e), ho = f32_to_bf16v(o);
-    bf16_t *d = (bf16_t *)buf + p * 2 * bw + 2 * c;
-    for (int l = 0; l < LANES; l++) {
-        d[2 * l] = he[l];
-        d[2 * l + 1] = ho[l];
-    }
+    const vu pr = widen_vh(he) | (widen_vh(ho) << 16);   /* lane l: he[l], then ho[l] */
+    memcpy((bf16_t *)buf + p * 2 * bw + 2 * c, &pr, sizeof(pr));
 }
 
 /* The block at col0 (width bw) dequantized into buf in gemm.h's packed layout for the
