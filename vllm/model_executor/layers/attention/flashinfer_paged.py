@@ -33,12 +33,11 @@ instead of slots and has no padding row.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from types import ModuleType
 
 import torch
 
+from vllm.kernels.flashinfer import flashinfer_refusal, import_flashinfer
 from vllm.kernels.triton import triton_refusal
 from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention.interface import AttentionImpl, AttentionOptions
@@ -49,7 +48,6 @@ HEAD_DIMS = (64, 128, 256)
 UNSUPPORTED = {"sinks": "FlashInfer 0.7.2 takes sink logits only on its trtllm-gen, cuDNN and "
                         "cute-dsl routes, not the fa2 paged kernels this backend plans"}
 """Attention features this backend does not run, and why."""
-INSTALL_HINT = "pip install flashinfer-python, or the 'cuda' extra: pip install -e '.[cuda]'"
 WORKSPACE_BYTES = 128 * 1024 * 1024
 """FlashInfer's recommended float workspace (split-KV partial results), one per device."""
 BACKEND = "fa2"
@@ -60,19 +58,13 @@ def flashinfer_paged_refusal(head_dim: int, device_type: str) -> str | None:
     """The registry's extra check (after platform, dtype, layout and features)."""
     if head_dim not in HEAD_DIMS:
         return f"it runs head_dim {list(HEAD_DIMS)}, not {head_dim}"
-    if importlib.util.find_spec("flashinfer") is None:
-        return f"the flashinfer-python package is not installed ({INSTALL_HINT})"
+    reason = flashinfer_refusal()
+    if reason is not None:
+        return reason
     reason = triton_refusal(device_type)        # the KV write
     return None if reason is None else f"its KV write is a Triton kernel: {reason}"
 
 
-def import_flashinfer() -> ModuleType:
-    """``flashinfer``, or ImportError naming the package and the extra."""
-    try:
-        return importlib.import_module("flashinfer")
-    except ImportError as e:
-        raise ImportError(f"attention_backend='flashinfer_paged' needs the flashinfer-python "
-                          f"package, which does not import ({e}): {INSTALL_HINT}") from e
 
 
 def plan_arrays(block_tables: torch.Tensor, seq_lens: list[int], block_size: int
@@ -184,7 +176,7 @@ class FlashInferPagedAttention(AttentionImpl):
         if refused:        # the registry refuses these first; a direct make fails the same way
             raise ValueError(f"attention_backend='flashinfer_paged' does not run {refused[0]}: "
                              f"{UNSUPPORTED[refused[0]]}")
-        self.api = api if api is not None else import_flashinfer()
+        self.api = api if api is not None else import_flashinfer("flashinfer", "attention_backend='flashinfer_paged'")
         from vllm.kernels.triton import paged_attention     # the KV write; optional package
         self._write = paged_attention.write_kv_cache
         window = options.sliding_window

@@ -52,14 +52,13 @@ is not run: FlashInfer's default tactics.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from vllm.kernels.flashinfer import INSTALL_HINT, flashinfer_refusal, import_flashinfer
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.flashinfer_cutlass_layouts import (  # noqa: F401
     MXFP4_ALIGN, fp8_block_to_flashinfer, mxfp4_to_flashinfer, nvfp4_to_flashinfer,
@@ -100,7 +99,6 @@ _SCHEME_FLAGS = {"fp8-block": {"use_deepseek_fp8_block_scale": True},
 """Keywords of ``cutlass_fused_moe`` and its workspace size that pick the scheme's runner."""
 _INNER_PER_ELEMENT = {"nvfp4": 16, "mxfp4": 2}
 """Inputs per element of fc2's last dim as passed (int64 of 16 FP4, uint8 of 2)."""
-INSTALL_HINT = "pip install flashinfer-python, or the 'cuda' extra: pip install -e '.[cuda]'"
 _ACTIVATION_TYPES = {"silu": "Swiglu", "gelu": "Geglu", "swigluoai": "SwigluBias",
                      "relu2_no_mul": "Relu2"}
 """Ours -> FlashInfer's ActivationType. Geglu is CUTLASS's erf GELU, as F.gelu's default;
@@ -119,8 +117,8 @@ def flashinfer_cutlass_refusal(q: MoEKernelQuery) -> str | None:
         return (f"it runs {q.scheme} on SM {', '.join(map(str, allowed))}, not "
                 + (f"SM {sm}" if sm is not None else "a device without a compute capability"))
     reason = _scheme_refusal(q)
-    if reason is None and importlib.util.find_spec("flashinfer") is None:
-        reason = f"the flashinfer-python package is not installed ({INSTALL_HINT})"
+    if reason is None:
+        reason = flashinfer_refusal()
     return reason
 
 
@@ -144,11 +142,7 @@ def _scheme_refusal(q: MoEKernelQuery) -> str | None:
 
 def import_flashinfer_moe() -> ModuleType:
     """``flashinfer.fused_moe`` (about 2.5 s to import), or ImportError naming the package."""
-    try:
-        return importlib.import_module("flashinfer.fused_moe")
-    except ImportError as e:
-        raise ImportError(f"moe_backend='flashinfer_cutlass' needs the flashinfer-python "
-                          f"package, which does not import ({e}): {INSTALL_HINT}") from e
+    return import_flashinfer("flashinfer.fused_moe", "moe_backend='flashinfer_cutlass'")
 
 
 # ---- the backend ---------------------------------------------------------------------------
