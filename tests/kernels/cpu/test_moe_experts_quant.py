@@ -1,11 +1,13 @@
 """The C expert kernel on FP8 (tensor, channel, block scales) and INT4 GPTQ experts
 (``qgemm.h``, ``qgemm_codes.h``), against a plain torch dequantize-then-matmul reference written
-here from the checkpoint layouts. f32 activations, and bf16 ones under GPTQ act order, run the
-unquantized kernel's chains on float(code - zero) * scale rounded to the activation dtype: bit
-for bit that kernel on the dequantized weights. bf16 activations otherwise feed the codes' exact
-values to the bf16 pair chain and scale f32 accumulators per group (``qgemm_codes.h``): within
-f32 rounding of the reference on the unrounded dequantized weights, the same bits in every
-build, and each pair's value independent of the others in the call.
+here from the checkpoint layouts. f32 activations run the unquantized kernel's chains on
+float(code - zero) * scale: bit for bit that kernel on the dequantized weights (under GPTQ act
+order on the input rows sorted by group, so within f32 summation order of it). bf16 activations
+feed the codes' exact values to the bf16 pair chain and scale f32 accumulators per group
+(``qgemm_codes.h``): within f32 rounding of the reference on the unrounded dequantized weights,
+the same bits in every build, and each pair's value independent of the others in the call. GPTQ
+act order is packed with each projection's rows sorted by group and its perm (``sort_groups``):
+bitwise the plain group-wise kernel on the gathered activations.
 """
 from __future__ import annotations
 
@@ -71,8 +73,9 @@ SCHEMES = {
 }
 FP8 = [s for s in SCHEMES if s.startswith("fp8")]
 GPTQ = [s for s in SCHEMES if s.startswith("gptq")]
-OLD_CHAIN = ["gptq-g32-asym-descact"]
-"""Schemes whose bf16 activations keep the dequantize-to-bf16 chain (groups not runs of pairs)."""
+ACT_ORDER = ["gptq-g32-asym-descact"]
+"""Schemes whose packed input rows are sorted by group (so f32 sums in another order than the
+unquantized kernel on the dequantized weights)."""
 
 
 def _experts(scheme, E, H, N, seed=0, activation="silu"):
@@ -137,7 +140,7 @@ def test_matches_dequantize_then_matmul(scheme, dtype):
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = torch.zeros(T, K, H, dtype=dtype)
     kernel.apply_pairs(packed, x, wts, ids, got)
-    codes_chain = dtype == torch.bfloat16 and scheme not in OLD_CHAIN
+    codes_chain = dtype == torch.bfloat16
     want = _reference(x, w13, w2, wts, ids, dtype, round_weights=not codes_chain)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     scale = 1.0 if dtype == torch.float32 else max(1.0, want.abs().max().item())
@@ -156,6 +159,8 @@ def test_matches_dequantize_then_matmul(scheme, dtype):
     torch.testing.assert_close(got.float(), via_torch.float(), atol=tol * scale, rtol=tol)
     # The dequantize-to-the-activation-dtype chains: bit for bit the unquantized kernel on the
     # dequantized weights in the activation dtype.
+    if scheme in ACT_ORDER:         # summed in the sorted order: test_act_order_is_... below
+        return
     plain = torch.zeros(T, K, H, dtype=dtype)
     expert_pairs_cpu(x, prepack(w13.to(dtype)), prepack(w2.to(dtype)), wts, ids, plain)
     assert torch.equal(got, plain) != codes_chain
@@ -180,7 +185,8 @@ def test_codes_chain_same_bits_in_every_build(monkeypatch, flags):
     AVX512-BF16 (and VBMI), through f32 elsewhere: the same values, so the same bits (odd input
     dims, ragged blocks, 1-3 token remainders, experts with more than 4 tokens included)."""
     cases = []
-    for scheme, (H, N) in (("fp8-block16x32", (200, 37)), ("gptq-g64-asym", (136, 40))):
+    for scheme, (H, N) in (("fp8-block16x32", (200, 37)), ("gptq-g64-asym", (136, 40)),
+                           ("gptq-g32-asym-descact", (136, 40))):
         kernel, packed, _, _, _, _ = _experts(scheme, 4, H, N, seed=11)
         ids, wts = _routing(13, 4, 2, seed=4)
         x = torch.randn(13, H, generator=torch.Generator().manual_seed(3)).bfloat16()
@@ -216,3 +222,63 @@ def test_scales_too_small_for_the_bf16_rounding_are_refused():
     raw["w2_weight_scale"][1, 3] = 2.0 ** -120
     with pytest.raises(ValueError, match=r"w2_weight_scale holds a scale of .* below 2\^-117"):
         kernel.pack(raw)
+
+
+# ---- GPTQ act order: rows sorted by group at pack time, activations gathered by the perm -------
+def test_act_order_packs_rows_sorted_by_group():
+    """Each projection's group table is packed sorted (stable argsort of g_idx), followed by
+    its perm; without act order the tables are as loaded and the perms -1 (nothing gathered)."""
+    E, H, N = 3, 136, 40
+    _, packed, _, raw, _, _ = _experts("gptq-g32-asym-descact", E, H, N, seed=5)
+    g13, g2 = packed["w13_g_idx"], packed["w2_g_idx"]
+    assert tuple(g13.shape) == (E, 4, H) and tuple(g2.shape) == (E, 2, N)
+    for e in range(E):
+        for groups, perm, loaded in ((g13[e, 0], g13[e, 2], raw["w13_g_idx"][e, 0]),
+                                     (g13[e, 1], g13[e, 3], raw["w13_g_idx"][e, 1]),
+                                     (g2[e, 0], g2[e, 1], raw["w2_g_idx"][e, 0])):
+            assert not bool((loaded[1:] >= loaded[:-1]).all())         # really act order
+            assert torch.equal(perm.long(), torch.argsort(loaded, stable=True))
+            assert torch.equal(groups, loaded[perm.long()])
+    _, plain, _, raw_plain, _, _ = _experts("gptq-g32-sym", 2, H, N)
+    assert torch.equal(plain["w13_g_idx"][:, :2], raw_plain["w13_g_idx"])
+    assert torch.equal(plain["w2_g_idx"][:, :1], raw_plain["w2_g_idx"])
+    assert bool((plain["w13_g_idx"][:, 2:] == -1).all() and (plain["w2_g_idx"][:, 1:] == -1).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_order_is_the_plain_kernel_on_gathered_activations(dtype):
+    """An act-order expert gives bitwise what the same packed codes give as a plain group-wise
+    matrix (perms cleared) on x[:, perm]: gate and up are quantized from proportional weights
+    (same column-norm order, so one perm), down with one group (rows in order). So bf16 takes
+    the codes chain and f32 the plain group chain, register tiles and block buffer alike."""
+    E, H, N = 3, 128, 32
+    method = GptqMoEMethod(32, False, True)
+    g = torch.Generator().manual_seed(9)
+    per_expert = []
+    for _ in range(E):
+        gate = torch.randn(N, H, generator=g) * 0.2
+        cks = [quantize_gptq(w, 32, False, True) for w in (gate, gate * 2)]    # exact: one order
+        cks.append(quantize_gptq(torch.randn(H, N, generator=g) * 0.2, N, False, True))
+        t = {}
+        for suffix in cks[0]:
+            gt, up, down = (method.load_transform(suffix, p, ck[suffix])
+                            for p, ck in zip(("w13", "w13", "w2"), cks))
+            t[f"w13_{suffix}"], t[f"w2_{suffix}"] = torch.cat([gt, up]), down
+        per_expert.append(method.process_expert(t))
+    kernel = CpuKernelExperts(MoEActivation.of("silu"))
+    kernel.bind_scheme(method)
+    packed = kernel.pack({n: torch.stack([t[n] for t in per_expert]) for n in per_expert[0]})
+    g13 = packed["w13_g_idx"]
+    cleared = dict(packed, w13_g_idx=g13.clone())
+    cleared["w13_g_idx"][:, 2:] = -1
+    assert bool((packed["w2_g_idx"][:, 1] == -1).all())
+    for e in range(E):
+        perm = g13[e, 2].long()
+        assert torch.equal(perm, g13[e, 3].long()) and not torch.equal(perm, torch.arange(H))
+        for T in (1, 3, 11):
+            x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
+            ids, wts = torch.full((T, 1), e), torch.rand(T, 1, generator=g)
+            got, want = torch.zeros(T, 1, H, dtype=dtype), torch.zeros(T, 1, H, dtype=dtype)
+            kernel.apply_pairs(packed, x, wts, ids, got)
+            kernel.apply_pairs(cleared, x[:, perm].contiguous(), wts, ids, want)
+            assert torch.equal(got, want), (e, T)

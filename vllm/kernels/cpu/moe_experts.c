@@ -89,7 +89,10 @@ typedef struct {
     qmat q[3];
     fp4mat f[3];
     int fp4;
+    const int32_t *perm[3];    /* INT4 act order: q[h]'s input rows sorted by group, row i of
+                                * the packed matrix being input perm[h][i]; NULL: in order */
     void *wbuf;                /* quantized: the thread's BLOCK * max(H, N) f32 block buffer */
+    void *pbuf;                /* with perms: CHUNK * max(H, N) f32, the gathered activations */
 } expert_w;
 
 /* The quantized GEMMs, one out-of-line copy per format and dtype (a copy inlined at each of
@@ -117,12 +120,34 @@ static __attribute__((noinline)) void fp4_matmul_bf16(const void *a, int64_t M, 
     fp4_codes_matmul(a, M, q, n, cols, y, ldy, wbuf);     /* qgemm_codes_fp4.h */
 }
 
-/* y [M, cols] (row stride ldy) = a [M, n] @ quantized matrix h of the expert. */
+/* dst [M, n] = a [M, n] with its columns gathered by perm: dst[m, i] = a[m, perm[i]] (a copy,
+ * so the same values: the matmul then sums a[perm[i]] * w[perm[i]] in the packed order). */
+INLINE const void *gather_columns(const void *a, int bf16, int64_t M, int64_t n,
+                                  const int32_t *perm, void *dst) {
+    for (int64_t m = 0; m < M; m++) {
+        if (bf16) {
+            const bf16_t *s = (const bf16_t *)a + m * n;
+            bf16_t *d = (bf16_t *)dst + m * n;
+            for (int64_t i = 0; i < n; i++) d[i] = s[perm[i]];
+        } else {
+            const float *s = (const float *)a + m * n;
+            float *d = (float *)dst + m * n;
+            for (int64_t i = 0; i < n; i++) d[i] = s[perm[i]];
+        }
+    }
+    return dst;
+}
+
+/* y [M, cols] (row stride ldy) = a [M, n] @ quantized matrix h of the expert (under act order:
+ * a's columns gathered by the matrix's perm first). */
 INLINE void qproject(const expert_w *ew, int h, const void *a, int64_t M, int bf16, int64_t n,
                      int64_t cols, float *y, int64_t ldy) {
-    if (ew->fp4) (bf16 ? fp4_matmul_bf16 : fp4_matmul_f32)(a, M, &ew->f[h], n, cols, y, ldy,
-                                                            ew->wbuf);
-    else (bf16 ? qmatmul_bf16 : qmatmul_f32)(a, M, &ew->q[h], n, cols, y, ldy, ew->wbuf);
+    if (ew->fp4) {
+        (bf16 ? fp4_matmul_bf16 : fp4_matmul_f32)(a, M, &ew->f[h], n, cols, y, ldy, ew->wbuf);
+        return;
+    }
+    if (ew->perm[h]) a = gather_columns(a, bf16, M, n, ew->perm[h], ew->pbuf);
+    (bf16 ? qmatmul_bf16 : qmatmul_f32)(a, M, &ew->q[h], n, cols, y, ldy, ew->wbuf);
 }
 
 /* gu [M, R] = xs @ w13: [gate | up] columns, or up alone (R = N). */
@@ -179,7 +204,9 @@ INLINE void expert_chunk(const void *x, const expert_w *ew, const void *b13,
 /* A layer's expert weights (rows of every tensor: experts, or cache slots). Quantized:
  * codes in w13/w2 (gate then up in w13), scale (and int4 zero) tables [ng13, R] and [ng2, H]
  * per expert (f32; FP4: bytes), group tables g13 [2, H] and g2 [1, N], per expert (gstride 1)
- * or shared (0; FP4: none, row i is in group i / (H / ng13) or i / (N / ng2)). FP4 global
+ * or shared (0; FP4: none, row i is in group i / (H / ng13) or i / (N / ng2)); gstride 2: per
+ * expert and followed by the act-order perms, g13 [4, H] (gate, up groups; gate, up perms) and
+ * g2 [2, N] (groups; perm), a perm's first entry -1 when its rows are in order. FP4 global
  * scales: z13 [R / N] and z2 [1] per expert (NULL: 1). */
 typedef struct {
     const void *w13, *w2;
@@ -229,6 +256,11 @@ static expert_w expert_weights(const layer_w *L, int64_t e, int64_t H, int64_t N
                          int4 ? L->z13 + s13 + h * N : NULL, g13 + h * H, R, int4};
     ew.q[2] = (qmat){(const uint8_t *)L->w2 + e * half, L->s2 + s2, int4 ? L->z2 + s2 : NULL,
                      g2, H, int4};
+    if (L->gstride == 2 && H > 0 && N > 0) {   /* perms after the groups; -1: rows in order */
+        for (int h = 0; h < 2; h++)
+            ew.perm[h] = g13[2 * H + h * H] >= 0 ? g13 + 2 * H + h * H : NULL;
+        ew.perm[2] = g2[N] >= 0 ? g2 + N : NULL;
+    }
     return ew;
 }
 
@@ -271,13 +303,15 @@ static int run_pairs(const void *x, const layer_w *L, const float *topk_w, const
     {
         const size_t chunk_floats = CHUNK * (size_t)(2 * H + 4 * N);
         const size_t wbuf_floats = L->qtype < 0 ? 0 : BLOCK * (size_t)(H > N ? H : N);
-        float *scratch = malloc(sizeof(float) * (chunk_floats + wbuf_floats));
+        const size_t pbuf_floats = L->gstride == 2 ? CHUNK * (size_t)(H > N ? H : N) : 0;
+        float *scratch = malloc(sizeof(float) * (chunk_floats + wbuf_floats + pbuf_floats));
         if (!scratch) failed = 1;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t e = 0; e < G; e++) {
             if (!scratch || start[e] == start[e + 1]) continue;
             expert_w ew = expert_weights(L, e, H, N, R, bf16);
             ew.wbuf = L->qtype < 0 ? NULL : scratch + chunk_floats;
+            ew.pbuf = scratch + chunk_floats + wbuf_floats;
             const void *eb13 = b13 ? (const char *)b13 + e * R * esz : NULL;
             const void *eb2 = b2 ? (const char *)b2 + e * H * esz : NULL;
             for (int64_t s = start[e]; s < start[e + 1]; s += CHUNK) {
@@ -311,10 +345,13 @@ int moe_expert_pairs(const void *x, const void *w13, const void *w2, const float
  * backend: codes w13 [G, R * H] / w2 [G, H * N] bytes (int4 and FP4: half), scales s13
  * [G, ng13, R], s2 [G, ng2, H] (f32; FP4: e4m3 / e8m0 bytes), int4 zero points z13, z2
  * likewise (f32; NULL for fp8), group tables g13 [2, H] and g2 [1, N] (int32) per expert when
- * gstride is 1, one shared table when 0. FP4: no group tables (g13, g2 unread; groups of
- * H / ng13 and N / ng2 consecutive rows, even, H and N multiples of 16) and z13 [G, R / N],
- * z2 [G, 1] the f32 global scales (NULL: 1). Other arguments as moe_expert_pairs. Returns -2
- * for a qtype or FP4 shape outside these. */
+ * gstride is 1, one shared table when 0; gstride 2 (int4, GPTQ act order packed by
+ * pack_quantized: codes of input rows sorted by group): per expert g13 [4, H], g2 [2, N], the
+ * groups then perm [H] of gate, of up, and [N] of down (packed row i is input row perm[i]; -1
+ * first: in order), the activations gathered by each perm before its matrix. FP4: no group
+ * tables (g13, g2 unread; groups of H / ng13 and N / ng2 consecutive rows, even, H and N
+ * multiples of 16) and z13 [G, R / N], z2 [G, 1] the f32 global scales (NULL: 1). Other
+ * arguments as moe_expert_pairs. Returns -2 for a qtype, gstride or FP4 shape outside these. */
 int moe_expert_pairs_quant(const void *x, const void *w13, const void *w2, const float *s13,
                            const float *s2, const float *z13, const float *z2,
                            const int32_t *g13, const int32_t *g2, const float *topk_w,
@@ -322,7 +359,8 @@ int moe_expert_pairs_quant(const void *x, const void *w13, const void *w2, const
                            int64_t H, int64_t N, int bf16, int act, const void *b13,
                            const void *b2, float alpha, float limit, int qtype, int64_t ng13,
                            int64_t ng2, int64_t gstride) {
-    if (qtype < 0 || qtype > 3) return -2;
+    if (qtype < 0 || qtype > 3 || gstride < 0 || gstride > 2 || (gstride == 2 && qtype != 1))
+        return -2;
     if (qtype >= 2 && (H % LANES || N % LANES || ng13 < 1 || ng2 < 1 || H % ng13 ||
                        N % ng2 || (H / ng13) % 2 || (N / ng2) % 2))
         return -2;

@@ -12,7 +12,9 @@
  * depends on the other rows in the call.
  *
  * The expert kernel runs these chains for f32 activations, and for bf16 ones only where the
- * groups are not runs of row pairs (GPTQ act order): other bf16 calls go through
+ * groups are not runs of row pairs (an odd-sized INT4 group; GPTQ act order reaches the kernel
+ * with its rows sorted by group, the activations gathered to match: moe_experts.c's
+ * qproject): other bf16 calls go through
  * qgemm_codes.h, which feeds the codes' exact values to vdpbf16ps and scales f32 accumulators
  * per group instead (other bits, the same invariant; its header states the chain).
  *
@@ -24,8 +26,9 @@
  *   int4: byte p * bw + c holds row 2p in its low nibble, 2p+1 in its high one (n even; a block
  *         is n * bw / 2 bytes, block c0 starts at byte c0 * n / 2).
  * Scales (and INT4 zero points, as f32) are [groups, lds] tables: group g of column c at
- * g * lds + c; gidx [n] gives the group of each input row (GPTQ's g_idx, act order included;
- * i / block for FP8, one group for per-tensor and per-channel scales).
+ * g * lds + c; gidx [n] gives the group of each input row (GPTQ's g_idx, any order, though the
+ * backend's pack sorts act order's rows by group; i / block for FP8, one group for per-tensor
+ * and per-channel scales).
  */
 #pragma once
 #include <stdint.h>
@@ -202,7 +205,7 @@ INLINE wpair deq_pair_bf16(int int4, const uint8_t *blk, int64_t bw, int64_t p, 
 #if defined(__AVX512BF16__)
 /* qtile's pair loop for bf16 activations: acc[m][v] over rows 0 .. n - n % 2. The scales are
  * remade only when a pair's groups change (once per tile for one group, per 128 rows for FP8
- * blocks, per pair at worst under act order). */
+ * blocks, per pair at worst for an unsorted g_idx). */
 INLINE void qpairs_bf16(const void *a, int TM, const qmat *q, int int4, const uint8_t *blk,
                         int64_t col0, int CV, int64_t n, int64_t bw, int64_t c,
                         vf acc[TM_MAX][CV_MAX]) {

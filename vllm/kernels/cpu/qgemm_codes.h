@@ -2,7 +2,8 @@
  * the codes' exact values go through the bf16 pair chain (vdpbf16ps) and the scales multiply
  * f32 accumulators, once per scale group. For column c, with groups as runs of input-row pairs
  * (both rows of a pair in one group, groups non-decreasing along the input dim: every FP8
- * scheme with an even block, GPTQ without act order):
+ * scheme with an even block, GPTQ with even groups: act order's rows are sorted by group at
+ * pack time, fused_moe/cpu_kernel.py's sort_groups):
  *
  *   part  = gemm.h's bf16 pair chain over the group's rows, from 0, on v(i, c):
  *             FP8:  v = the e4m3 code's value (exact in bf16, subnormals included; 0x7f: 480)
@@ -20,8 +21,9 @@
  * is within f32 rounding of sum_i a[i] * (v - zero) * scale (tests bound it against a torch
  * f32 dequantize-then-matmul), but no longer bitwise the unquantized kernel on
  * round_bf16((v - zero) * scale). f32 activations, and matrices whose groups are not runs of
- * pairs (INT4 under act order, FP8 blocks an odd number of inputs wide), keep qgemm.h's
- * dequantize-to-f32 chains (codes_grouped decides, per matrix, never per call size).
+ * pairs (INT4 groups of odd size or out of order, FP8 blocks an odd number of inputs wide),
+ * keep qgemm.h's dequantize-to-f32 chains (codes_grouped decides, per matrix, never per call
+ * size).
  *
  * Conversion with AVX512-BF16 (+ VBMI for FP8): FP8, 64 codes -> two bf16 pairs of 16 lanes
  * with two vpermi2b on 128-entry byte tables (high and low bf16 bytes of the magnitude), the

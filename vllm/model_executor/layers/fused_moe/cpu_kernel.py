@@ -16,10 +16,14 @@ Quantized experts (FP8 e4m3 tensor/channel/block scales, GPTQ INT4, NVFP4, MXFP4
 ``expert_pairs_cpu_quant`` over codes and scale tables packed by ``pack_quantized`` (layout:
 ``vllm/kernels/cpu/qgemm.h``, ``qgemm_fp4.h``), dequantized tile by tile inside the same GEMM:
 each output equals the unquantized kernel's on the dequantized weights, bit for bit, except
-under bf16 activations for FP8, INT4 (without act order), NVFP4 and MXFP4 (``qgemm_codes.h``,
+under bf16 activations for FP8, INT4, NVFP4 and MXFP4 (``qgemm_codes.h``,
 ``qgemm_codes_fp4.h``): the codes' exact values run through the bf16 pair chain and the scales
 multiply f32 accumulators per group, so no weight is rounded to bf16 (within f32 rounding of a
-dequantize-then-matmul; still independent of the other pairs in the call).
+dequantize-then-matmul; still independent of the other pairs in the call). GPTQ act order is
+packed as exllama / Marlin run it: each projection's input rows sorted by group
+(``sort_groups``), the perm stored after the group tables (so it travels with its expert), and
+the kernel gathers x[:, perm] before the GEMM, which then runs the plain group-wise chains (f32:
+the unquantized kernel's bits on the dequantized weights in the sorted row order).
 """
 from __future__ import annotations
 
@@ -130,7 +134,8 @@ class QuantLayout:
     canonical: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     """One expert's tensors (method layout) -> role -> w13 uint8 [R, H], w2 uint8 [H, N] (codes,
     output rows first), s13 f32 [groups, R], s2 [groups, H] (scale of group g, column c), z13/z2
-    likewise (int4), g13 int32 [2, H] (gate, up), g2 [1, N] (int4: GPTQ's g_idx). FP4: s13/s2
+    likewise (int4), g13 int32 [2, H] (gate, up), g2 [1, N] (int4: GPTQ's g_idx; ``pack``
+    sorts act order's rows by group and appends the perms: ``sort_groups``). FP4: s13/s2
     the scale bytes (e4m3 or uint8 e8m0) [groups, R] / [groups, H] of consecutive input groups,
     gs13 f32 [2] (gate, up) and gs2 [1] the global scales (nvfp4)."""
     block_in: int | None = None
@@ -182,6 +187,20 @@ def _check_fp4_scales(layout: QuantLayout, c: dict[str, torch.Tensor]) -> None:
                              f"flush their products); use moe_backend='torch'")
 
 
+def sort_groups(codes: torch.Tensor, g_idx: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ act order, as exllama and Marlin run it: codes [cols, n] and their g_idx [n] ->
+    (codes with the input rows (columns here) in the order perm = argsort(g_idx, stable), the
+    sorted g_idx, perm int32), so each group's rows are contiguous and the kernel runs its
+    plain group-wise chains on x[:, perm]. A g_idx already in order (no act order) is left as
+    it is, perm all -1 (the kernel gathers nothing: the same bits as before perms existed)."""
+    g = g_idx.to(torch.int32)
+    if g.numel() < 2 or bool((g[1:] >= g[:-1]).all()):
+        return codes, g, torch.full_like(g, -1)
+    perm = torch.argsort(g, stable=True)
+    return codes[:, perm].contiguous(), g[perm].contiguous(), perm.to(torch.int32)
+
+
 def pack_quantized(layout: QuantLayout, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One expert's tensors (method layout) -> the same names holding the kernel's layout."""
     c = layout.canonical(tensors)
@@ -201,7 +220,14 @@ def pack_quantized(layout: QuantLayout, tensors: dict[str, torch.Tensor]) -> dic
                              f"below 2^-117: the cpu_kernel backend's bf16 rounding would flush "
                              f"its products; use moe_backend='torch'")
     n = c["w13"].shape[0] // 2
-    packed = {"w13": torch.cat([pack_codes(c["w13"][:n], int4), pack_codes(c["w13"][n:], int4)]),
+    halves = [c["w13"][:n], c["w13"][n:]]
+    if int4:
+        halves[0], g_gate, p_gate = sort_groups(halves[0], c["g13"][0])
+        halves[1], g_up, p_up = sort_groups(halves[1], c["g13"][1])
+        w2, g2, p2 = sort_groups(c["w2"], c["g2"][0])
+        c = dict(c, w2=w2, g13=torch.stack([g_gate, g_up, p_gate, p_up]),
+                 g2=torch.stack([g2, p2]))
+    packed = {"w13": torch.cat([pack_codes(h, int4) for h in halves]),
               "w2": pack_codes(c["w2"], int4)}
     packed |= {r: c[r].to(torch.float32).reshape(-1).contiguous() for r in ("s13", "s2", "z13", "z2")
                if r in layout.names}
@@ -233,6 +259,21 @@ def _packed_groups(layout: QuantLayout, w: dict[str, torch.Tensor],
                          f"{tuple(w['w2'].shape)}, scales {tuple(w['s13'].shape)}, "
                          f"{tuple(w['s2'].shape)} do not fit H={H}, N={N} ({layout.kind})")
     return ng13, ng2
+
+
+def _group_stride(g13: torch.Tensor | None, g2: torch.Tensor | None, per_expert: bool) -> int:
+    """The kernel's gstride: 0 shared group tables (fp8; FP4 reads none), 1 per expert g13
+    [G, 2, H], g2 [G, 1, N], 2 per expert with act order's perms after the groups (int4 as
+    ``pack_quantized`` packs it: g13 [G, 4, H] gate, up groups then gate, up perms; g2
+    [G, 2, N])."""
+    if not per_expert:
+        return 0
+    rows13, rows2 = g13.shape[-2] if g13.dim() > 1 else 1, g2.shape[-2] if g2.dim() > 1 else 1
+    if rows13 not in (2, 4) or rows2 != rows13 // 2:
+        raise ValueError(f"expert_pairs_cpu_quant: group tables {tuple(g13.shape)}, "
+                         f"{tuple(g2.shape)} are neither [G, 2, H], [G, 1, N] nor (with act "
+                         f"order's perms) [G, 4, H], [G, 2, N]")
+    return rows13 // 2
 
 
 def expert_pairs_cpu_quant(x: torch.Tensor, layout: QuantLayout, w: dict[str, torch.Tensor],
@@ -271,7 +312,7 @@ def expert_pairs_cpu_quant(x: torch.Tensor, layout: QuantLayout, w: dict[str, to
         ptr(g13), ptr(g2), wts.data_ptr(), ids.data_ptr(), out.data_ptr(), T, top_k,
         G, H, N, _DTYPES[dtype], _ACTIVATIONS[activation.name], ptr(b13), ptr(b2),
         activation.alpha, activation.limit, QTYPES[layout.kind], ng13, ng2,
-        int(shared_groups is None and not fp4))
+        _group_stride(g13, g2, shared_groups is None and not fp4))
     if rc == -2:
         raise ValueError(f"expert_pairs_cpu_quant: the kernel refused qtype {layout.kind} with "
                          f"H={H}, N={N}, {ng13} / {ng2} scale groups")

@@ -111,8 +111,9 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
 
     def cpu_kernel_layout(self):
         """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm.h): int4
-        values, f32 scale and zero-point tables [groups, columns], g_idx as loaded (act order
-        included: the kernel looks up each input row's group)."""
+        values, f32 scale and zero-point tables [groups, columns], g_idx as loaded; under act
+        order ``pack`` sorts each projection's input rows by group and keeps the permutation
+        beside the groups, and the kernel gathers the activations by it."""
         from vllm.model_executor.layers.fused_moe.cpu_kernel import QuantLayout
         roles = {"w13": "qweight", "w2": "qweight", "s13": "scales", "s2": "scales",
                  "z13": "qzeros", "z2": "qzeros", "g13": "g_idx", "g2": "g_idx"}
