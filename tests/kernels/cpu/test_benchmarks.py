@@ -65,3 +65,18 @@ def test_benchmark_quantization_speed_rows(capsys):
                for r in rows)
     bf16, gptq = rows[0]["bytes_per_expert"], rows[-1]["bytes_per_expert"]
     assert gptq < bf16 / 2
+
+
+def test_benchmark_quant_layer_cpu_rows(capsys):
+    """A row per scheme, dtype and token count, as printed; act order and FP8 both run."""
+    import json
+    _load("benchmark_quant_layer_cpu").main(
+        ["--schemes", "fp8-block", "gptq-g32-sym-descact", "--experts", "4", "--top-k", "2",
+         "--hidden", "128", "--inter", "64", "--tokens", "1", "3", "--reps", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["scheme"], r["dtype"], r["tokens"]) for r in result["rows"]] == [
+        (s, d, t) for s in ("fp8-block", "gptq-g32-sym-descact")
+        for d in ("float32", "bfloat16") for t in (1, 3)]
+    assert all(r["best_us"] > 0 for r in result["rows"])
+    with pytest.raises(SystemExit, match="unknown scheme 'gptq-x'"):
+        _load("benchmark_quant_layer_cpu").main(["--schemes", "gptq-x"])
