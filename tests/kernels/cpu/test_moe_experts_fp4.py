@@ -192,8 +192,9 @@ def test_batch_invariant_and_slot_rows(scheme, dtype):
 def test_codes_chain_same_bits_in_every_build(monkeypatch, flags):
     """The bf16 codes chain converts codes with vpsrlw / vpsrlvw and a vpermw table where the
     build has AVX512-BF16, through f32 elsewhere (AVX-512 without BF16, or AVX2 in the
-    -mno-avx512f build): the same values, so the same bits. Full and ragged 64-column blocks (NVFP4: w13 one block of 48 columns, w2
-    64 + 16; MXFP4: 64, and 64 + 32), 1-3 token remainders, experts with more than 4 tokens."""
+    -mno-avx512f build): the same values, so the same bits. Full and ragged 64-column blocks
+    (NVFP4: w13 one block of 48 columns, w2 64 + 16; MXFP4: 64, and 64 + 32), 1-3 token
+    remainders, experts with more than 4 tokens."""
     cases = []
     for scheme in ("nvfp4-random", "mxfp4-gpt-oss"):
         H, N = SHAPES[scheme]

@@ -20,8 +20,8 @@ global scale. Every tensor is indexed by the same id as the codes (expert or cac
 Index arithmetic is int64 wherever a product can pass 2^31; no host read (CUDA-graph safe).
 
 NOT YET RUN ON A GPU: tested under Triton's interpreter on CPU and compiled for SM90/SM120
-(tests/build/test_triton_compile_fused_moe_fp4.py); block sizes are the untuned unquantized tables (``fused_moe_config``), with BLOCK_K at
-least one scale group.
+(tests/build/test_triton_compile_fused_moe_fp4.py); block sizes are the untuned unquantized
+tables (``fused_moe_config``), with BLOCK_K at least one scale group.
 """
 from __future__ import annotations
 

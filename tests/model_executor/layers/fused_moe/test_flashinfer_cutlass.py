@@ -256,8 +256,8 @@ def test_auto_fails_rather_than_pick_it(installed, monkeypatch):
                                                       r"only"),
     (query(dtype=torch.float32, platform=FakeCuda(90)), r"it takes dtypes .*not torch.float32"),
     (query("fp8-tensor", platform=FakeCuda(90)), r"it handles schemes \['unquantized', "
-                                                 r"'fp8-block', 'nvfp4', 'mxfp4', 'w4a16-gptq'\], not "
-                                                 r"'fp8-tensor'"),
+                                                 r"'fp8-block', 'nvfp4', 'mxfp4', "
+                                                 r"'w4a16-gptq'\], not 'fp8-tensor'"),
     (query("nvfp4", platform=FakeCuda(100), inter=64), r"nvfp4 with intermediate_size a "
                                                        r"multiple of 128, not 64"),
     (query(platform=FakeCuda(90), hidden=36), r"hidden_size a multiple of 8, not 36"),

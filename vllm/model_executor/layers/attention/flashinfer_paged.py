@@ -176,7 +176,8 @@ class FlashInferPagedAttention(AttentionImpl):
         if refused:        # the registry refuses these first; a direct make fails the same way
             raise ValueError(f"attention_backend='flashinfer_paged' does not run {refused[0]}: "
                              f"{UNSUPPORTED[refused[0]]}")
-        self.api = api if api is not None else import_flashinfer("flashinfer", "attention_backend='flashinfer_paged'")
+        self.api = api if api is not None else import_flashinfer(
+            "flashinfer", "attention_backend='flashinfer_paged'")
         from vllm.kernels.triton import paged_attention     # the KV write; optional package
         self._write = paged_attention.write_kv_cache
         window = options.sliding_window

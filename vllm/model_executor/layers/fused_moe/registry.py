@@ -20,8 +20,8 @@ under ``TRITON_INTERPRET=1``; not yet run on a GPU.
 
 ``flashinfer_cutlass`` (FlashInfer's CUTLASS fused MoE, ``flashinfer_cutlass.py``: unquantized
 fp16/bf16, FP8 128x128 blocks on SM90, NVFP4 on SM10x-12x, MXFP4 W4A16 on SM90; CUDA with
-flashinfer-python; GPTQ INT4 refused with the reason) has never
-run on a GPU: it is registered with ``auto=False``, so only a forced name selects it.
+flashinfer-python; GPTQ INT4 refused with the reason) has never run on a GPU: it is registered
+with ``auto=False``, so only a forced name selects it.
 """
 from __future__ import annotations
 
@@ -258,5 +258,6 @@ register_moe_backend(MoEBackend(
 # reaches it only after selecting the backend on CUDA.
 register_moe_backend(MoEBackend(
     "flashinfer_cutlass", lambda act, deq: FlashInferCutlassExperts(act),
-    schemes=FLASHINFER_SCHEMES + tuple(UNMAPPED_SCHEMES), platforms=("cuda",), dtypes=FLASHINFER_DTYPES,
+    schemes=FLASHINFER_SCHEMES + tuple(UNMAPPED_SCHEMES), platforms=("cuda",),
+    dtypes=FLASHINFER_DTYPES,
     activations=MOE_ACTIVATIONS, bias=True, check=flashinfer_cutlass_refusal, auto=False))
