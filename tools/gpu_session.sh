@@ -9,7 +9,8 @@
 # Everything it writes goes to $OUT (the device tool's return folder; /tmp/gpu-out elsewhere):
 # logs and one JSON per benchmark, for docs/benchmarks.md. The offload stage needs the trace in
 # the working tree: copy ../shared/traces/deepseek-v2-lite.npz to .traces/ (ignored) and name
-# .traces in the device tool's carry.
+# .traces in the device tool's carry. For the CUTLASS kernel, download nvidia-cutlass into .whl/
+# (the device README's command, NAME==VERSION nvidia-cutlass==4.2.0.0) and carry .whl too.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -24,7 +25,15 @@ install() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton',
 triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+    # Wheels carried in .whl/ (nvidia-cutlass: the CUTLASS headers the W4A16 grouped GEMM of
+    # vllm._C is built with; the machine has no network).
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    fi
     python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+    python3 -c "import torch, vllm._C; print('vllm._C:', {n: hasattr(torch.ops._C, n)
+for n in ('expert_gather', 'w4a16_moe_mm')})" | tee -a "$OUT/gpu.txt"
 }
 
 case "$stage" in

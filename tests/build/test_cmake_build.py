@@ -80,3 +80,25 @@ def test_module_imports_as_vllm_C(built, tmp_path):
                           cwd=tmp_path / "pkg", env={**os.environ, "PYTHONPATH": ""})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True"
+
+
+def test_w4a16_moe_mm_is_built_with_cutlass(built):
+    """With nvidia-cutlass installed, the CUTLASS W4A16 grouped GEMM is compiled (9.0a) and its
+    two ops registered; without it, the build says so and leaves them out."""
+    build, log = built
+    try:
+        import cutlass_library  # noqa: F401
+    except ImportError:
+        assert "W4A16 grouped GEMM (CUTLASS, SM90): not built" in log
+        return
+    assert "W4A16 grouped GEMM (CUTLASS, SM90): built" in log
+    [lib] = build.glob("_C*.so")
+    code = ("import torch, sys; torch.ops.load_library(sys.argv[1]); "
+            "print(torch.ops._C.w4a16_moe_mm.default._schema); "
+            "print(torch.ops._C.w4a16_moe_mm_workspace_size.default._schema)")
+    proc = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "_C::w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor zeros, Tensor(a!) d, "
+        "Tensor expert_offsets, int group_size, Tensor(b!) workspace) -> ()",
+        "_C::w4a16_moe_mm_workspace_size(int num_groups, int device) -> int"]

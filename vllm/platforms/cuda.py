@@ -118,6 +118,9 @@ class CudaPlatform(Platform):
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return _triton_residency_step()
 
+    def w4a16_moe_ops(self) -> cuda_ops.W4A16MoEOps | None:
+        return cuda_ops.w4a16_moe_ops()
+
     def elementwise_ops(self) -> ElementwiseOps | None:
         return _triton_elementwise_ops()
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.kernels.cuda.ops import W4A16MoEOps
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class Platform:
         """The expert cache's fused residency step on this platform
         (``vllm.kernels.cpu.moe_cache.residency_step``'s contract), or None: the cache then runs
         the tensor-op reference (``expert_cache/residency_step.py``)."""
+        return None
+
+    def w4a16_moe_ops(self) -> W4A16MoEOps | None:
+        """The compiled W4A16 grouped GEMM of the ``cutlass_w4a16`` MoE backend and its
+        workspace size (``kernels/cuda/ops.W4A16MoEOps``), or None where it is not built."""
         return None
 
     def elementwise_ops(self) -> ElementwiseOps | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -41,3 +43,57 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
     dtype and row shape; experts, slots int64 [n] and valid bool [n] on dst's device. Invalid
     entries are skipped unread; no host sync (capturable in a CUDA graph)."""
     torch.ops._C.expert_gather(src, dst, experts, slots, valid)
+
+
+W4A16_TILE_K = 64
+"""K per mainloop tile of the CUTLASS W4A16 grouped GEMM (128 bytes of bf16): a scale group
+must be the whole K or a multiple of it (CUTLASS's ``chunk_size`` rule)."""
+
+
+def has_w4a16_moe_mm() -> bool:
+    """Whether ``vllm._C`` was built with the CUTLASS W4A16 grouped GEMM (it needs the CUTLASS
+    headers at build time: ``pip install nvidia-cutlass``, docs/build.md)."""
+    return load_cuda_ops() and hasattr(torch.ops._C, "w4a16_moe_mm")
+
+
+def w4a16_moe_mm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 d: torch.Tensor, expert_offsets: torch.Tensor, group_size: int,
+                 workspace: torch.Tensor) -> None:
+    """CUTLASS's SM90 mixed-input grouped GEMM (csrc/moe/w4a16_moe_mm.cu), one launch plus a
+    one-block setup kernel, no host sync (capturable). For each group g < G, rows
+    r in [off[g], off[g + 1]) of ``a``:
+
+        d[r, n] = sum_k a[r, k] * W_g[n, k],
+        W_g[n, k] = q_g[n, k] * scales[g, k // group_size, n] + zeros[g, k // group_size, n]
+
+    q_g[n, k]: the signed int4 (two's complement, -8..7) in byte w[g, n, k // 2], k even in the
+    low nibble. a bf16 [P, K]; w uint8 [G, N, K / 2]; scales, zeros bf16 [G, K / group_size, N];
+    d bf16 [P, N]; expert_offsets int64 [G + 1], nondecreasing, off[G] <= P; all contiguous on
+    one SM 9.0 device. Rows outside [off[0], off[G]) of ``d`` are not written. ``group_size`` is
+    K or a multiple of ``W4A16_TILE_K``; K a multiple of 64, N of 8. ``workspace``: uint8, at
+    least ``w4a16_moe_mm_workspace_bytes(G, d.device)`` bytes on d's device."""
+    torch.ops._C.w4a16_moe_mm(a, w, scales, zeros, d, expert_offsets, group_size, workspace)
+
+
+def w4a16_moe_mm_workspace_bytes(num_groups: int, device: torch.device) -> int:
+    """Bytes of the workspace ``w4a16_moe_mm`` needs for ``num_groups`` groups on ``device``
+    (pointer and shape arrays, CUTLASS's per-SM tensormaps): fixed for a layer, so it is
+    allocated once, outside any capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.ops._C.w4a16_moe_mm_workspace_size(num_groups, index))
+
+
+@dataclass(frozen=True)
+class W4A16MoEOps:
+    """The W4A16 grouped GEMM and its workspace size (the two functions above), as the CUDA
+    platform hands them to the ``cutlass_w4a16`` MoE backend; tests pass a torch stand-in with
+    the same contract."""
+    mm: Callable[..., None]
+    workspace_bytes: Callable[[int, torch.device], int]
+
+
+def w4a16_moe_ops() -> W4A16MoEOps | None:
+    """The compiled ops, or None where ``vllm._C`` lacks them."""
+    if not has_w4a16_moe_mm():
+        return None
+    return W4A16MoEOps(w4a16_moe_mm, w4a16_moe_mm_workspace_bytes)

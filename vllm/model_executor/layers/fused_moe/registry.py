@@ -22,6 +22,11 @@ under ``TRITON_INTERPRET=1``; not yet run on a GPU.
 fp16/bf16, FP8 128x128 blocks on SM90, NVFP4 on SM10x-12x, MXFP4 W4A16 on SM90; CUDA with
 flashinfer-python; GPTQ INT4 refused with the reason) has never run on a GPU: it is registered
 with ``auto=False``, so only a forced name selects it.
+
+``cutlass_w4a16`` (``cutlass_w4a16.py``: GPTQ INT4 experts, ``w4a16-gptq`` without act order,
+group size the whole input or a multiple of 64, on CUTLASS's SM90 mixed-input grouped GEMM from
+``vllm._C``; bf16, gated activations, SM 9.0, hidden and intermediate sizes multiples of 64) has
+never run on a GPU either: ``auto=False``, forced only.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from vllm.model_executor.layers.backend_registry import BackendRegistry
 from vllm.model_executor.layers.fused_moe.cpu_kernel import (QuantLayout, expert_pairs_cpu,
                                                             expert_pairs_cpu_quant,
                                                             pack_quantized)
+from vllm.model_executor.layers.fused_moe.cutlass_w4a16 import (CutlassW4A16Experts,
+                                                                cutlass_w4a16_refusal)
 from vllm.model_executor.layers.fused_moe.flashinfer_cutlass import (FLASHINFER_DTYPES,
                                                                      FLASHINFER_SCHEMES,
                                                                      FlashInferCutlassExperts,
@@ -261,3 +268,9 @@ register_moe_backend(MoEBackend(
     schemes=FLASHINFER_SCHEMES + tuple(UNMAPPED_SCHEMES), platforms=("cuda",),
     dtypes=FLASHINFER_DTYPES,
     activations=MOE_ACTIVATIONS, bias=True, check=flashinfer_cutlass_refusal, auto=False))
+# Forced only (auto=False): the CUTLASS W4A16 grouped GEMM has never run on a GPU. The quant
+# method hands it the GPTQ layout through ``bind_scheme``; its ``pack`` repacks per expert.
+register_moe_backend(MoEBackend(
+    "cutlass_w4a16", lambda act, deq: CutlassW4A16Experts(act), schemes=("w4a16-gptq",),
+    platforms=("cuda",), dtypes=(torch.bfloat16,), activations=GATED_ACTIVATIONS, bias=False,
+    min_capability=90, max_capability=90, check=cutlass_w4a16_refusal, auto=False))
