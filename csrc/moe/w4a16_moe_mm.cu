@@ -38,6 +38,7 @@ using ElementW = cutlass::int4b_t;
 using ElementScale = cutlass::bfloat16_t;  // the MMA type: the collective scales in it
 using ElementD = cutlass::bfloat16_t;
 using Accum = float;
+static_assert(sizeof(ElementW) == 1, "setup_groups offsets the int4 weights in bytes");
 
 // The user-facing layouts (d = a @ W^T), transposed for swap AB below.
 using LayoutAct = cutlass::layout::RowMajor;   // a [M, K]
@@ -138,8 +139,10 @@ __global__ void setup_groups(GroupArrays arr, const int64_t* __restrict__ offset
     const int64_t first = offsets[g];
     const int m = static_cast<int>(offsets[g + 1] - first);
     arr.shapes[g] = Shape3(n, m, k);
-    // int4 pointers count elements: two per byte.
-    arr.w[g] = w + g * static_cast<int64_t>(n) * k;
+    // sizeof(int4b_t) is 1 (a byte of storage), so int4b_t* arithmetic steps in bytes, not
+    // elements: an expert's n * k values are n * k / 2 bytes (CUTLASS's own examples offset
+    // int4 operands in bytes too). CuTe reads the elements through a subbyte iterator.
+    arr.w[g] = w + g * static_cast<int64_t>(n) * k / 2;
     arr.act[g] = a + first * k;
     arr.s[g] = s + g * static_cast<int64_t>(scale_k) * n;
     arr.z[g] = z + g * static_cast<int64_t>(scale_k) * n;
