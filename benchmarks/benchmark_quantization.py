@@ -219,6 +219,22 @@ def decode_rate(llm, b: int, tokens: int) -> float:
     return b * tokens / (time.perf_counter() - t0)
 
 
+def _device_name() -> str:
+    """Where the engines ran (the platform's default device)."""
+    from vllm.platforms import platform_for, resolve_device
+    return platform_for(resolve_device("auto")).device_name()
+
+
+def backend_for(spec: list[str], scheme: str) -> str:
+    """``--moe-backend``: one name for every scheme, or SCHEME=NAME pairs (others: auto)."""
+    if len(spec) == 1 and "=" not in spec[0]:
+        return spec[0]
+    pairs = dict(s.split("=", 1) for s in spec if "=" in s)
+    if len(pairs) != len(spec):
+        raise SystemExit(f"--moe-backend {' '.join(spec)}: give one name, or SCHEME=NAME pairs")
+    return pairs.get(scheme, "auto")
+
+
 def speed(args, work: str) -> None:
     """Every (scheme, cache) engine is loaded first, then timed round-robin, ``speed_reps``
     rounds, each row's median reported: on a shared machine the load drifts, and interleaving
@@ -229,9 +245,10 @@ def speed(args, work: str) -> None:
     schemes += ["gpt-oss-bf16", "mxfp4"] if "mxfp4" in args.schemes else []
     for scheme in schemes:
         qdir = speed_checkpoint(scheme, work, args.speed_shape)
-        per, _, _ = expert_bytes(qdir, "bfloat16", args.moe_backend)
+        backend = backend_for(args.moe_backend, scheme)
+        per, _, _ = expert_bytes(qdir, "bfloat16", backend)
         for cache in (0, E // 4):
-            llm, load_s = load_engine(qdir, cache, args.moe_backend, batches)
+            llm, load_s = load_engine(qdir, cache, backend, batches)
             engines.append(llm)
             rows.append({"scheme": scheme, "cache": cache, "bytes_per_expert": per,
                          "load_s": load_s, "backend": llm.llm_engine.runner.moe_layers[0]
@@ -244,8 +261,13 @@ def speed(args, work: str) -> None:
     for row, r in zip(rows, rates):
         row |= {f"tok_s_b{b}": sorted(v)[len(v) // 2] for b, v in r.items()}
     if args.json:
-        print(json.dumps({"shape": dict(hidden=H, moe_intermediate=I, experts=E, layers=L),
-                          "threads": torch.get_num_threads(), "rows": rows}))
+        text = json.dumps({"shape": dict(hidden=H, moe_intermediate=I, experts=E, layers=L),
+                           "device": _device_name(), "threads": torch.get_num_threads(),
+                           "rows": rows})
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
         return
     print(f"Qwen3-MoE random (GPT-OSS for gpt-oss-bf16, mxfp4), bf16: hidden {H}, expert "
           f"intermediate {I}, E={E}, top-4, {L} layers; {torch.get_num_threads()} thread(s); "
@@ -257,7 +279,7 @@ def speed(args, work: str) -> None:
               f"{r['load_s']:>7.2f} {r['tok_s_b1']:>9.1f} {r['tok_s_b32']:>10.1f}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="float model dir (default: vllm.DEFAULT_MODEL)")
     p.add_argument("--tiny", action="store_true", help="use a random tiny Qwen3-MoE instead")
@@ -269,9 +291,16 @@ def main(argv: list[str] | None = None) -> None:
                    metavar=("HIDDEN", "INTER", "EXPERTS", "LAYERS"))
     p.add_argument("--speed-tokens", type=int, default=32, help="new tokens per sequence")
     p.add_argument("--speed-reps", type=int, default=5, help="timed calls per row (median)")
-    p.add_argument("--moe-backend", default="auto", help="--speed: MoE backend of every run")
+    p.add_argument("--moe-backend", nargs="+", default=["auto"], metavar="NAME|SCHEME=NAME",
+                   help="--speed: the MoE backend of every run (a name), or of some schemes "
+                        "(SCHEME=NAME, the others auto), e.g. w4a16-gptq=cutlass_w4a16")
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=None, help="--speed --json: also write the JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     work = tempfile.mkdtemp(prefix="bench-quant-")
     if args.speed:

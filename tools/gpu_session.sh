@@ -5,6 +5,7 @@
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
 #   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap
 #   bash tools/gpu_session.sh offload   # benchmark_expert_offload on the DeepSeek-V2-Lite trace
+#   bash tools/gpu_session.sh quant     # benchmark_quantization --speed: triton, cutlass_w4a16
 #
 # Everything it writes goes to $OUT (the device tool's return folder; /tmp/gpu-out elsewhere):
 # logs and one JSON per benchmark, for docs/benchmarks.md. The offload stage needs the trace in
@@ -72,6 +73,17 @@ offload)
         --dtype bfloat16 --device cuda --repeat 3 --json --out "$OUT/offload.json" \
         2>"$OUT/offload.log" | tail -c 3000
     ;;
+quant)
+    install
+    # Quantized experts beside bf16 at batch 1 and 32, cached and not: auto (triton), then GPTQ
+    # on the CUTLASS W4A16 grouped GEMM (needs vllm._C built with nvidia-cutlass: see install).
+    $RUN timeout 300 python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 \
+        --schemes fp8-block w4a16-gptq --json --out "$OUT/quant-auto.json" \
+        2>"$OUT/quant-auto.log" | tail -c 2000
+    $RUN timeout 240 python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 \
+        --schemes w4a16-gptq --moe-backend w4a16-gptq=cutlass_w4a16 --json \
+        --out "$OUT/quant-cutlass.json" 2>"$OUT/quant-cutlass.log" | tail -c 2000
+    ;;
 *)
-    echo "unknown stage $stage: check, suite, decode or offload"; exit 2 ;;
+    echo "unknown stage $stage: check, suite, decode, offload or quant"; exit 2 ;;
 esac

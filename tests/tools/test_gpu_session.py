@@ -30,7 +30,8 @@ def test_the_script_is_valid_bash():
 
 
 @pytest.mark.parametrize("stage,bench,count", [("decode", "benchmark_decode", 3),
-                                               ("offload", "benchmark_expert_offload", 1)])
+                                               ("offload", "benchmark_expert_offload", 1),
+                                               ("quant", "benchmark_quantization", 2)])
 def test_every_benchmark_command_parses(tmp_path, stage, bench, count):
     out = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "DRY": "1", "OUT": str(tmp_path)}, check=True)

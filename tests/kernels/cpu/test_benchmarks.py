@@ -67,6 +67,22 @@ def test_benchmark_quantization_speed_rows(capsys):
     assert gptq < bf16 / 2
 
 
+def test_benchmark_quantization_backend_per_scheme(capsys):
+    """--moe-backend SCHEME=NAME sets that scheme's backend only (how a GPU run times
+    cutlass_w4a16 beside bf16 on auto); a bare name beside pairs is refused."""
+    bench = _load("benchmark_quantization")
+    bench.main(["--speed", "--speed-shape", "64", "32", "8", "1", "--speed-tokens", "2",
+                "--speed-reps", "1", "--schemes", "w4a16-gptq", "--moe-backend",
+                "w4a16-gptq=torch", "--json"])
+    import json
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [(r["scheme"], r["backend"]) for r in rows] == [
+        ("bf16", "cpu_kernel"), ("bf16", "cpu_kernel"), ("w4a16-gptq", "torch"),
+        ("w4a16-gptq", "torch")]
+    with pytest.raises(SystemExit, match="give one name, or SCHEME=NAME pairs"):
+        bench.backend_for(["torch", "w4a16-gptq=triton"], "bf16")
+
+
 def test_benchmark_quant_layer_cpu_rows(capsys):
     """A row per scheme, dtype and token count, as printed; act order and FP8 both run."""
     import json
