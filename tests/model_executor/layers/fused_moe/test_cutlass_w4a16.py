@@ -177,8 +177,6 @@ def test_refusal_names_the_sm():
 
 def test_bind_and_pack_refusals():
     kernel = cw.CutlassW4A16Experts(MoEActivation(), standin_ops())
-    with pytest.raises(ValueError, match=r"desc_act=True .*'triton'"):
-        kernel.bind_scheme(GptqMoEMethod(64, True, True))
     with pytest.raises(ValueError, match=r"group_size=32: .*-1 \(the whole input\) or a multiple "
                                          r"of 64; use 'triton'"):
         kernel.bind_scheme(GptqMoEMethod(32, True, False))
@@ -189,8 +187,16 @@ def test_bind_and_pack_refusals():
     method = GptqMoEMethod(64, True, False)
     t = gptq_expert(64, True, "gptq")
     t["w13_g_idx"] = t["w13_g_idx"][:, torch.randperm(H)].contiguous()     # act order
-    with pytest.raises(ValueError, match=r"act order \(desc_act.*'triton'"):
+    with pytest.raises(ValueError, match=r"w13_g_idx is permuted \(act order\) but .* "
+                                         r"desc_act=false"):
         cw.pack_gptq_for_cutlass(method, t)
+    act_order = GptqMoEMethod(64, True, True)
+    t["w13_g_idx"][1] = t["w13_g_idx"][1].flip(0)                         # up != gate
+    with pytest.raises(ValueError, match=r"gate and up have different act-order permutations"):
+        cw.pack_gptq_for_cutlass(act_order, t)
+    t["w13_g_idx"] = torch.zeros(2, H, dtype=torch.int32)                 # one group of H
+    with pytest.raises(ValueError, match=r"groups are not all of 64 columns"):
+        cw.pack_gptq_for_cutlass(act_order, t)
     with pytest.raises(ValueError, match=r"group_size=32"):
         cw.pack_gptq_for_cutlass(GptqMoEMethod(32, True, False), gptq_expert(
             32, True, "gptq"))
@@ -336,12 +342,16 @@ def test_compiled_op_equals_the_standin(group_size):
                                atol=2e-2 * want.float().abs().max().item())
 
 
-def gpu_layer(backend, cache=0):
+def gpu_config(backend, cache=0):
+    """A layer config on the CUDA device (``layer_config`` is the CPU one)."""
     from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig,
                              SchedulerConfig, VllmConfig)
-    cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache),
-                     DeviceConfig("cuda"), kernel_config=KernelConfig(moe_backend=backend))
-    return build(backend, cache=cache, device="cuda", config=cfg)
+    return VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache),
+                      DeviceConfig("cuda"), kernel_config=KernelConfig(moe_backend=backend))
+
+
+def gpu_layer(backend, cache=0):
+    return build(backend, cache=cache, device="cuda", config=gpu_config(backend, cache))
 
 
 @pytest.mark.gpu

@@ -11,10 +11,17 @@ names of the GPTQ tensors they replace (``PACKED``):
   w13_scales  -> s4 bf16 [G13, 2N] (the kernel's ``scales``); w2_scales -> [G2, H]
   w13_qzeros  -> z4 bf16 [G13, 2N] = (8 - zero) * scale, zero with the format's offset, so
                  q * s + z = (u - zero) * s (the kernel's ``zeros``); w2_qzeros -> [G2, H]
-  w*_g_idx    unchanged (unread: act order is refused).
+  w*_g_idx    int32, each row the projection's input permutation (w13 [2, H], both rows the
+                 same; w2 [1, N]): act order only, else as loaded and unread.
 Group sizes: a layer's ``group_size`` over each projection's input (w13 over H, w2 over N); -1,
 or a size >= the input, is one group over the whole input. The kernel takes K or a multiple of
-64 (``W4A16_TILE_K``) that divides K; GPTQ act order (``desc_act``, a permuted g_idx) is refused.
+64 (``W4A16_TILE_K``) that divides K.
+Act order (``desc_act``: g_idx a permutation of groups) runs as plain groups, as exllama and
+Marlin run it: ``pack`` sorts each expert's input columns by group (a stable argsort of g_idx,
+kept in g_idx's place), and each pair's activations are gathered by its expert's permutation
+before the GEMM, so groups are contiguous runs of ``group_size`` columns again. Gate and up read
+the same input, so they must share one permutation (GPTQ orders both by the same Hessian
+diagonal); halves that differ are refused.
 
 Pairs: the T * top_k (token, k) pairs are sorted by id (stable; ids -1 first, in no group), so
 group g (an expert, or a cache slot) is rows [off[g], off[g + 1]), off = searchsorted of the
@@ -77,14 +84,29 @@ def effective_group_size(group_size: int, k: int) -> int:
     return group_size
 
 
-def _check_contiguous_groups(g_idx: torch.Tensor, group_size: int, name: str) -> None:
-    """Refuse act order: every row of g_idx [H, K] must be arange(K) // group_size."""
-    k = g_idx.shape[-1]
-    want = torch.arange(k, dtype=torch.long) // (k if group_size == -1 else group_size)
-    if not torch.equal(g_idx.long().cpu(), want.expand_as(g_idx)):
-        raise ValueError(f"moe_backend='cutlass_w4a16' cannot run {name} with act order "
-                         "(desc_act: a permuted g_idx): the kernel reads contiguous groups; use "
-                         "'triton' or 'torch'")
+def group_order(g_idx: torch.Tensor, group_size: int, act_order: bool,
+                name: str) -> torch.Tensor | None:
+    """g_idx [halves, K] -> the permutation [K] that makes every group a contiguous run of
+    ``group_size`` columns (None: already in order). Refused: halves with different orders, a
+    group of another size, and a permuted g_idx in a layer without ``desc_act``."""
+    g = g_idx.long().cpu()
+    k = g.shape[-1]
+    want = torch.arange(k) // effective_group_size(group_size, k)
+    if torch.equal(g, want.expand_as(g)):
+        return None
+    if not act_order:
+        raise ValueError(f"moe_backend='cutlass_w4a16': {name} is permuted (act order) but the "
+                         "checkpoint's quantization config says desc_act=false")
+    if not (g == g[0]).all():
+        raise ValueError(f"moe_backend='cutlass_w4a16' cannot run {name}: gate and up have "
+                         "different act-order permutations (one gather per GEMM); use 'triton' "
+                         "or 'torch'")
+    perm = g[0].argsort(stable=True)
+    if not torch.equal(g[0][perm], want):
+        raise ValueError(f"moe_backend='cutlass_w4a16' cannot run {name}: its groups are not "
+                         f"all of {effective_group_size(group_size, k)} columns; use 'triton' "
+                         "or 'torch'")
+    return perm
 
 
 def signed_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -99,7 +121,13 @@ def _pack_expert(method, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     values = method._kernel_tensors(t)          # q [R, C] uint8, s/z [G, R] f32, zero w/ offset
     out = dict(t)
     for p in ("w13", "w2"):
-        _check_contiguous_groups(t[f"{p}_g_idx"], method.group_size, f"{p}_g_idx")
+        g_idx = t[f"{p}_g_idx"]
+        perm = group_order(g_idx, method.group_size, method.desc_act, f"{p}_g_idx")
+        if perm is not None:                    # act order: columns sorted by group
+            values[p] = values[p][:, perm]
+        if method.desc_act:                     # the permutation the activations are gathered by
+            order = perm if perm is not None else torch.arange(g_idx.shape[-1])
+            out[f"{p}_g_idx"] = order.to(torch.int32).expand_as(g_idx).contiguous()
         # The kernel's scale type is its MMA type (bf16): GPTQ's f16 scales are rounded to bf16,
         # and the zeros made from the rounded scales, so q * s + z = (u - zero) * s there.
         s = values[f"s{p[1:]}"].to(torch.bfloat16)
@@ -121,6 +149,17 @@ def pack_gptq_for_cutlass(method, tensors: dict[str, torch.Tensor]) -> dict[str,
     per = [_pack_expert(method, {n: v[e] for n, v in tensors.items()})
            for e in range(tensors["w13_qweight"].shape[0])]
     return {n: torch.stack([p[n] for p in per]) for n in per[0]}
+
+
+def gather_columns(a: torch.Tensor, perms: torch.Tensor, slot: torch.Tensor,
+                   rows: int = 1024) -> torch.Tensor:
+    """a [P, K], perms int32 [G, K], slot [P] -> out[r, j] = a[r, perms[slot[r], j]], in chunks
+    of ``rows`` rows so the int64 index stays small (a fixed split of P: capturable)."""
+    out = torch.empty_like(a)
+    for r0 in range(0, a.shape[0], rows):
+        idx = perms.index_select(0, slot[r0:r0 + rows]).long()                  # [rows, K]
+        out[r0:r0 + rows] = a[r0:r0 + rows].gather(1, idx)
+    return out
 
 
 # ---- the workspace -------------------------------------------------------------------------
@@ -173,6 +212,7 @@ class CutlassW4A16Experts(MoEExperts):
             raise ValueError(f"moe_backend='cutlass_w4a16': {BUILD_HINT}")
         self.method = None
         self.group_size = -1
+        self.act_order = False
         self._ws_bytes: dict[tuple[int, torch.device], int] = {}
 
     def bind_scheme(self, method) -> None:
@@ -181,11 +221,9 @@ class CutlassW4A16Experts(MoEExperts):
         if method.scheme != CUTLASS_W4A16_SCHEME:
             raise ValueError(f"moe_backend='cutlass_w4a16' runs {CUTLASS_W4A16_SCHEME} only, not "
                              f"{method.scheme}")
-        if method.desc_act:
-            raise ValueError("moe_backend='cutlass_w4a16' cannot run gptq with desc_act=True "
-                             "(act order: permuted groups); use 'triton' or 'torch'")
         _check_group_size(method.group_size)
         self.method, self.group_size = method, method.group_size
+        self.act_order = bool(method.desc_act)
 
     def pack(self, tensors):
         if self.method is None:
@@ -204,8 +242,13 @@ class CutlassW4A16Experts(MoEExperts):
         sorted_ids, order = torch.sort(ids.reshape(-1).long(), stable=True)     # -1s first
         offsets = torch.searchsorted(sorted_ids, torch.arange(G + 1, device=x.device))
         xs = x.index_select(0, order // K)                                     # [P, H]
+        slot = sorted_ids.clamp(min=0)                                         # [P]
+        if self.act_order:
+            xs = gather_columns(xs, weights["w13_g_idx"][:, 0], slot)
         h13 = self._mm(weights, "w13", xs, q13.shape[1], offsets, workspace)   # [P, 2N]
         act = self.activation(h13).contiguous()                                # [P, N]
+        if self.act_order:
+            act = gather_columns(act, weights["w2_g_idx"][:, 0], slot)
         h2 = self._mm(weights, "w2", act, q2.shape[1], offsets, workspace)     # [P, H]
         wts = topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(-1)
         res = torch.empty_like(h2).index_copy_(0, order, (h2.float() * wts).to(x.dtype))
