@@ -4,7 +4,8 @@ that expert stays resident in a slot, nor for experts never loaded; once the exp
 and loaded again, the output must be exactly that of an uncached layer holding the corrupted
 values. So the compute reads the slot copies, and a miss copies every scale with its expert.
 For every scheme: fp8 tensor / channel / block, w4a16-gptq (asym, desc_act), nvfp4 (through the
-real loader on a tiny Qwen3-MoE), and mxfp4 (a GPT-OSS-style layer)."""
+real loader on a tiny Qwen3-MoE), and mxfp4 (a GPT-OSS-style layer); and the GPU-only
+cutlass_w4a16 backend through its op's CPU stand-in."""
 from __future__ import annotations
 
 import pytest
@@ -44,10 +45,12 @@ def scale_names(layer: FusedMoE) -> list[str]:
     return names
 
 
-def check_scales_travel(cached: FusedMoE, twin: FusedMoE) -> None:
-    """``cached`` has N_SLOTS slots; ``twin`` is the same layer without a cache."""
+def check_scales_travel(cached: FusedMoE, twin: FusedMoE, never: int | None = NEVER,
+                        dtype: torch.dtype = torch.float32) -> None:
+    """``cached`` has N_SLOTS slots; ``twin`` is the same layer without a cache; ``never``: an
+    expert never routed to (None: the layer has none to spare)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, cached.hidden_size, generator=g)
+    x = torch.randn(5, cached.hidden_size, generator=g).to(dtype)
     w = torch.rand(5, 2, generator=g)
 
     def run(layer, experts):
@@ -60,7 +63,8 @@ def check_scales_travel(cached: FusedMoE, twin: FusedMoE) -> None:
     assert torch.equal(run(cached, [0, 1]), want01)              # experts 0, 1 now resident
     for n in names:                                              # host copies only
         corrupt_(cache.store.tensors[n][BAD])
-        corrupt_(cache.store.tensors[n][NEVER])
+        if never is not None:
+            corrupt_(cache.store.tensors[n][never])
     assert torch.equal(run(cached, [0, 1]), want01), "resident expert read the host store"
     assert torch.equal(run(cached, [2, 3]), want23)              # evicts 0 and 1 (N = 2)
     slots = twin.weight_provider.slot_weights()                  # the twin's compute tensors
@@ -127,3 +131,16 @@ def test_mxfp4_scales_travel_with_experts(backend):
     cached, twin = _mxfp4_layer(N_SLOTS, backend), _mxfp4_layer(0, backend)
     assert cached.quant_method.backend_name == ("torch" if backend == "torch" else "cpu_kernel")
     check_scales_travel(cached, twin)
+
+
+def test_cutlass_w4a16_scales_travel_with_experts():
+    """cutlass_w4a16 (no GPU here: its op's torch stand-in, which reads what it is given) packs
+    bf16 scales and zeros per expert, with act order's permutation beside them; the slots'
+    copies are what it reads. Four experts, all routed: no never-routed one to corrupt."""
+    from model_executor.layers.fused_moe.cutlass_w4a16_standin import standin_ops
+    from model_executor.layers.fused_moe.test_cutlass_w4a16_act_order import build
+    cached = build("torch", False, cache=N_SLOTS, ops=standin_ops())
+    twin = build("torch", False, ops=standin_ops())
+    assert cached.quant_method.kernel.name == "cutlass_w4a16"
+    assert {"w13_scales", "w13_qzeros", "w2_scales", "w2_qzeros"} <= set(scale_names(cached))
+    check_scales_travel(cached, twin, never=None, dtype=torch.bfloat16)
