@@ -67,19 +67,22 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, c10::ScalarType dt
               t.is_contiguous() ? "" : " (non-contiguous)");
   TORCH_CHECK(t.scalar_type() == dtype && t.dim() == dim, "w4a16_moe_mm: ", name, " must be ",
               dtype, " with ", dim, " dims, got ", t.scalar_type(), " ", t.sizes());
+  // TMA reads and writes 16-byte aligned rows from 16-byte aligned bases (a view with a
+  // storage offset may not be).
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0, "w4a16_moe_mm: ", name,
+              " must start at a 16-byte aligned address");
 }
 
-// See moe/w4a16_moe_mm.h. a bf16 [P, K]; w uint8 [G, N, K / 2]; scales, zeros bf16
+// See moe/w4a16_moe_mm.h. a bf16 [P, K]; w uint8 [G, N, K / 2]; scales bf16
 // [G, K / group_size, N]; d bf16 [P, N]; expert_offsets int64 [G + 1]; workspace uint8.
 void w4a16_moe_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& scales,
-                  const at::Tensor& zeros, at::Tensor& d, const at::Tensor& expert_offsets,
-                  int64_t group_size, at::Tensor& workspace) {
+                  at::Tensor& d, const at::Tensor& expert_offsets, int64_t group_size,
+                  at::Tensor& workspace) {
   TORCH_CHECK(d.is_cuda(), "w4a16_moe_mm: d must be a CUDA tensor, got ", d.device());
   const at::Device dev = d.device();
   check_cuda_tensor(a, "a", at::kBFloat16, 2, dev);
   check_cuda_tensor(w, "w", at::kByte, 3, dev);
   check_cuda_tensor(scales, "scales", at::kBFloat16, 3, dev);
-  check_cuda_tensor(zeros, "zeros", at::kBFloat16, 3, dev);
   check_cuda_tensor(d, "d", at::kBFloat16, 2, dev);
   check_cuda_tensor(expert_offsets, "expert_offsets", at::kLong, 1, dev);
   check_cuda_tensor(workspace, "workspace", at::kByte, 1, dev);
@@ -90,20 +93,18 @@ void w4a16_moe_mm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& sc
               "K = ", K);
   TORCH_CHECK(d.size(0) == P && d.size(1) == N, "w4a16_moe_mm: d ", d.sizes(), " must be [",
               P, ", ", N, "]");
-  for (const at::Tensor* t : {&scales, &zeros}) {
-    TORCH_CHECK(t->size(0) == G && t->size(1) == K / group_size && t->size(2) == N,
-                "w4a16_moe_mm: scales and zeros must be [", G, ", ", K / group_size, ", ", N,
-                "], got ", t->sizes());
-  }
+  TORCH_CHECK(scales.size(0) == G && scales.size(1) == K / group_size && scales.size(2) == N,
+              "w4a16_moe_mm: scales must be [", G, ", ", K / group_size, ", ", N, "], got ",
+              scales.sizes());
   TORCH_CHECK(expert_offsets.numel() == G + 1, "w4a16_moe_mm: expert_offsets must have G + 1 "
               "= ", G + 1, " entries, got ", expert_offsets.numel());
   const c10::DeviceGuard guard(dev);
   void* stream = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(dev)
                      .native_handle();
   const int rc = vllm::w4a16_moe_mm(
-      a.const_data_ptr(), w.const_data_ptr(), scales.const_data_ptr(), zeros.const_data_ptr(),
-      d.data_ptr(), expert_offsets.const_data_ptr<int64_t>(), G, N, K, group_size,
-      workspace.data_ptr(), static_cast<size_t>(workspace.nbytes()), dev.index(), stream);
+      a.const_data_ptr(), w.const_data_ptr(), scales.const_data_ptr(), d.data_ptr(),
+      expert_offsets.const_data_ptr<int64_t>(), G, N, K, group_size, workspace.data_ptr(),
+      static_cast<size_t>(workspace.nbytes()), dev.index(), stream);
   TORCH_CHECK(rc == 0, "w4a16_moe_mm: ", vllm::w4a16_moe_mm_error(rc));
 }
 
@@ -121,8 +122,8 @@ TORCH_LIBRARY(_C, m) {
   m.def("expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, Tensor slots, Tensor valid)"
         " -> ()");
 #ifdef VLLM_HAS_W4A16_MOE_MM
-  m.def("w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor zeros, Tensor(a!) d, "
-        "Tensor expert_offsets, int group_size, Tensor(b!) workspace) -> ()");
+  m.def("w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor(a!) d, Tensor expert_offsets, "
+        "int group_size, Tensor(b!) workspace) -> ()");
   // No tensor argument: a plain function (CompositeExplicitAutograd would need one).
   m.def("w4a16_moe_mm_workspace_size(int num_groups, int device) -> int",
         &w4a16_moe_mm_workspace_size);

@@ -1,7 +1,14 @@
 // The W4A16 grouped GEMM of the cutlass_w4a16 MoE backend: CUTLASS's SM90 mixed-input
 // ptr-array GEMM (collective sm90_mma_array_tma_gmma_rs_warpspecialized_mixed_input: int4
-// weights converted in registers, scale and zero applied per group, bf16 GMMA), one group per
-// expert slot. The contract is in w4a16_moe_mm.h. NOT YET RUN ON A GPU.
+// weights converted in registers, scaled per group, bf16 GMMA), one group per expert slot. The
+// contract is in w4a16_moe_mm.h. NOT YET RUN ON A GPU.
+//
+// Scale only, no zero points: in CUTLASS 4.2 this grouped collective's ConvertAndScaleWithZero
+// mode sets up only the zero tensormap per group (tensormaps_init, _replace_global_address,
+// _replace_global_tensor_properties, _cp_fence_release and _fence_acquire each handle scale OR
+// zero), so the scale loads would read an uninitialised descriptor; CUTLASS's example 69 says
+// "Zero-points ... not supported" and runs ConvertOnly and ScaleOnly. Symmetric GPTQ (zero 8
+// everywhere) is q * scale with q = u - 8, which this mode computes.
 //
 // Swap AB, as CUTLASS's grouped mixed-input examples do: the narrow operand must be the
 // register-sourced one, so the GEMM computed is D^T [N, M] = W [N, K] x A^T, with the weights
@@ -66,7 +73,7 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-    cute::tuple<ElementW, ElementScale, ElementScale>, LayoutWT*, kAlignW,  // q * s + z
+    cute::tuple<ElementW, ElementScale>, LayoutWT*, kAlignW,  // q * s (ConvertAndScale)
     ElementAct, LayoutActT*, kAlignAct, Accum, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<
         static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -94,7 +101,6 @@ struct GroupArrays {
   const ElementW** w;
   const ElementAct** act;
   const ElementScale** s;
-  const ElementScale** z;
   ElementD** d;
   StrideW* stride_w;
   StrideAct* stride_act;
@@ -107,7 +113,7 @@ constexpr size_t round_up(size_t x) { return (x + 255) / 256 * 256; }
 
 size_t group_arrays_bytes(int64_t g) {
   const size_t n = static_cast<size_t>(g);
-  return round_up(n * sizeof(Shape3)) + 5 * round_up(n * sizeof(void*)) +
+  return round_up(n * sizeof(Shape3)) + 4 * round_up(n * sizeof(void*)) +
          round_up(n * sizeof(StrideW)) + round_up(n * sizeof(StrideAct)) +
          round_up(n * sizeof(StrideS)) + round_up(n * sizeof(StrideD));
 }
@@ -121,7 +127,6 @@ GroupArrays carve(void* workspace, int64_t g) {
   a.w = reinterpret_cast<const ElementW**>(take(n * sizeof(void*)));
   a.act = reinterpret_cast<const ElementAct**>(take(n * sizeof(void*)));
   a.s = reinterpret_cast<const ElementScale**>(take(n * sizeof(void*)));
-  a.z = reinterpret_cast<const ElementScale**>(take(n * sizeof(void*)));
   a.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
   a.stride_w = reinterpret_cast<StrideW*>(take(n * sizeof(StrideW)));
   a.stride_act = reinterpret_cast<StrideAct*>(take(n * sizeof(StrideAct)));
@@ -134,10 +139,11 @@ GroupArrays carve(void* workspace, int64_t g) {
 // One block: group g's shape (N, rows of g, K), its operand pointers and strides.
 __global__ void setup_groups(GroupArrays arr, const int64_t* __restrict__ offsets, int64_t G,
                              int n, int k, int scale_k, const ElementAct* a, const ElementW* w,
-                             const ElementScale* s, const ElementScale* z, ElementD* d) {
+                             const ElementScale* s, ElementD* d) {
   for (int64_t g = threadIdx.x; g < G; g += blockDim.x) {
     const int64_t first = offsets[g];
-    const int m = static_cast<int>(offsets[g + 1] - first);
+    // Nondecreasing offsets by contract; a broken one gives an empty group, not a negative M.
+    const int m = static_cast<int>(max(offsets[g + 1] - first, int64_t{0}));
     arr.shapes[g] = Shape3(n, m, k);
     // sizeof(int4b_t) is 1 (a byte of storage), so int4b_t* arithmetic steps in bytes, not
     // elements: an expert's n * k values are n * k / 2 bytes (CUTLASS's own examples offset
@@ -145,7 +151,6 @@ __global__ void setup_groups(GroupArrays arr, const int64_t* __restrict__ offset
     arr.w[g] = w + g * static_cast<int64_t>(n) * k / 2;
     arr.act[g] = a + first * k;
     arr.s[g] = s + g * static_cast<int64_t>(scale_k) * n;
-    arr.z[g] = z + g * static_cast<int64_t>(scale_k) * n;
     arr.d[g] = d + first * n;
     arr.stride_w[g] = cutlass::make_cute_packed_stride(StrideW{}, cute::make_shape(n, k, 1));
     arr.stride_act[g] =
@@ -189,7 +194,7 @@ typename Gemm::Arguments make_arguments(const GroupArrays& arr, int64_t G, int g
   args = typename Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(G), arr.shapes, nullptr},  // shapes on the device only
-      {arr.w, arr.stride_w, arr.act, arr.stride_act, arr.s, arr.stride_s, group_size, arr.z},
+      {arr.w, arr.stride_w, arr.act, arr.stride_act, arr.s, arr.stride_s, group_size},
       {fusion, nullptr, nullptr, arr.d, arr.stride_d},
       hw};
   return args;
@@ -217,7 +222,7 @@ int64_t w4a16_moe_mm_workspace_size(int64_t num_groups, int device) {
   return static_cast<int64_t>(group_arrays_bytes(num_groups) + Gemm::get_workspace_size(args));
 }
 
-int w4a16_moe_mm(const void* a, const void* w, const void* scales, const void* zeros, void* d,
+int w4a16_moe_mm(const void* a, const void* w, const void* scales, void* d,
                  const int64_t* offsets, int64_t num_groups, int64_t n, int64_t k,
                  int64_t group_size, void* workspace, size_t workspace_bytes, int device,
                  void* stream) {
@@ -238,8 +243,7 @@ int w4a16_moe_mm(const void* a, const void* w, const void* scales, const void* z
   setup_groups<<<1, 256, 0, st>>>(
       arr, offsets, num_groups, static_cast<int>(n), static_cast<int>(k), scale_k,
       static_cast<const ElementAct*>(a), static_cast<const ElementW*>(w),
-      static_cast<const ElementScale*>(scales), static_cast<const ElementScale*>(zeros),
-      static_cast<ElementD*>(d));
+      static_cast<const ElementScale*>(scales), static_cast<ElementD*>(d));
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return static_cast<int>(e);
   typename Gemm::Arguments args =
       make_arguments(arr, num_groups, static_cast<int>(group_size), device);

@@ -99,6 +99,6 @@ def test_w4a16_moe_mm_is_built_with_cutlass(built):
     proc = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "_C::w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor zeros, Tensor(a!) d, "
+        "_C::w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor(a!) d, "
         "Tensor expert_offsets, int group_size, Tensor(b!) workspace) -> ()",
         "_C::w4a16_moe_mm_workspace_size(int num_groups, int device) -> int"]

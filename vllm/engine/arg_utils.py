@@ -74,8 +74,8 @@ class EngineArgs:
     moe_backend: str = "auto"
     """MoE expert kernel: auto, cpu_kernel (C, CPU f32/bf16), grouped_mm (torch._grouped_mm),
     triton (Triton fused MoE, CUDA), flashinfer_cutlass (FlashInfer CUTLASS, CUDA; never
-    chosen by auto), cutlass_w4a16 (GPTQ INT4 on CUTLASS, SM 9.0; never chosen by auto) or
-    torch (per-expert loop reference, every scheme); see docs/quantization.md."""
+    chosen by auto), cutlass_w4a16 (symmetric GPTQ INT4 on CUTLASS, SM 9.0; never chosen by
+    auto) or torch (per-expert loop reference, every scheme); see docs/quantization.md."""
     attention_backend: str = "auto"
     """Attention kernel: auto, cpu_paged (C, CPU f32/bf16) or torch_sdpa."""
     moe_routing_trace_path: str | None = None

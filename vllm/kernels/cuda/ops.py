@@ -56,23 +56,26 @@ def has_w4a16_moe_mm() -> bool:
     return load_cuda_ops() and hasattr(torch.ops._C, "w4a16_moe_mm")
 
 
-def w4a16_moe_mm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 d: torch.Tensor, expert_offsets: torch.Tensor, group_size: int,
+def w4a16_moe_mm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, d: torch.Tensor,
+                 expert_offsets: torch.Tensor, group_size: int,
                  workspace: torch.Tensor) -> None:
     """CUTLASS's SM90 mixed-input grouped GEMM (csrc/moe/w4a16_moe_mm.cu), one launch plus a
     one-block setup kernel, no host sync (capturable). For each group g < G, rows
     r in [off[g], off[g + 1]) of ``a``:
 
         d[r, n] = sum_k a[r, k] * W_g[n, k],
-        W_g[n, k] = q_g[n, k] * scales[g, k // group_size, n] + zeros[g, k // group_size, n]
+        W_g[n, k] = q_g[n, k] * scales[g, k // group_size, n]
 
     q_g[n, k]: the signed int4 (two's complement, -8..7) in byte w[g, n, k // 2], k even in the
-    low nibble. a bf16 [P, K]; w uint8 [G, N, K / 2]; scales, zeros bf16 [G, K / group_size, N];
+    low nibble. No zero points: CUTLASS 4.2's grouped collective does not set up the scale
+    tensormap in its zero-point mode (csrc/moe/w4a16_moe_mm.cu), so symmetric GPTQ only (zero 8:
+    q = u - 8). a bf16 [P, K]; w uint8 [G, N, K / 2]; scales bf16 [G, K / group_size, N];
     d bf16 [P, N]; expert_offsets int64 [G + 1], nondecreasing, off[G] <= P; all contiguous on
-    one SM 9.0 device. Rows outside [off[0], off[G]) of ``d`` are not written. ``group_size`` is
-    K or a multiple of ``W4A16_TILE_K``; K a multiple of 64, N of 8. ``workspace``: uint8, at
-    least ``w4a16_moe_mm_workspace_bytes(G, d.device)`` bytes on d's device."""
-    torch.ops._C.w4a16_moe_mm(a, w, scales, zeros, d, expert_offsets, group_size, workspace)
+    one SM 9.0 device, 16-byte aligned. Rows outside [off[0], off[G]) of ``d`` are not written.
+    ``group_size`` is K or a multiple of ``W4A16_TILE_K``; K a multiple of 64, N of 8.
+    ``workspace``: uint8, at least ``w4a16_moe_mm_workspace_bytes(G, d.device)`` bytes on d's
+    device."""
+    torch.ops._C.w4a16_moe_mm(a, w, scales, d, expert_offsets, group_size, workspace)
 
 
 def w4a16_moe_mm_workspace_bytes(num_groups: int, device: torch.device) -> int:

@@ -51,16 +51,14 @@ def gptq_expert(gs, sym, fmt, seed=0):
 
 
 def read_packed(packed, p, gs):
-    """The test's reading of the packed bytes: W[n, k] = q * s + z, q the signed nibbles (an
-    arithmetic shift of int8 sign-extends them), s, z [groups, rows] per column k // gs."""
+    """The test's reading of the packed bytes: W[n, k] = q * s, q the signed nibbles (an
+    arithmetic shift of int8 sign-extends them), s [groups, rows] per column k // gs."""
     b = packed[f"{p}_qweight"].view(torch.int8).to(torch.int32)
     lo, hi = (b << 28) >> 28, b >> 4                          # low nibble: even k
     q = torch.stack([lo, hi], dim=-1).flatten(-2).float()     # [R, K]
     K = q.shape[-1]
     group = K if gs == -1 or gs >= K else gs
-    s = packed[f"{p}_scales"].float().repeat_interleave(group, dim=0).t()
-    z = packed[f"{p}_qzeros"].float().repeat_interleave(group, dim=0).t()
-    return q * s + z
+    return q * packed[f"{p}_scales"].float().repeat_interleave(group, dim=0).t()
 
 
 METHODS = {"gptq": lambda gs, sym: GptqMoEMethod(gs, sym, False, "gptq"),
@@ -71,26 +69,23 @@ METHODS = {"gptq": lambda gs, sym: GptqMoEMethod(gs, sym, False, "gptq"),
 # ---- (1) the layout ------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", list(METHODS))
 @pytest.mark.parametrize("gs", [64, 128, -1])
-@pytest.mark.parametrize("sym", [True, False])
-def test_packed_bytes_dequantize_to_the_methods_weights(fmt, gs, sym):
-    method = METHODS[fmt](gs, sym)
-    t = gptq_expert(gs, sym, "gptq" if fmt == "gptq" else "gptq_v2")
+def test_packed_bytes_dequantize_to_the_methods_weights(fmt, gs):
+    method = METHODS[fmt](gs, True)
+    t = gptq_expert(gs, True, "gptq" if fmt == "gptq" else "gptq_v2")
     want13, want2 = method.dequantize(t, torch.float32)
     one = cw.pack_gptq_for_cutlass(method, t)
     stacked = cw.pack_gptq_for_cutlass(method, {n: torch.stack([v, v]) for n, v in t.items()})
     assert one["w13_qweight"].shape == (2 * N, H // 2) and one["w2_qweight"].shape == (H, N // 2)
     g13, g2 = (1 if gs == -1 else max(k // gs, 1) for k in (H, N))
-    assert one["w13_scales"].shape == one["w13_qzeros"].shape == (g13, 2 * N)
-    assert one["w2_scales"].shape == one["w2_qzeros"].shape == (g2, H)
+    assert one["w13_scales"].shape == (g13, 2 * N) and one["w2_scales"].shape == (g2, H)
+    assert one["w13_qzeros"] is t["w13_qzeros"]                  # unread: symmetric only
     assert one["w13_qweight"].dtype == torch.uint8 and one["w13_scales"].dtype == BF16
     for n in one:
         assert torch.equal(stacked[n][1], one[n]), n
     for p, want in (("w13", want13), ("w2", want2)):
         got = read_packed(one, p, gs)
-        # bf16 scales (2^-9 relative) and bf16 zeros (z = (8 - zero) * s, |z| <= 8 s)
+        # bf16 scales: 2^-9 relative
         torch.testing.assert_close(got, want, rtol=2 ** -8, atol=2 ** -8 * want.abs().max())
-    if sym:
-        assert not one["w13_qzeros"].any() and not one["w2_qzeros"].any()
 
 
 def tiny_expert(u_row0, zero, scale, fmt):
@@ -114,13 +109,16 @@ def test_bytes_of_a_hand_computed_row():
     got = cw.pack_gptq_for_cutlass(GptqMoEMethod(-1, True, False, "gptq_v2"), t)
     assert got["w13_qweight"][0].tolist() == [0x78, 0xF0, 0xA9, 0xCB]
     assert got["w13_qweight"][1].tolist() == [0, 0, 0, 0]                  # u = 8: q = 0
-    assert got["w13_scales"].tolist() == [[0.5] * 16] and not got["w13_qzeros"].any()
-    # Asymmetric v1: stored zero 2 means zero 3; z = (8 - 3) * 0.25 = 1.25.
-    t = tiny_expert([3] * 8, 3, 0.25, "gptq")
-    got = cw.pack_gptq_for_cutlass(GptqMoEMethod(-1, False, False, "gptq"), t)
+    assert got["w13_scales"].tolist() == [[0.5] * 16]
+    # v1 stores zero - 1: 7 is the symmetric zero 8.
+    t = tiny_expert([3] * 8, 8, 0.25, "gptq")
+    got = cw.pack_gptq_for_cutlass(GptqMoEMethod(-1, True, False, "gptq"), t)
     assert got["w13_qweight"][0].tolist() == [0xBB] * 4                    # 3 - 8 = -5: 0xB
-    assert got["w13_qzeros"].tolist() == [[1.25] * 16]
-    assert got["w2_qzeros"].tolist() == [[1.25] * 8]
+    # Any other zero point is refused (the kernel has none).
+    with pytest.raises(ValueError, match=r"symmetric GPTQ only .*w13_qzeros holds others: "
+                                         r"CUTLASS 4.2's grouped .*'triton'"):
+        cw.pack_gptq_for_cutlass(GptqMoEMethod(-1, True, False, "gptq"),
+                                 tiny_expert([3] * 8, 3, 0.25, "gptq"))
 
 
 # ---- (2) refusals --------------------------------------------------------------------------
@@ -177,6 +175,9 @@ def test_refusal_names_the_sm():
 
 def test_bind_and_pack_refusals():
     kernel = cw.CutlassW4A16Experts(MoEActivation(), standin_ops())
+    with pytest.raises(ValueError, match=r"asymmetric gptq \(sym=False, zero points\): CUTLASS "
+                                         r"4.2's grouped mixed-input GEMM .*'triton'"):
+        kernel.bind_scheme(GptqMoEMethod(64, False, False))
     with pytest.raises(ValueError, match=r"group_size=32: .*-1 \(the whole input\) or a multiple "
                                          r"of 64; use 'triton'"):
         kernel.bind_scheme(GptqMoEMethod(32, True, False))
@@ -209,7 +210,7 @@ def test_missing_op_names_the_build(monkeypatch):
 
 
 # ---- (3, 4) the pair path through the stand-in --------------------------------------------
-def build(backend, gs=64, sym=False, act="silu", cache=0, ops=None, seed=0, device="cpu",
+def build(backend, gs=64, sym=True, act="silu", cache=0, ops=None, seed=0, device="cpu",
           config=None):
     """A bf16 FusedMoE layer of GPTQ experts; ``ops``: run cutlass_w4a16 over them (selected
     as ``backend`` first, then the kernel replaced before loading, as on a CPU-only machine)."""
@@ -245,8 +246,8 @@ def assert_close_to(got, want, bound=0.02):
     torch.testing.assert_close(got, want, rtol=0.03, atol=0.03 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("gs,sym,act", [(64, False, "silu"), (128, True, "gelu"),
-                                        (-1, False, "swigluoai")])
+@pytest.mark.parametrize("gs,sym,act", [(64, True, "silu"), (128, True, "gelu"),
+                                        (-1, True, "swigluoai")])
 def test_layer_close_to_the_torch_backend(gs, sym, act):
     ref = build("torch", gs, sym, act)
     got = build("torch", gs, sym, act, ops=standin_ops())
@@ -329,10 +330,9 @@ def test_compiled_op_equals_the_standin(group_size):
     a = torch.randn(P, K, generator=g).to(BF16)
     w = torch.randint(0, 256, (G, Nn, K // 2), generator=g, dtype=torch.uint8)
     scales = (torch.rand(G, K // group_size, Nn, generator=g) * 0.02 + 0.001).to(BF16)
-    zeros = (torch.randn(G, K // group_size, Nn, generator=g) * 0.05).to(BF16)
     want = torch.full((P, Nn), 3.0, dtype=BF16)
-    standin_mm(a, w, scales, zeros, want, offsets, group_size, torch.empty(256, dtype=torch.uint8))
-    dev = [t.cuda() for t in (a, w, scales, zeros)]
+    standin_mm(a, w, scales, want, offsets, group_size, torch.empty(256, dtype=torch.uint8))
+    dev = [t.cuda() for t in (a, w, scales)]
     d = torch.full((P, Nn), 3.0, dtype=BF16, device="cuda")
     ws = torch.empty(ops.workspace_bytes(G, d.device), dtype=torch.uint8, device="cuda")
     ops.mm(*dev, d, offsets.cuda(), group_size, ws)

@@ -13,7 +13,7 @@ from model_executor.layers.fused_moe.test_cutlass_w4a16_act_order import build
 
 @pytest.fixture(scope="module")
 def layers():
-    return build("torch", False), build("torch", False, ops=standin_ops())
+    return build("torch", True), build("torch", True, ops=standin_ops())
 
 
 @pytest.mark.parametrize("T", [8191, 8192, 8193])
@@ -25,8 +25,8 @@ def test_large_batches_close_to_the_torch_backend(layers, T):
 
 def test_fewer_slots_than_top_k_bitwise():
     assert TOP_K > 1
-    plain = build("torch", False, ops=standin_ops())
-    one = build("torch", False, cache=1, ops=standin_ops())
+    plain = build("torch", True, ops=standin_ops())
+    one = build("torch", True, cache=1, ops=standin_ops())
     assert one.expert_cache is not None
     for T in (1, 3, 17):
         x, logits = inputs(T, 90 + T)

@@ -135,12 +135,13 @@ def test_mxfp4_scales_travel_with_experts(backend):
 
 def test_cutlass_w4a16_scales_travel_with_experts():
     """cutlass_w4a16 (no GPU here: its op's torch stand-in, which reads what it is given) packs
-    bf16 scales and zeros per expert, with act order's permutation beside them; the slots'
-    copies are what it reads. Four experts, all routed: no never-routed one to corrupt."""
+    bf16 scales per expert (symmetric: the zero points are unread), with act order's
+    permutation beside them; the slots' copies are what it reads. Four experts, all routed: no
+    never-routed one to corrupt."""
     from model_executor.layers.fused_moe.cutlass_w4a16_standin import standin_ops
     from model_executor.layers.fused_moe.test_cutlass_w4a16_act_order import build
-    cached = build("torch", False, cache=N_SLOTS, ops=standin_ops())
-    twin = build("torch", False, ops=standin_ops())
+    cached = build("torch", True, cache=N_SLOTS, ops=standin_ops())
+    twin = build("torch", True, ops=standin_ops())
     assert cached.quant_method.kernel.name == "cutlass_w4a16"
     assert {"w13_scales", "w13_qzeros", "w2_scales", "w2_qzeros"} <= set(scale_names(cached))
     check_scales_travel(cached, twin, never=None, dtype=torch.bfloat16)

@@ -9,8 +9,10 @@ names of the GPTQ tensors they replace (``PACKED``):
   w13_qweight -> q4 uint8 [2N, H/2]: q = u - 8 as a signed nibble (u ^ 8), k even in the low
                  nibble (the kernel's ``w``); w2_qweight -> [H, N/2]
   w13_scales  -> s4 bf16 [G13, 2N] (the kernel's ``scales``); w2_scales -> [G2, H]
-  w13_qzeros  -> z4 bf16 [G13, 2N] = (8 - zero) * scale, zero with the format's offset, so
-                 q * s + z = (u - zero) * s (the kernel's ``zeros``); w2_qzeros -> [G2, H]
+  w*_qzeros   as loaded, unread: symmetric GPTQ only (every zero point 8, so the weight is
+                 (u - 8) * scale = q * scale). CUTLASS 4.2's grouped mixed-input collective
+                 does not set up the scale tensormap in its zero-point mode (w4a16_moe_mm.cu),
+                 so asymmetric checkpoints are refused.
   w*_g_idx    int32, each row the projection's input permutation (w13 [2, H], both rows the
                  same; w2 [1, N]): act order only, else as loaded and unread.
 Group sizes: a layer's ``group_size`` over each projection's input (w13 over H, w2 over N); -1,
@@ -42,9 +44,12 @@ from vllm.platforms import platform_for
 
 CUTLASS_W4A16_SCHEME = "w4a16-gptq"
 CUTLASS_W4A16_SM = 90
+ASYM_REASON = ("CUTLASS 4.2's grouped mixed-input GEMM does not set up its scale tensormap "
+               "when zero points are given (its example 69: 'Zero-points ... not supported'); "
+               "use 'triton' or 'torch'")
 BUILD_HINT = ("vllm._C was built without the CUTLASS W4A16 grouped GEMM (pip install "
               "nvidia-cutlass, then rebuild: docs/build.md)")
-PACKED = {"q": "qweight", "s": "scales", "z": "qzeros"}
+PACKED = {"q": "qweight", "s": "scales"}
 """Role of a packed tensor -> the GPTQ tensor name (w13_/w2_ prefixed) it is stored under."""
 
 
@@ -128,13 +133,12 @@ def _pack_expert(method, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if method.desc_act:                     # the permutation the activations are gathered by
             order = perm if perm is not None else torch.arange(g_idx.shape[-1])
             out[f"{p}_g_idx"] = order.to(torch.int32).expand_as(g_idx).contiguous()
-        # The kernel's scale type is its MMA type (bf16): GPTQ's f16 scales are rounded to bf16,
-        # and the zeros made from the rounded scales, so q * s + z = (u - zero) * s there.
-        s = values[f"s{p[1:]}"].to(torch.bfloat16)
-        z = (8 - values[f"z{p[1:]}"]) * s.float()
+        if not (values[f"z{p[1:]}"] == 8).all():
+            raise ValueError(f"moe_backend='cutlass_w4a16' runs symmetric GPTQ only (every zero "
+                             f"point 8), and {p}_qzeros holds others: {ASYM_REASON}")
+        # The kernel's scale type is its MMA type (bf16): GPTQ's f16 scales are rounded to bf16.
         out[f"{p}_{PACKED['q']}"] = signed_nibbles(values[p])
-        out[f"{p}_{PACKED['s']}"] = s.contiguous()
-        out[f"{p}_{PACKED['z']}"] = z.to(torch.bfloat16).contiguous()
+        out[f"{p}_{PACKED['s']}"] = values[f"s{p[1:]}"].to(torch.bfloat16).contiguous()
     return out
 
 
@@ -216,11 +220,14 @@ class CutlassW4A16Experts(MoEExperts):
         self._ws_bytes: dict[tuple[int, torch.device], int] = {}
 
     def bind_scheme(self, method) -> None:
-        """Called once by the quant method after selection: GPTQ without act order, groups the
-        kernel takes."""
+        """Called once by the quant method after selection: symmetric GPTQ, groups the kernel
+        takes."""
         if method.scheme != CUTLASS_W4A16_SCHEME:
             raise ValueError(f"moe_backend='cutlass_w4a16' runs {CUTLASS_W4A16_SCHEME} only, not "
                              f"{method.scheme}")
+        if not method.sym:
+            raise ValueError(f"moe_backend='cutlass_w4a16' cannot run asymmetric gptq (sym=False, "
+                             f"zero points): {ASYM_REASON}")
         _check_group_size(method.group_size)
         self.method, self.group_size = method, method.group_size
         self.act_order = bool(method.desc_act)
@@ -260,8 +267,7 @@ class CutlassW4A16Experts(MoEExperts):
         """One grouped GEMM of projection ``p`` over the sorted rows ``a`` [P, k] -> [P, rows];
         rows outside [off[0], off[G]) (the id -1 pairs) are left as allocated."""
         d = torch.empty(a.shape[0], rows, dtype=torch.bfloat16, device=a.device)
-        self.ops.mm(a, weights[f"{p}_{PACKED['q']}"], weights[f"{p}_{PACKED['s']}"],
-                    weights[f"{p}_{PACKED['z']}"], d, offsets,
+        self.ops.mm(a, weights[f"{p}_{PACKED['q']}"], weights[f"{p}_{PACKED['s']}"], d, offsets,
                     effective_group_size(self.group_size, a.shape[1]), workspace)
         return d
 

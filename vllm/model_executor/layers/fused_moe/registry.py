@@ -23,8 +23,8 @@ fp16/bf16, FP8 128x128 blocks on SM90, NVFP4 on SM10x-12x, MXFP4 W4A16 on SM90; 
 flashinfer-python; GPTQ INT4 refused with the reason) has never run on a GPU: it is registered
 with ``auto=False``, so only a forced name selects it.
 
-``cutlass_w4a16`` (``cutlass_w4a16.py``: GPTQ INT4 experts, ``w4a16-gptq`` (act order too),
-group size the whole input or a multiple of 64, on CUTLASS's SM90 mixed-input grouped GEMM from
+``cutlass_w4a16`` (``cutlass_w4a16.py``: symmetric GPTQ INT4 experts, ``w4a16-gptq`` (act order
+too), group size the whole input or a multiple of 64, on CUTLASS's SM90 mixed-input grouped GEMM from
 ``vllm._C``; bf16, gated activations, SM 9.0, hidden and intermediate sizes multiples of 64) has
 never run on a GPU either: ``auto=False``, forced only.
 """
