@@ -72,6 +72,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 
 @triton.jit
+def _pair_block(block_expert_ptr, num_padded_ptr, N, num_m_blocks, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (expert e int64, M block, N block): GROUP_M M blocks in a row share B's
+    columns; e = -1 for a block past the padded pairs or of no expert (the caller returns)."""
+    pid = tl.program_id(0)
+    group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // group) * GROUP_M
+    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+    live = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    e = tl.load(block_expert_ptr + pid_m, mask=live, other=-1).to(tl.int64)
+    return e, pid_m, pid_n
+
+
+@triton.jit
+def _pair_rows(sorted_ptr, pid_m, pid_n, N, P, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block's sorted pair ids rows [BLOCK_M] (P = padding), row_ok, and its output columns
+    offs_n [BLOCK_N], n_ok."""
+    rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, rows < P, offs_n, offs_n < N
+
+
+@triton.jit
 def _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, e, stride_bias_e,
                  stride_cm, stride_cn, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """C[rows, offs_n] = (acc + bias[e]) (* w[rows]), in C's dtype; padding rows skipped."""
@@ -95,26 +120,14 @@ def _moe_gemm_kernel(
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[r, n] = (A[r // ROW_DIV] @ B[e]^T + bias[e])[n] (* w[r]) for the sorted pair rows r of
     one M block (expert e) and one N block. A [*, K]; B [G, N, K]; bias [G, N]; C [P, N]."""
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n_blocks                   # M blocks of a group share B's columns
-    first_m = (pid // group) * GROUP_M
-    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_m
-    pid_n = (pid % group) // group_m
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    e, pid_m, pid_n = _pair_block(block_expert_ptr, num_padded_ptr, N, num_m_blocks, BLOCK_M,
+                                  BLOCK_N, GROUP_M)
+    if e < 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(sorted_ptr + offs_m)              # [BLOCK_M] int64 pair ids, P = padding
-    row_ok = rows < P
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    rows, row_ok, offs_n, n_ok = _pair_rows(sorted_ptr, pid_m, pid_n, N, P, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (rows // ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn
+    b_ptrs = (b_ptr + e * stride_be + offs_n[None, :] * stride_bn
               + offs_k[:, None] * stride_bk)         # [BLOCK_K, BLOCK_N] tile of B[e]^T
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -124,8 +137,8 @@ def _moe_gemm_kernel(
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, expert.to(tl.int64),
-                 stride_bias_e, stride_cm, stride_cn, MUL_WEIGHT, HAS_BIAS)
+    _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, e, stride_bias_e,
+                 stride_cm, stride_cn, MUL_WEIGHT, HAS_BIAS)
 
 
 @triton.jit

@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.fused_moe import _store_pairs
-from vllm.kernels.triton.fused_moe_quant import (_block_k, _check_inputs, _tile_ids,
-                                                run_pairs)
+from vllm.kernels.triton.fused_moe import _pair_block, _pair_rows, _store_pairs
+from vllm.kernels.triton.fused_moe_quant import _block_k, _check_inputs, run_pairs
 
 FP4_GROUPS = {"nvfp4": 16, "mxfp4": 32}
 """Fp4Projection.kind -> inputs per scale byte (the GEMM's GROUP constexpr)."""
@@ -130,17 +129,11 @@ def _moe_fp4_gemm_kernel(
     """C[r, n] = (A[r // ROW_DIV] @ W[e]^T + bias[e])[n] (* w[r]) for the sorted pair rows r of
     one M block (slot e) and one N block; W[e] [N, K] dequantized per tile (E8M0 0: nvfp4,
     1: mxfp4). A [*, K] in the activation dtype; C [P, N]."""
-    pid_m, pid_n = _tile_ids(N, num_m_blocks, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    e, pid_m, pid_n = _pair_block(block_expert_ptr, num_padded_ptr, N, num_m_blocks, BLOCK_M,
+                                  BLOCK_N, GROUP_M)
+    if e < 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    e = expert.to(tl.int64)
-    rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < P                                # [BLOCK_M] pair ids; P = padding
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    rows, row_ok, offs_n, n_ok = _pair_rows(sorted_ptr, pid_m, pid_n, N, P, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (rows // ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.fused_moe import (ACTIVATION_CODES, DTYPES, _activation, _store_pairs,
-                                           moe_align_block_size)
+from vllm.kernels.triton.fused_moe import (ACTIVATION_CODES, DTYPES, _activation, _pair_block,
+                                           _pair_rows, _store_pairs, moe_align_block_size)
 from vllm.kernels.triton.fused_moe_config import get_moe_config
 
 QUANT_KINDS = {"fp8": 0, "int4": 1}
@@ -70,16 +70,6 @@ class QuantProjection:
     @property
     def cols(self) -> int:
         return self.codes.shape[2] * (8 if self.kind == "int4" else 1)
-
-
-@triton.jit
-def _tile_ids(N, num_m_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(M block, N block) of this program; GROUP_M M blocks in a row share B's columns."""
-    pid = tl.program_id(0)
-    group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // group) * GROUP_M
-    group_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    return first_m + (pid % group) % group_m, (pid % group) // group_m
 
 
 @triton.jit
@@ -142,17 +132,11 @@ def _moe_quant_gemm_kernel(
     """C[r, n] = (A[r // ROW_DIV] @ W[e]^T + bias[e])[n] (* w[r]) for the sorted pair rows r of
     one M block (slot e) and one N block; W[e] [N, K] dequantized per tile (QUANT 0: fp8,
     1: int4; see QuantProjection). A [*, K] in the activation dtype; C [P, N]."""
-    pid_m, pid_n = _tile_ids(N, num_m_blocks, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    e, pid_m, pid_n = _pair_block(block_expert_ptr, num_padded_ptr, N, num_m_blocks, BLOCK_M,
+                                  BLOCK_N, GROUP_M)
+    if e < 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m)
-    if expert < 0:
-        return
-    e = expert.to(tl.int64)
-    rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < P                                # [BLOCK_M] pair ids; P = padding
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    rows, row_ok, offs_n, n_ok = _pair_rows(sorted_ptr, pid_m, pid_n, N, P, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (rows // ROW_DIV)[:, None] * stride_am + offs_k[None, :] * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
