@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod, quantize_fp8
 from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod, quantize_gptq
+from vllm.model_executor.layers.quantization.moe_ref import stack_experts
 
 
 def scheme_parts(name: str):
@@ -45,13 +46,8 @@ def packed_layer(name: str, E: int, H: int, N: int):
     per_expert = []
     for _ in range(E):
         cks = [quant(torch.randn(*shape, generator=g) * 0.2) for shape in ((N, H), (N, H), (H, N))]
-        t = {}
-        for suffix in cks[0]:
-            gate, up, down = (method.load_transform(suffix, p, ck[suffix])
-                              for p, ck in zip(("w13", "w13", "w2"), cks))
-            t[f"w13_{suffix}"], t[f"w2_{suffix}"] = torch.cat([gate, up]), down
-        per_expert.append(method.process_expert(t))
-    stacked = {n: torch.stack([t[n] for t in per_expert]) for n in per_expert[0]}
+        per_expert.append(method.expert_from_checkpoint(*cks))
+    stacked = stack_experts(per_expert)
     kernel = CpuKernelExperts(MoEActivation.of("silu"))
     kernel.bind_scheme(method)
     return kernel, kernel.pack(stacked)

@@ -18,6 +18,7 @@ from vllm.kernels.cpu.ops import prepack
 from vllm.model_executor.layers.fused_moe.cpu_kernel import expert_pairs_cpu
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts, TorchExperts
+from vllm.model_executor.layers.quantization.moe_ref import stack_experts
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod, quantize_nvfp4
 
@@ -79,13 +80,8 @@ def experts(scheme, E, H, N, seed=0, dtype=torch.float32):
         cks = [quant(o, i, g) for o, i in ((N, H), (N, H), (H, N))]
         w13s.append(torch.cat([ref(cks[0]), ref(cks[1])]))
         w2s.append(ref(cks[2]))
-        t = {}
-        for suffix in cks[0]:
-            gate, up, down = (method.load_transform(suffix, p, ck[suffix])
-                              for p, ck in zip(("w13", "w13", "w2"), cks))
-            t[f"w13_{suffix}"], t[f"w2_{suffix}"] = torch.cat([gate, up]), down
-        per_expert.append(method.process_expert(t))
-    stacked = {n: torch.stack([t[n] for t in per_expert]) for n in per_expert[0]}
+        per_expert.append(method.expert_from_checkpoint(*cks))
+    stacked = stack_experts(per_expert)
     b13 = b2 = None
     if bias:
         b13, b2 = (torch.randn(E, n, generator=g).to(dtype) for n in (2 * N, H))

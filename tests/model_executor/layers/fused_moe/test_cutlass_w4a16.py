@@ -33,21 +33,14 @@ BF16 = torch.bfloat16
 
 
 # ---- GPTQ experts --------------------------------------------------------------------------
-def load_projection(method, kind, w, gs, sym, fmt):
-    """One projection [out, in] through quantize_gptq and the method's load_transform."""
-    q = quantize_gptq(w, gs, sym, checkpoint_format=fmt)
-    return {f"{kind}_{s}": method.load_transform(s, kind, t) for s, t in q.items()}
-
-
 def gptq_expert(gs, sym, fmt, seed=0):
     """One expert's layer tensors (w13 = [gate; up] halves fused along dim 0, as the loader).
     pack-quantized checkpoints load into this same layout (as gptq_v2)."""
     method = GptqMoEMethod(gs, sym, False, fmt)
     g = torch.Generator().manual_seed(seed)
     gate, up, down = (torch.randn(*s, generator=g) * 0.1 for s in ((N, H), (N, H), (H, N)))
-    a, b = (load_projection(method, "w13", w, gs, sym, fmt) for w in (gate, up))
-    return {**{n: torch.cat([a[n], b[n]]) for n in a},
-            **load_projection(method, "w2", down, gs, sym, fmt)}
+    return method.expert_from_checkpoint(
+        *(quantize_gptq(w, gs, sym, checkpoint_format=fmt) for w in (gate, up, down)))
 
 
 def read_packed(packed, p, gs):

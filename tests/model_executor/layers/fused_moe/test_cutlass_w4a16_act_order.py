@@ -38,12 +38,8 @@ def act_order_weights(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def quantized_expert(method, seed: int, sym: bool) -> dict[str, torch.Tensor]:
     """One expert's layer tensors, as the loader fuses them (w13 = [gate; up])."""
-    gate, up, down = act_order_weights(seed)
-    parts = {}
-    for kind, w in (("w13", gate), ("w13", up), ("w2", down)):
-        for s, t in quantize_gptq(w, GS, sym, desc_act=True).items():
-            parts.setdefault(f"{kind}_{s}", []).append(method.load_transform(s, kind, t))
-    return {n: torch.cat(v) for n, v in parts.items()}
+    return method.expert_from_checkpoint(
+        *(quantize_gptq(w, GS, sym, desc_act=True) for w in act_order_weights(seed)))
 
 
 def test_packed_columns_are_the_methods_weights_sorted_by_group():

@@ -285,3 +285,19 @@ def test_bad_g_idx_rejected_at_load():
     ck[(2, "w3")]["g_idx"] = ck[(2, "w3")]["g_idx"] + 5
     with pytest.raises(ValueError, match=r"w13_g_idx has values in \[0, 6\].*must be in \[0, 1\]"):
         load_layer(GptqMoEMethod(32, True, True), ck, cache_size=2)
+
+
+def test_expert_from_checkpoint_is_the_loader_layout():
+    """The helper the tests and benchmarks build experts with: gate/up halves of w13 under the
+    declared names, as ``load_expert_weight`` fills them; a suffix that is not an expert
+    tensor is refused."""
+    method = GptqMoEMethod(32, True, False)
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (quantize_gptq(torch.randn(*s, generator=g), 32, True)
+                      for s in ((64, 32), (64, 32), (32, 64)))
+    t = method.expert_from_checkpoint(gate, up, down)
+    assert torch.equal(t["w13_qweight"], torch.cat([gate["qweight"].t(), up["qweight"].t()]))
+    assert torch.equal(t["w2_scales"], down["scales"].t())
+    assert torch.equal(t["w13_g_idx"], torch.stack([gate["g_idx"], up["g_idx"]]))
+    with pytest.raises(ValueError, match=r"GptqMoEMethod: 'bias' is not one of its expert"):
+        method.expert_from_checkpoint(*({**d, "bias": torch.zeros(1)} for d in (gate, up, down)))

@@ -97,6 +97,26 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
         proj: "w13" (gate or up) or "w2". Raise ValueError on a wrong dtype."""
         return tensor
 
+    def expert_from_checkpoint(self, gate: dict[str, torch.Tensor], up: dict[str, torch.Tensor],
+                               down: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One gated expert's tensors in the layer layout, as the loader builds them, then
+        ``process_expert``. gate, up [N, H] and down [H, N]: checkpoint suffix -> tensor as a
+        checkpoint stores it. Each goes through ``load_transform`` (loaded under
+        ``CheckpointTensor.name``); gate and up fill the halves of dim 0 of ``w13_<name>``
+        (``FusedMoE.load_expert_weight``), down is ``w2_<name>``. Shared and ``check_only``
+        tensors are not expert tensors: refused."""
+        specs = {ct.suffix: ct for ct in self.checkpoint_tensors}
+        t = {}
+        for suffix in gate:
+            ct = specs.get(suffix)
+            if ct is None or ct.shared or ct.check_only:
+                raise ValueError(f"{type(self).__name__}: {suffix!r} is not one of its expert "
+                                 "tensors")
+            g, u, d = (self.load_transform(suffix, p, ck[suffix])
+                       for p, ck in zip(("w13", "w13", "w2"), (gate, up, down)))
+            t[f"w13_{ct.name}"], t[f"w2_{ct.name}"] = torch.cat([g, u]), d
+        return self.process_expert(t)
+
     def check_tensor(self, suffix: str, proj: str, tensor: torch.Tensor) -> None:
         """Validate a ``check_only`` checkpoint tensor (one expert, one projection)."""
         raise NotImplementedError(f"{type(self).__name__} declares no check_only tensor")
@@ -123,6 +143,11 @@ class QuantizedFusedMoEMethod(FusedMoEMethodBase):
         """Row ``e`` of every expert tensor in ``weights`` (experts, or slots when cached):
         views, no copy."""
         return {n: weights[n][e] for n in self._names}
+
+
+def stack_experts(per_expert: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Experts' tensors (one dict each, the same names) -> name -> [E, ...]."""
+    return {n: torch.stack([t[n] for t in per_expert]) for n in per_expert[0]}
 
 
 def require_multiple(what: str, value: int, of: int, fmt: str) -> None:
