@@ -3,50 +3,20 @@ GPTQ INT4 and NVFP4, and a tiny GPT-OSS with MXFP4 experts (biases, swigluoai), 
 greedy tokens with ``moe_backend="cpu_kernel"`` as with ``"torch"`` (logprobs within f32
 summation-order tolerance), the expert cache at N in {1, top_k, E/2} equals no cache bit for
 bit, and decode steps replay as CPU graphs with the eager step's bits."""
-import json
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tools.quantize_checkpoint import main as quantize_main
 from vllm import LLM, SamplingParams
-from vllm.model_executor.layers.quantization.utils import float_to_e2m1
+from model_executor.layers.quantization.gpt_oss_mxfp4 import gpt_oss_mxfp4
 
 TOP_K = 2      # both tiny configs (tests/model_executor/tiny_checkpoints.py)
 SCHEMES = {"fp8-block": ["--scheme", "fp8-block"], "fp8-channel": ["--scheme", "fp8-channel"],
            "w4a16-gptq-asym-descact-g32": ["--scheme", "w4a16-gptq", "--asym", "--desc-act",
                                            "--group-size", "32"],
            "nvfp4": ["--scheme", "nvfp4"], "mxfp4-gpt-oss": None}
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
-    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-
-
-def mxfp4_gpt_oss(src, path):
-    """The tiny GPT-OSS at ``src`` with random expert biases and its experts rounded to MXFP4
-    in the published layout, written here from the format: rows = outputs (gate/up interleaved
-    as published), 32-input blocks of 16 bytes (code 2j in the low nibble of byte j), e8m0
-    scales 2^ceil(log2(amax / 6))."""
-    shutil.copytree(src, path)
-    g = torch.Generator().manual_seed(0)
-    state = load_file(os.path.join(src, "model.safetensors"))
-    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        w = state.pop(name).float().transpose(1, 2)                   # [E, out, in]
-        blocks = w.reshape(*w.shape[:2], -1, 32)
-        exp = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=2.0 ** -60) / 6))
-        codes = float_to_e2m1(blocks / 2.0 ** exp[..., None])
-        state[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        state[name + "_scales"] = (exp + 127).to(torch.uint8)
-        bias = state[name + "_bias"]
-        state[name + "_bias"] = (torch.randn(bias.shape, generator=g) * 0.1).bfloat16()
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = MXFP4_CONFIG
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
 
 
 def _prompts(n, seed=0):
@@ -69,7 +39,7 @@ def quantized(request, tiny_model_factory, tmp_path_factory):
     """-> (checkpoint path, experts per layer)."""
     path = str(tmp_path_factory.mktemp(request.param))
     if request.param == "mxfp4-gpt-oss":
-        mxfp4_gpt_oss(tiny_model_factory("GptOssForCausalLM"), os.path.join(path, "m"))
+        gpt_oss_mxfp4(tiny_model_factory("GptOssForCausalLM"), os.path.join(path, "m"))
         return os.path.join(path, "m"), 8
     src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
     quantize_main(["--model", src, "--out", path, *SCHEMES[request.param]])

@@ -9,9 +9,7 @@ GPT-OSS with MXFP4 experts give the torch backend's greedy tokens in fp32, the c
 uncached run's exact logprobs."""
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors import \
 from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
 from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod, quantize_nvfp4
 from vllm.platforms import platform_for
+from model_executor.layers.quantization.gpt_oss_mxfp4 import gpt_oss_mxfp4, mxfp4_round
 from model_executor.tiny_checkpoints import layer_config
 from greedy_runs import greedy_run
 
@@ -41,21 +40,6 @@ def ct_nvfp4(w):
     q = quantize_nvfp4(w)
     return {"weight_packed": q["weight"], "weight_scale": q["weight_scale"],
             "weight_global_scale": (1.0 / q["weight_scale_2"]).reshape(1)}
-
-
-def mxfp4_round(w):
-    """MXFP4 of weights [..., out, in] in GPT-OSS's published layout, written from the format:
-    blocks uint8 [..., out, in/32, 16] (code 2j of a 32-input block in the low nibble of byte
-    j), e8m0 scales [..., out, in/32] = 2^ceil(log2(amax / 6)) + 127, e2m1 by nearest
-    magnitude (ties to the smaller)."""
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
-    exp = torch.ceil(torch.log2(blocks.abs().amax(-1).clamp(min=2.0 ** -60) / 6))
-    v = blocks / 2.0 ** exp[..., None]
-    idx = (v.abs().unsqueeze(-1) - mags).abs().argmin(-1)
-    codes = idx + 8 * ((v < 0) & (idx > 0))                          # [..., in/32, 32]
-    return {"blocks": (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8),
-            "scales": (exp + 127).to(torch.uint8)}
 
 
 # name -> (method factory, quantizer of one [out, in] weight, H, N, activation, biases)
@@ -132,30 +116,6 @@ def test_layer_equals_torch_backend_and_cache_is_exact(scheme):
 
 
 # ---- tiny models through the engine --------------------------------------------------------
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
-    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-
-
-def gpt_oss_mxfp4(src, path):
-    """The tiny GPT-OSS at ``src`` with its experts rounded by ``mxfp4_round`` (rows =
-    outputs, gate/up interleaved as published) and random bf16 biases."""
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(src, path)
-    g = torch.Generator().manual_seed(0)
-    state = load_file(os.path.join(src, "model.safetensors"))
-    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        q = mxfp4_round(state.pop(name).float().transpose(1, 2))      # HF: [E, in, out]
-        state[name + "_blocks"], state[name + "_scales"] = q["blocks"], q["scales"]
-        state[name + "_bias"] = (torch.randn(state[name + "_bias"].shape, generator=g)
-                                 * 0.1).bfloat16()
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = MXFP4_CONFIG
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-
-
 @pytest.fixture(scope="module", params=["nvfp4-qwen3-moe", "mxfp4-gpt-oss"])
 def quantized(request, tiny_model_factory, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
