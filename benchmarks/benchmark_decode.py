@@ -201,8 +201,10 @@ def _row(n: int, batch: int, r: dict) -> dict:
     return row
 
 
-def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int) -> tuple[list, dict]:
-    """One engine per cache size, every batch on it -> (rows, {batch: {size: tokens}})."""
+def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
+              on_row=None) -> tuple[list, dict]:
+    """One engine per cache size, every batch on it -> (rows, {batch: {size: tokens}});
+    ``on_row(rows)`` after each row (a run cut short keeps what it measured)."""
     from vllm import LLM
     rows, tokens = [], {b: {} for b in args.batch}
     for n in args.moe_expert_cache_size:
@@ -218,6 +220,8 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int) -> t
             rows.append(_row(n, b, r))
             if args.profile_steps:
                 rows[-1]["profile"] = profile_decode_steps(llm, prompts, args.profile_steps)
+            if on_row is not None:
+                on_row(rows)
         llm.llm_engine.shutdown()
         del llm
         gc.collect()
@@ -244,7 +248,9 @@ def run(args) -> dict:
         else:
             build_checkpoint(args.random_model, path, dtype, args.seed)
         build_s = time.perf_counter() - start
-        rows, tokens = run_sizes(args, path, dtype, device, config.vocab_size)
+        partial = dict(result, device=device, build_seconds=build_s, partial=True)
+        rows, tokens = run_sizes(args, path, dtype, device, config.vocab_size,
+                                 lambda rows: write_out(args.out, dict(partial, rows=rows)))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -324,16 +330,20 @@ def _print_table(out: dict) -> None:
               f"{r['bytes_copied'] / 1e9:.3f} | {r['copy_gbps']:.2f} |")
 
 
+def write_out(path: str | None, result: dict) -> None:
+    """``--out``: the JSON, whole or (``"partial": true``) the rows measured so far."""
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(result) + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = run(args)
-    text = json.dumps(out)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text) if args.json else _print_table(out)
+    write_out(args.out, out)
+    print(json.dumps(out)) if args.json else _print_table(out)
     return out
 
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's checks and figures, in stages that each end inside a 10-minute command.
 #
+#   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
+#                                       # build, gpu tests, then the headline figures, each step
+#                                       # cut to what is left of BUDGET seconds (default 540)
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests (~5 min)
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
 #   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap
@@ -21,6 +24,22 @@ stage=${1:-check}
 RUN=""
 [ "${DRY:-0}" = 1 ] && RUN=echo
 
+# Stage "first": a step runs under the smaller of its own limit and what is left of the budget,
+# and is skipped (and listed in $OUT/steps.txt) when under 30 s are left: a command cut short
+# still returns what $OUT holds, so the steps come in order of value.
+deadline=$((SECONDS + ${BUDGET:-540}))
+step() {  # step LIMIT NAME CMD...: CMD's output to $OUT/NAME.log, its rc and time to steps.txt
+    local want=$1 name=$2; shift 2
+    local left=$((deadline - SECONDS))
+    if (( left < 30 )); then echo "$name skipped: ${left}s left" >> "$OUT/steps.txt"; return 0; fi
+    local t0=$SECONDS limit=$(( want < left ? want : left ))
+    if [ -n "$RUN" ]; then echo timeout "$limit" "$@"; return 0; fi
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - t0))s (limit ${limit}s)" >> "$OUT/steps.txt"
+    tail -n 5 "$OUT/$name.log"
+}
+
 install() {
     [ -n "$RUN" ] && return 0
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -32,12 +51,46 @@ triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     fi
-    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+    # The tree on PYTHONPATH too: a failed or cut build must not stop the Triton path's figures.
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    local t0=$SECONDS
+    timeout "${BUILD_LIMIT:-300}" python3 -m pip install -q --no-deps --no-build-isolation -e . \
+        > "$OUT/build.log" 2>&1
+    echo "build rc=$? $((SECONDS - t0))s" | tee -a "$OUT/steps.txt"
+    tail -n 3 "$OUT/build.log"
     python3 -c "import torch, vllm._C; print('vllm._C:', {n: hasattr(torch.ops._C, n)
 for n in ('expert_gather', 'w4a16_moe_mm')})" | tee -a "$OUT/gpu.txt"
 }
 
 case "$stage" in
+first)
+    install
+    common=(--random-model probe-4.8g --dtype bf16 --device cuda --checkpoint /tmp/probe --json)
+    step 150 pytest-gpu python3 -m pytest -q -m gpu -rs -p no:cacheprovider
+    # Issue 17/26's headline: graphs, batch 1 and 32, no cache / all hits / E/4 (JSON per engine).
+    step 240 decode-graphs python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
+        --moe-expert-cache-size 0 63 16 --output-len 32 --profile-steps 4 \
+        --out "$OUT/decode-graphs.json"
+    step 60 decode-eager python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 \
+        --moe-expert-cache-size 0 --output-len 16 --enforce-eager --profile-steps 2 \
+        --out "$OUT/decode-eager.json"
+    quant=(--speed --speed-reps 3 --speed-shape 2048 768 64 2 --json)
+    step 120 quant python3 benchmarks/benchmark_quantization.py "${quant[@]}" \
+        --schemes fp8-block w4a16-gptq --out "$OUT/quant.json"
+    trace=.traces/deepseek-v2-lite.npz
+    if [ -f "$trace" ] || [ -n "$RUN" ]; then
+        step 120 offload python3 benchmarks/benchmark_expert_offload.py --trace "$trace" \
+            --shape dsv2-lite --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
+            --designs resident sync-lfru uva ours ours+overlap --dtype bfloat16 \
+            --device cuda --json --out "$OUT/offload.json"
+    else
+        echo "offload skipped: no $trace (see the header)" >> "$OUT/steps.txt"
+    fi
+    # GPTQ on the CUTLASS grouped GEMM (refused, with the reason, where vllm._C lacks it).
+    step 90 quant-cutlass python3 benchmarks/benchmark_quantization.py "${quant[@]}" \
+        --schemes w4a16-gptq --moe-backend w4a16-gptq=cutlass_w4a16 \
+        --out "$OUT/quant-cutlass.json"
+    ;;
 check)
     install
     # The gpu tests, then the tests of the GPU path's modules (their CPU parts must pass there).
@@ -85,5 +138,5 @@ quant)
         --out "$OUT/quant-cutlass.json" 2>"$OUT/quant-cutlass.log" | tail -c 2000
     ;;
 *)
-    echo "unknown stage $stage: check, suite, decode, offload or quant"; exit 2 ;;
+    echo "unknown stage $stage: first, check, suite, decode, offload or quant"; exit 2 ;;
 esac

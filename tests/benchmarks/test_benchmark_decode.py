@@ -142,3 +142,29 @@ def test_profile_summary_counts_launches():
     assert got["launches_per_step"] == 10 and got["graph_launches_per_step"] == 1
     assert got["torch_ops_per_step"] == 2 and got["gpu_kernels_per_step"] == 3
     assert got["gpu_busy_ms_per_step"] == 0.5 and got["gpu_busy_fraction"] == 0.2
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(result, monkeypatch, tmp_path):
+    """--out is rewritten after every row (marked partial), so a GPU session's command that
+    times out mid-run still returns its figures; the finished run's file has no mark."""
+    argv = result[2]
+    ckpt = argv[argv.index("--checkpoint") + 1]
+    out_file = tmp_path / "cut.json"
+    real_decode = bench.decode
+    calls = []
+
+    def decode_then_die(llm, prompts, n):
+        calls.append(n)
+        if len(calls) > 2:                       # warm-up and timed pass of the first row
+            raise KeyboardInterrupt("cut")
+        return real_decode(llm, prompts, n)
+
+    monkeypatch.setattr(bench, "decode", decode_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+                    "1", "2", "--moe-expert-cache-size", "0", "4", "--output-len", "3",
+                    "--checkpoint", ckpt, "--json", "--out", str(out_file)])
+    kept = json.loads(out_file.read_text())
+    assert kept["partial"] is True and kept["preset"] == "tiny" and kept["device"] == "cpu"
+    assert [(r["moe_expert_cache_size"], r["batch"]) for r in kept["rows"]] == [(0, 1)]
+    assert "partial" not in json.loads(result[1].read_text())

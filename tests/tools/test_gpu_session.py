@@ -29,7 +29,10 @@ def test_the_script_is_valid_bash():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
 
 
-@pytest.mark.parametrize("stage,bench,count", [("decode", "benchmark_decode", 3),
+@pytest.mark.parametrize("stage,bench,count", [("first", "benchmark_decode", 2),
+                                               ("first", "benchmark_quantization", 2),
+                                               ("first", "benchmark_expert_offload", 1),
+                                               ("decode", "benchmark_decode", 3),
                                                ("offload", "benchmark_expert_offload", 1),
                                                ("quant", "benchmark_quantization", 2)])
 def test_every_benchmark_command_parses(tmp_path, stage, bench, count):
@@ -41,6 +44,18 @@ def test_every_benchmark_command_parses(tmp_path, stage, bench, count):
     for words in lines:
         args = parse(words[words.index(f"benchmarks/{bench}.py") + 1:])
         assert args.json and str(tmp_path) in args.out
+
+
+def test_first_skips_the_steps_past_its_budget(tmp_path):
+    """Stage first: with under 30 s of BUDGET left no step starts; each is listed as skipped,
+    in the order of value, so what a cut command leaves in $OUT says what did not run."""
+    out = subprocess.run(["bash", SCRIPT, "first"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "DRY": "1", "OUT": str(tmp_path), "BUDGET": "20"},
+                         check=True)
+    assert "benchmarks/" not in out.stdout and "pytest" not in out.stdout
+    skipped = [line.split()[0] for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    assert skipped == ["pytest-gpu", "decode-graphs", "decode-eager", "quant", "offload",
+                       "quant-cutlass"]
 
 
 def test_an_unknown_stage_is_refused():
