@@ -66,7 +66,7 @@ case "$stage" in
 first)
     install
     common=(--random-model probe-4.8g --dtype bf16 --device cuda --checkpoint /tmp/probe --json)
-    step 150 pytest-gpu python3 -m pytest -q -m gpu -rs -p no:cacheprovider
+    step 150 pytest-gpu python3 -m pytest -q -m gpu -rs -p no:cacheprovider --durations=10
     # Issue 17/26's headline: graphs, batch 1 and 32, no cache / all hits / E/4 (JSON per engine).
     step 240 decode-graphs python3 benchmarks/benchmark_decode.py "${common[@]}" --batch 1 32 \
         --moe-expert-cache-size 0 63 16 --output-len 32 --profile-steps 4 \
