@@ -117,8 +117,14 @@ def test_padding_rows_leave_the_kv_cache_alone(tiny_model_factory, on_cpu):
 
 
 class _FailingCapturer(cuda_graphs.GraphCapturer):
+    def __init__(self):
+        self.failures = 0
+
     def capture(self, fn):
         raise RuntimeError("operation not permitted when stream is capturing")
+
+    def after_failure(self):
+        self.failures += 1
 
 
 def test_a_failed_capture_runs_decode_eagerly_from_then_on(tiny_model_factory, on_cpu,
@@ -133,6 +139,30 @@ def test_a_failed_capture_runs_decode_eagerly_from_then_on(tiny_model_factory, o
     assert "stream is capturing" in graphs.refused and graphs.captured_sizes == []
     assert sum(replayed for _, replayed in steps) == 1       # the warm-up step's own logits
     assert vllm_log.text.count("capturing a CUDA graph of batch size") == 1
+
+
+def test_a_failed_capture_drops_what_the_aborted_forward_left(tiny_model_factory, on_cpu,
+                                                              monkeypatch):
+    """The capturer drains once, and every cached layer forgets the prefetch the aborted
+    forward forked (its copy never ran); tokens still equal eager's."""
+    from vllm.model_executor.layers.fused_moe.expert_cache.provider import \
+        CachedWeightProvider
+    capturer = _FailingCapturer()
+    monkeypatch.setattr(cuda_graphs, "default_capturer", lambda device: capturer)
+    forgot = []
+    orig = CachedWeightProvider.forget_capture
+
+    def spy(self):
+        self._prefetch_in_flight = "in flight"
+        orig(self)
+        forgot.append((self._prefetch_in_flight, self._settled))
+    monkeypatch.setattr(CachedWeightProvider, "forget_capture", spy)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts, params = _requests()
+    eager, _, _ = _generate(path, prompts, params, enforce_eager=True, moe_expert_cache_size=2)
+    got, runner, _ = _generate(path, prompts, params, moe_expert_cache_size=2)
+    assert got == eager and capturer.failures == 1
+    assert forgot == [(None, False)] * len(runner.moe_layers) and len(forgot) > 0
 
 
 @pytest.mark.parametrize("kwargs,reason", [
@@ -304,7 +334,9 @@ def _mirror_copy_kernel():
     mirrors: dict[int, torch.Tensor] = {}
 
     def kernel(src, dst, experts, slots, valid):
-        mirror = mirrors.setdefault(src.data_ptr(), src.to(dst.device))
+        mirror = mirrors.get(src.data_ptr())
+        if mirror is None:                     # only eagerly: a copy would sync in a capture
+            mirror = mirrors[src.data_ptr()] = src.to(dst.device)
         for i in range(experts.shape[0]):
             e = experts[i:i + 1].clamp(0, mirror.shape[0] - 1)
             s = slots[i:i + 1].clamp(0, dst.shape[0] - 1)

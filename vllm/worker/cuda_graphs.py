@@ -109,25 +109,44 @@ class GraphCapturer:
         replay recomputes it from the buffers' current values and returns its output tensor."""
         raise NotImplementedError
 
+    def after_failure(self) -> None:
+        """Called once when ``capture`` raised, before the engine goes on eagerly."""
+
 
 class CudaGraphCapturer(GraphCapturer):
-    """``torch.cuda.CUDAGraph`` captures in one memory pool shared by every graph it makes.
-    NOT YET RUN ON A GPU."""
+    """``torch.cuda.CUDAGraph`` captures on one side stream, in one memory pool shared by every
+    graph it makes. Not ``torch.cuda.graph``: its exit restores the caller's stream only when
+    ``capture_end`` succeeds, and a failed capture must leave the engine running eagerly on its
+    own stream (``CudaDecodeGraphs._warm_up_and_capture``); nor its ``empty_cache`` per capture,
+    which would return the serving engine's cached blocks mid-run. NOT YET RUN ON A GPU."""
 
     def __init__(self):
         self.pool = None
+        self.stream = None
 
     def capture(self, fn):
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn()
+        caller = torch.cuda.current_stream()
+        torch.cuda.synchronize()               # nothing in flight may join the capture
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        caller.wait_stream(self.stream)
 
         def replay() -> torch.Tensor:
             graph.replay()
             return out
         return replay
+
+    def after_failure(self) -> None:
+        """A capture raised: let the aborted capture's work drain before eager steps go on."""
+        torch.cuda.synchronize()
 
 
 class EagerCapturer(GraphCapturer):
@@ -268,6 +287,13 @@ class CudaDecodeGraphs:
         except Exception as err:               # noqa: BLE001 - any failure means: stay eager
             self.refused = f"{type(err).__name__}: {err}"
             self._entries.clear()
+            self.capturer.after_failure()
+            # Nothing captured ran, so the device state is the warm-up's; Python flags the
+            # aborted forward set (a prefetch "in flight") are dropped.
+            for m in self.model.modules():
+                forget = getattr(getattr(m, "expert_cache", None), "forget_capture", None)
+                if forget is not None:
+                    forget()
             logger.warning("decode steps run eagerly from now on (capturing a CUDA graph of "
                            "batch size %d failed): %s", P, self.refused)
             return out

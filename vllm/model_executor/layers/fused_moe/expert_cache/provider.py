@@ -192,6 +192,12 @@ class CachedWeightProvider(WeightProvider):
                     "'triton' package and a pinned store; or register_cuda_copy_kernel)")
         return None
 
+    def forget_capture(self) -> None:
+        """A graph capture through this layer failed: its recorded work never ran, so forget the
+        prefetch it forked and let the next real step settle (``settle`` is idempotent)."""
+        self._prefetch_in_flight = None
+        self._settled = False
+
     def step_for_this_call(self) -> ResidencyStep:
         """The selected step, or the reference while torch.compile traces (it cannot trace a
         kernel called through ctypes or a Triton launcher's Python)."""
