@@ -264,6 +264,25 @@ def test_decode_graphs_plan_outside_the_replay_and_equal_eager(triton_interprete
     assert inits[0]["paged_kv_indices_buffer"].numel() == 4 * 6
 
 
+def test_each_graph_metadata_keeps_its_own_wrapper_until_it_is_dropped():
+    """Two engines' graphs of the same padded size share a planner: each static metadata gets
+    its own wrapper (a captured graph reads that wrapper's buffers, so none may be replaced),
+    and a wrapper goes when its metadata does."""
+    import gc
+    api = fake_flashinfer()
+    key = (4, 2, 64, -1, 0.125, torch.float16, torch.device("cpu"))
+    planner = fp.FlashInferPlanner(api, key)
+    a, b = _decode_md([9, 3, 17, 1]), _decode_md([5, 7, 2, 1], seed=1)
+    for md in (a, b, a):
+        planner.plan_decode_graph(md, md.seq_lens, md.block_tables)
+    inits = [n for n, _, _ in api.calls if n == "BatchDecodeWithPagedKVCacheWrapper.__init__"]
+    wa, wb = planner.wrapper_for(a, capturing=True), planner.wrapper_for(b, capturing=True)
+    assert len(inits) == 2 and wa is not wb
+    del b
+    gc.collect()
+    assert list(planner._graphs) == [id(a)] and planner.wrapper_for(a, True) is wa
+
+
 # ---- (e) the registry -------------------------------------------------------------------------
 def test_refused_on_cpu_with_a_reason():
     with pytest.raises(ValueError, match=r"'flashinfer_paged' cannot run .* on cpu .*: it runs "

@@ -33,6 +33,7 @@ instead of slots and has no padding row.
 """
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 
 import torch
@@ -107,8 +108,11 @@ class FlashInferPlanner:
         self._prefill = None
         self._eager_md: AttentionMetadata | None = None
         """The metadata the prefill wrapper was last planned for (identity: one per step)."""
-        self._graphs: dict[int, tuple[AttentionMetadata, object]] = {}
-        """Padded size P -> (the graph's static metadata, its use_cuda_graph decode wrapper)."""
+        self._graphs: dict[int, object] = {}
+        """id(a graph's static metadata) -> its use_cuda_graph decode wrapper, dropped when
+        that metadata is (its graphs read the wrapper's buffers: two engines in one process
+        each keep theirs)."""
+        self._indices = _DeviceIndices(self.device)
 
     def _common(self) -> dict:
         return dict(window_left=self.window_left, sm_scale=self.scale,
@@ -118,9 +122,9 @@ class FlashInferPlanner:
         """The planned wrapper to run ``md`` with: its graph's decode wrapper (planned by
         ``plan_decode_graph``), else the prefill wrapper, planned now for a new step's
         metadata; never plans while ``capturing``."""
-        graph = self._graphs.get(md.num_seqs)
-        if graph is not None and graph[0] is md:
-            return graph[1]
+        graph = self._graphs.get(id(md))
+        if graph is not None:
+            return graph
         if md is not self._eager_md:
             if capturing:
                 raise RuntimeError("flashinfer_paged: a capture reached attention with metadata "
@@ -144,8 +148,8 @@ class FlashInferPlanner:
         graph's static metadata (P rows), ``seq_lens`` [P] / ``block_tables`` [P, M] the step's
         staged host rows (padding rows: context 1, block 0)."""
         P, M = block_tables.shape
-        graph = self._graphs.get(P)
-        if graph is None or graph[0] is not md:
+        wrapper = self._graphs.get(id(md))
+        if wrapper is None:
             i32 = dict(dtype=torch.int32, device=self.device)
             # Fixed buffers: a captured replay reads them; plan() rewrites them in place.
             wrapper = self.api.BatchDecodeWithPagedKVCacheWrapper(
@@ -153,10 +157,39 @@ class FlashInferPlanner:
                 use_tensor_cores=True, paged_kv_indptr_buffer=torch.zeros(P + 1, **i32),
                 paged_kv_indices_buffer=torch.zeros(P * M, **i32),
                 paged_kv_last_page_len_buffer=torch.zeros(P, **i32), backend=BACKEND)
-            graph = self._graphs[P] = (md, wrapper)
+            self._graphs[id(md)] = wrapper
+            weakref.finalize(md, self._graphs.pop, id(md), None)
         indptr, indices, last = plan_arrays(block_tables, seq_lens.tolist(), md.block_size)
-        graph[1].plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
-                      md.block_size, **self._common())
+        wrapper.plan(indptr, self._indices(indices), last, self.num_heads, self.num_kv_heads,
+                     self.head_dim, md.block_size, **self._common())
+
+
+class _DeviceIndices:
+    """Host page indices -> a device copy, through a reused pinned buffer: FlashInfer's plan
+    copies host indices with a blocking copy (a host sync per step); from the device it is an
+    ordered device-to-device copy. An event keeps the next step from rewriting the pinned
+    buffer while its copy may be in flight. On a host device the indices pass through."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.host, self.dev, self.done = device, None, None, None
+
+    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return indices
+        n = indices.numel()
+        if self.host is None or self.host.numel() < n:
+            if self.done is not None:
+                self.done.synchronize()
+            self.host = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
+            self.dev = torch.empty(self.host.numel(), dtype=torch.int32, device=self.device)
+            self.done = None
+        if self.done is not None:
+            self.done.synchronize()            # the previous step's copy has left the buffer
+        self.host[:n].copy_(indices)
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+        return self.dev[:n]
 
 
 _PLANNERS: dict[tuple, FlashInferPlanner] = {}
