@@ -62,7 +62,9 @@ class CMakeBuild(build_ext):
                              "`pip install --no-build-isolation -e .`")
         if shutil.which("cmake") is None:
             raise SystemExit("VLLM_TARGET_DEVICE=cuda needs cmake (pip install cmake ninja)")
-        build_dir = Path(self.build_temp, "cmake").resolve()
+        # Not self.build_temp: an editable install gets a fresh temporary one every time, so
+        # each install would rebuild everything (the CUTLASS GEMM alone takes about a minute).
+        build_dir = ROOT / "build" / f"cmake-{sys.implementation.cache_tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         args = ["-DVLLM_TARGET_DEVICE=cuda", f"-DVLLM_PYTHON_EXECUTABLE={sys.executable}",

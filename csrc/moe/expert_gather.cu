@@ -4,8 +4,9 @@
 // no staging copy and no host sync: the plan (experts, slots, valid) never leaves the device.
 //
 // Grid: x = chunks of a row (kChunkBytes each), y = plan entries. A block copies one chunk of
-// one entry; 16-byte vector accesses when the row and both bases are 16-byte aligned (every
-// store and slot tensor the engine makes: rows are whole expert matrices), bytes otherwise.
+// one entry, with the widest access (16, 8, 4, 2 or 1 bytes) that divides the row and both
+// bases: 16 for every weight the engine makes (rows are whole expert matrices); a row of a
+// few per-tensor scales copies at its own width. Chunk starts (64 KiB) keep the alignment.
 // Offsets are 64-bit: row_bytes * rows passes 2^31 for real experts.
 #include "expert_gather.h"
 
@@ -59,15 +60,24 @@ int expert_gather(const void* src, bool src_on_host, void* dst, const int64_t* e
   if (n > 65535 || chunks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(n));
   auto s = static_cast<cudaStream_t>(stream);
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const char* from = static_cast<const char*>(device_src);
   char* to = static_cast<char*>(dst);
-  if (row_bytes % 16 == 0 && aligned(device_src) && aligned(dst))
-    expert_gather_kernel<int4><<<grid, kThreads, 0, s>>>(from, to, experts, slots, valid,
-                                                         num_experts, num_slots, row_bytes);
+  const uint64_t bits = static_cast<uint64_t>(row_bytes) | reinterpret_cast<uintptr_t>(from) |
+                        reinterpret_cast<uintptr_t>(to);
+  const auto launch = [&](auto word) {
+    expert_gather_kernel<decltype(word)><<<grid, kThreads, 0, s>>>(
+        from, to, experts, slots, valid, num_experts, num_slots, row_bytes);
+  };
+  if (bits % 16 == 0)
+    launch(int4{});
+  else if (bits % 8 == 0)
+    launch(int2{});
+  else if (bits % 4 == 0)
+    launch(int{});
+  else if (bits % 2 == 0)
+    launch(short{});
   else
-    expert_gather_kernel<char><<<grid, kThreads, 0, s>>>(from, to, experts, slots, valid,
-                                                         num_experts, num_slots, row_bytes);
+    launch(char{});
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -53,9 +53,25 @@ def test_first_skips_the_steps_past_its_budget(tmp_path):
                          env={**os.environ, "DRY": "1", "OUT": str(tmp_path), "BUDGET": "20"},
                          check=True)
     assert "benchmarks/" not in out.stdout and "pytest" not in out.stdout
-    skipped = [line.split()[0] for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    skipped = [line.split()[0] for line in (tmp_path / "summary.txt").read_text().splitlines()]
     assert skipped == ["pytest-gpu", "decode-graphs", "decode-eager", "quant", "offload",
                        "quant-cutlass"]
+
+
+@pytest.mark.parametrize("stage", ["first", "check", "suite", "decode", "offload", "quant"])
+def test_a_stage_returns_at_most_eight_files(tmp_path, stage):
+    """The device tool brings back at most 8 files from $OUT: summary.txt, logs.tgz and one
+    JSON per benchmark step (logs go to $LOGS, packed into logs.tgz); the pytest steps run on
+    past the server's test modules, whose packages the GPU image lacks."""
+    out = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "DRY": "1", "OUT": str(tmp_path)}, check=True)
+    lines = [shlex.split(line) for line in out.stdout.splitlines()]
+    outs = {w[w.index("--out") + 1] for w in lines if "--out" in w}
+    assert all(o.startswith(str(tmp_path)) for o in outs)
+    assert len(outs) + 2 <= 8
+    for w in lines:
+        if "pytest" in w:
+            assert "--continue-on-collection-errors" in w
 
 
 def test_an_unknown_stage_is_refused():

@@ -34,8 +34,10 @@ def plan(E, N, n_valid, g, device):
     return experts.to(device), slots.to(device), valid.to(device)
 
 
+# Rows of 6144, 60, 91, 2048, 40 and 6 bytes: every access width (16, 4, 1, 16, 8, 2 bytes).
 @pytest.mark.parametrize("dtype,row", [(torch.bfloat16, (64, 48)), (torch.float32, (3, 5)),
-                                       (torch.uint8, (7, 13)), (torch.float8_e4m3fn, (32, 64))])
+                                       (torch.uint8, (7, 13)), (torch.float8_e4m3fn, (32, 64)),
+                                       (torch.float32, (2, 5)), (torch.float16, (3,))])
 @pytest.mark.parametrize("pinned_host", [True, False])
 def test_matches_reference(ops, dtype, row, pinned_host):
     g = torch.Generator().manual_seed(0)

@@ -77,3 +77,57 @@ def test_cuda_copy_without_a_kernel_falls_back_to_torch(monkeypatch):
     assert torch.equal(slots["w13_weight"][1], store.tensors["w13_weight"][3])
     assert torch.equal(slots["w13_scale"], torch.tensor([[0.], [3.]]))
     assert torch.equal(slots["w13_weight"][0], torch.zeros(2, 3))
+
+
+def test_a_build_that_fails_to_load_is_refused_with_a_warning(fresh_loader, monkeypatch,
+                                                              vllm_log):
+    """Not only ImportError: a .so that raises while registering (e.g. a duplicate op) leaves
+    the torch and Triton paths running, and says why."""
+    import sys
+
+    class Broken:
+        def find_spec(self, name, path=None, target=None):
+            if name == "vllm._C":
+                raise RuntimeError("Tried to register an operator with the same name twice")
+            return None
+    monkeypatch.delitem(sys.modules, "vllm._C", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    assert ops.load_cuda_ops() is False
+    assert "vllm._C failed to load (RuntimeError: Tried to register" in vllm_log.text
+
+
+_COMPILE_OPAQUE = r"""
+import torch
+lib = torch.library.Library("_C", "DEF")
+lib.define("expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, Tensor slots, "
+           "Tensor valid) -> ()")
+
+def gather(src, dst, experts, slots, valid):      # stand-in body on CPU
+    for i in range(experts.shape[0]):
+        if bool(valid[i]):
+            dst[int(slots[i])] = src[int(experts[i])]
+lib.impl("expert_gather", gather, "CPU")
+
+def step(src, dst, experts, slots, valid):
+    torch.ops._C.expert_gather(src, dst, experts, slots, valid)
+    return dst * 2
+
+src, dst = torch.arange(12.).view(4, 3), torch.zeros(2, 3)
+args = (torch.tensor([3, 1]), torch.tensor([1, 0]), torch.tensor([True, False]))
+try:
+    out = torch.compile(step, fullgraph=True, backend="eager")(src, dst, *args)
+    print("compiled", out.tolist())
+except Exception as e:
+    print("failed", type(e).__name__)
+"""
+
+
+def test_torch_compile_traces_the_gather_op_whole():
+    """``_C::expert_gather`` (schema as csrc/torch_bindings.cpp: it only writes ``dst``, returns
+    nothing) needs no fake implementation: a fullgraph compile keeps it as one opaque call, and
+    runs it. A fresh interpreter, for the stand-in op library."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _COMPILE_OPAQUE], capture_output=True,
+                         text=True, timeout=300).stdout
+    assert "compiled [[0.0, 0.0, 0.0], [18.0, 20.0, 22.0]]" in out, out

@@ -31,7 +31,12 @@ def load_cuda_ops() -> bool:
     except ImportError as e:
         logger.debug("vllm._C is not available (%s): CUDA ops run their torch paths", e)
         return False
+    except Exception as e:                     # noqa: BLE001 - a broken build must not crash
+        logger.warning("vllm._C failed to load (%s: %s): CUDA ops run their torch paths",
+                       type(e).__name__, e)
+        return False
     return True
+
 
 
 def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
