@@ -97,12 +97,14 @@ offload() {  # offload LIMIT ARGS...: the trace-driven benchmark, if the trace w
 case "$stage" in
 first)
     install
-    step 150 pytest-gpu "${PYTEST[@]}" -m gpu --durations=10
-    # Issue 17/26's headline: graphs, batch 1 and 32, no cache / all hits / E/4 (JSON per row).
-    step 240 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 63 16 \
+    # Issue 17/26's headline first (it also checks that every cache size gives the same tokens):
+    # graphs, batch 1 and 32, no cache / all hits / E/4, its JSON rewritten after every row.
+    step 200 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 63 16 \
         --output-len 32 --profile-steps 4 --out "$OUT/decode-graphs.json"
-    step 60 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
+    step 150 pytest-gpu "${PYTEST[@]}" -m gpu --durations=10
+    step 50 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
+    # What is left of the budget (or a second, short command: BUDGET=200 ... quant|offload).
     step 120 quant "${QUANT[@]}" --speed-shape 2048 768 64 2 --schemes fp8-block w4a16-gptq \
         --out "$OUT/quant.json"
     offload 120 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
