@@ -194,9 +194,10 @@ def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
 
 
 def run_design(setup: Setup, design: str, capacity: int | None, batch: int, policy: str,
-               keep_outputs: bool = False, count: bool = False) -> dict:
-    """One cold run of the whole trace. Returns the row (and "_outputs": the last layer's h per
-    step when ``keep_outputs``)."""
+               keep_outputs: bool = False, count: bool = False,
+               max_steps: int | None = None) -> dict:
+    """One cold run of the whole trace (its first ``max_steps`` steps: a warm-up). Returns the
+    row (and "_outputs": the last layer's h per step when ``keep_outputs``)."""
     s = setup
     refusal = uva_refusal(s) if design == "uva" else None
     if refusal is not None:
@@ -205,7 +206,7 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     counted = count_copies(providers, s.store.bytes_per_expert) \
         if count and design in CACHED else None
     pred = s.affinity_pred if design == "ours+prefetch" else None
-    steps, L = s.steps(batch), s.trace.num_layers
+    steps, L = s.steps(batch)[:max_steps], s.trace.num_layers
     sync = torch.cuda.synchronize if s.device.type == "cuda" else (lambda: None)
     outputs = []
     sync()
@@ -293,9 +294,10 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
     setup = Setup(trace, args.shape, _DTYPES[args.dtype], args.device, max(args.batch))
     if "ours+prefetch" in designs:
         setup.affinity_pred = predict_next(trace, fit_affinity(fit))
-    run_design(setup, "resident", None, 1, args.policy)                   # warm-up (kernels)
     jobs = [(batch, design, c) for batch in args.batch for design in designs
             for c in (args.capacity if design in CACHED else [None])]
+    for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
+        run_design(setup, design, c, batch, args.policy, max_steps=2)
     rows: dict = {}
     # Rounds interleave the jobs, so a shared machine's slow spell hits every design alike;
     # every round is a cold run with the same counts, its seconds kept.

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -99,6 +100,15 @@ def teacher_forced_argmax(model_dir: str, ids: list[int], cache_size: int) -> tu
     return out, [c.stats() | {"bytes_per_expert": c.store.bytes_per_expert} for c in caches]
 
 
+def layer_expert_bytes(layer: FusedMoE) -> int:
+    """Bytes of one expert of a loaded engine's layer, in the layout its MoE backend reads on
+    the engine's device (what one cache miss copies)."""
+    if layer.expert_cache is not None:
+        return layer.expert_cache.store.bytes_per_expert
+    return sum(getattr(layer, n)[0].numel() * getattr(layer, n).element_size()
+               for n in layer.quant_method.expert_tensor_names())
+
+
 def expert_bytes(model_dir: str, dtype: str = "float32",
                  backend: str = "auto") -> tuple[int, int, int]:
     """(bytes per expert, experts per layer, top_k) of the first MoE layer, as loaded (in the
@@ -114,7 +124,6 @@ def expert_bytes(model_dir: str, dtype: str = "float32",
 
 def build_speed_model(path: str, hidden: int, inter: int, experts: int, layers: int) -> None:
     """A random Qwen3-MoE (top-4) in bf16 with the shipped model's tokenizer and vocabulary."""
-    import shutil
     import transformers
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
@@ -131,7 +140,6 @@ def build_speed_model(path: str, hidden: int, inter: int, experts: int, layers: 
 def build_gpt_oss_speed_model(path: str, hidden: int, inter: int, experts: int,
                               layers: int) -> None:
     """A random GPT-OSS (top-4, nonzero expert biases) in bf16 with the shipped tokenizer."""
-    import shutil
     import transformers
     torch.manual_seed(0)
     cfg = transformers.GptOssConfig(
@@ -152,7 +160,6 @@ def build_gpt_oss_speed_model(path: str, hidden: int, inter: int, experts: int,
 def mxfp4_gpt_oss(src: str, dst: str) -> None:
     """``src``'s GPT-OSS with its experts rounded to nearest MXFP4 in the published layout
     (rows = outputs, 16 bytes per 32 inputs, code 2j in the low nibble; e8m0 scales)."""
-    import shutil
     from safetensors.torch import load_file, save_file
     from vllm.model_executor.layers.quantization.utils import float_to_e2m1
     shutil.copytree(src, dst)
@@ -176,21 +183,23 @@ def mxfp4_gpt_oss(src: str, dst: str) -> None:
 
 
 def speed_checkpoint(scheme: str, work: str, shape: list[int]) -> str:
-    """The checkpoint directory of one ``--speed`` row (built on first use)."""
-    if scheme in ("bf16", "gpt-oss-bf16"):
-        path = os.path.join(work, scheme)
-        if not os.path.isdir(path):
-            build = build_speed_model if scheme == "bf16" else build_gpt_oss_speed_model
-            build(path, *shape)
+    """The checkpoint directory of one ``--speed`` row: ``work/HxIxExL/scheme``, built on first
+    use and reused after (``--work``: across runs; a finished one holds ``.done``)."""
+    path = os.path.join(work, "x".join(map(str, shape)), scheme)
+    if os.path.exists(os.path.join(path, ".done")):
         return path
-    qdir = os.path.join(work, scheme)
-    if scheme == "mxfp4":
-        mxfp4_gpt_oss(speed_checkpoint("gpt-oss-bf16", work, shape), qdir)
-        return qdir
-    with contextlib.redirect_stdout(sys.stderr):
-        quantize_main(["--model", speed_checkpoint("bf16", work, shape), "--out", qdir,
-                       "--scheme", scheme])
-    return qdir
+    shutil.rmtree(path, ignore_errors=True)              # a build cut short
+    if scheme in ("bf16", "gpt-oss-bf16"):
+        build = build_speed_model if scheme == "bf16" else build_gpt_oss_speed_model
+        build(path, *shape)
+    elif scheme == "mxfp4":
+        mxfp4_gpt_oss(speed_checkpoint("gpt-oss-bf16", work, shape), path)
+    else:
+        with contextlib.redirect_stdout(sys.stderr):
+            quantize_main(["--model", speed_checkpoint("bf16", work, shape), "--out", path,
+                           "--scheme", scheme])
+    open(os.path.join(path, ".done"), "w").close()
+    return path
 
 
 def _prompts(b: int) -> list[dict]:
@@ -246,13 +255,13 @@ def speed(args, work: str) -> None:
     for scheme in schemes:
         qdir = speed_checkpoint(scheme, work, args.speed_shape)
         backend = backend_for(args.moe_backend, scheme)
-        per, _, _ = expert_bytes(qdir, "bfloat16", backend)
         for cache in (0, E // 4):
             llm, load_s = load_engine(qdir, cache, backend, batches)
             engines.append(llm)
-            rows.append({"scheme": scheme, "cache": cache, "bytes_per_expert": per,
-                         "load_s": load_s, "backend": llm.llm_engine.runner.moe_layers[0]
-                         .quant_method.backend_name})
+            layer = llm.llm_engine.runner.moe_layers[0]
+            rows.append({"scheme": scheme, "cache": cache, "bytes_per_expert":
+                         layer_expert_bytes(layer), "load_s": load_s,
+                         "backend": layer.quant_method.backend_name})
     rates = [{b: [] for b in batches} for _ in rows]
     for _ in range(args.speed_reps):
         for llm, r in zip(engines, rates):
@@ -294,15 +303,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-backend", nargs="+", default=["auto"], metavar="NAME|SCHEME=NAME",
                    help="--speed: the MoE backend of every run (a name), or of some schemes "
                         "(SCHEME=NAME, the others auto), e.g. w4a16-gptq=cutlass_w4a16")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: 1 on CPU, torch's choice on a GPU, "
+                        "where they only build and quantize the checkpoints)")
+    p.add_argument("--work", default=None,
+                   help="keep the built and quantized checkpoints here and reuse them")
     p.add_argument("--out", default=None, help="--speed --json: also write the JSON here")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from vllm.platforms import resolve_device
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    work = tempfile.mkdtemp(prefix="bench-quant-")
+    threads = args.threads or (1 if resolve_device("auto") == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    work = args.work or tempfile.mkdtemp(prefix="bench-quant-")
+    os.makedirs(work, exist_ok=True)
     if args.speed:
         args.schemes = [s for s in args.schemes if s in SPEED_SCHEMES]
         return speed(args, work)

@@ -17,6 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                    "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
 GRAPH_LAUNCHES = ("cudaGraphLaunch",)
+COPIES = ("Memcpy", "Memset")
+"""Device events that are copies, not kernels (CUPTI names them "Memcpy HtoD (...)" etc.)."""
 
 
 def _device_time_us(event) -> float:
@@ -37,7 +39,8 @@ def summarize(events, steps: int, wall_s: float) -> dict:
             count["graph_launches"] += e.count
         elif e.key.startswith("aten::"):
             count["torch_ops"] += e.count
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and \
+                not e.key.startswith(COPIES):
             count["gpu_kernels"] += e.count
             gpu_us += _device_time_us(e)
     out = {f"{k}_per_step": v / steps for k, v in count.items()}
@@ -58,8 +61,11 @@ def profile_decode_steps(llm, prompts: list[list[int]], steps: int) -> dict:
     """Prefill ``prompts`` (greedy, ``steps + 1`` new tokens each), then profile ``steps``
     decode steps of the whole batch; the requests finish inside the profile."""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
     engine = llm.llm_engine
-    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    # FINAL_ONLY as the timed decode: no cumulative output built per profiled step.
+    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
     for i, p in enumerate(prompts):
         engine.add_request(f"profile-{time.monotonic_ns()}-{i}", {"prompt_token_ids": p}, sp)
     while engine.has_unfinished_requests() and not prefilled(engine):

@@ -81,7 +81,9 @@ for n in ('expert_gather', 'w4a16_moe_mm')})" 2>&1 | tail -n 1 | tee -a "$SUMMAR
 PYTEST=(python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors)
 DECODE=(python3 benchmarks/benchmark_decode.py --random-model probe-4.8g --dtype bf16
         --device cuda --checkpoint /tmp/probe --json)
-QUANT=(python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 --json)
+# One --work for every quant step: the bf16 and quantized checkpoints are built once.
+QUANT=(python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 --json
+       --work /tmp/quant-work)
 OFFLOAD=(python3 benchmarks/benchmark_expert_offload.py --trace .traces/deepseek-v2-lite.npz
          --shape dsv2-lite --dtype bfloat16 --device cuda --json)
 
@@ -105,12 +107,12 @@ first)
     step 50 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
     # What is left of the budget (or a second, short command: BUDGET=200 ... quant|offload).
-    step 120 quant "${QUANT[@]}" --speed-shape 2048 768 64 2 --schemes fp8-block w4a16-gptq \
+    step 120 quant "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes fp8-block w4a16-gptq \
         --out "$OUT/quant.json"
     offload 120 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
         --designs resident sync-lfru uva ours ours+overlap
     # GPTQ on the CUTLASS grouped GEMM (refused, with the reason, where vllm._C lacks it).
-    step 90 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 64 2 --schemes w4a16-gptq \
+    step 90 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
         --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
     ;;
 check)
@@ -141,8 +143,9 @@ quant)
     install
     # Quantized experts beside bf16 at batch 1 and 32, cached and not: auto (triton), then GPTQ
     # on the CUTLASS W4A16 grouped GEMM (needs vllm._C built with nvidia-cutlass: see install).
-    step 300 quant "${QUANT[@]}" --schemes fp8-block w4a16-gptq --out "$OUT/quant.json"
-    step 240 quant-cutlass "${QUANT[@]}" --schemes w4a16-gptq \
+    step 300 quant "${QUANT[@]}" --speed-shape 2048 768 64 4 --schemes fp8-block w4a16-gptq \
+        --out "$OUT/quant.json"
+    step 240 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 64 4 --schemes w4a16-gptq \
         --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
     ;;
 *)

@@ -137,7 +137,9 @@ def test_profile_summary_counts_launches():
               SimpleNamespace(key="cudaGraphLaunch", count=4),
               SimpleNamespace(key="aten::mm", count=8),
               SimpleNamespace(key="gemm_kernel", count=12, device_type=cuda,
-                              self_device_time_total=2000.0)]
+                              self_device_time_total=2000.0),
+              SimpleNamespace(key="Memcpy HtoD (Pinned -> Device)", count=8, device_type=cuda,
+                              self_device_time_total=400.0)]
     got = summarize(events, steps=4, wall_s=0.01)
     assert got["launches_per_step"] == 10 and got["graph_launches_per_step"] == 1
     assert got["torch_ops_per_step"] == 2 and got["gpu_kernels_per_step"] == 3

@@ -132,3 +132,24 @@ def test_cli_prints_one_json_object(result, tmp_path, capsys):
             "bound_tok_s", "seconds_over_bound"} <= set(row)
     assert row["tok_s"] == pytest.approx(row["tokens"] / row["seconds"])
     assert len(row["all_seconds"]) == 2 and row["seconds"] == max(row["all_seconds"])  # median
+
+
+def test_every_timed_job_is_warmed_up_first(result, monkeypatch):
+    """Each (batch, design, capacity) runs two untimed steps before the timed rounds, so no
+    row's seconds include a kernel's first compile (the fused residency step specializes on
+    the capacity)."""
+    path, args, _ = result
+    calls = []
+    real = bench.run_design
+
+    def spy(setup, design, capacity, batch, policy, keep_outputs=False, count=False,
+            max_steps=None):
+        calls.append((batch, design, capacity, max_steps))
+        return real(setup, design, capacity, batch, policy, keep_outputs, count, max_steps)
+    monkeypatch.setattr(bench, "run_design", spy)
+    args = bench.parse_args(["--trace", path, "--shape", "tiny", "--dtype", "float32",
+                             "--capacity", "2", "4", "--batch", "3", "--designs", "resident",
+                             "ours"])
+    bench.run(args)
+    jobs = [(3, "resident", None), (3, "ours", 2), (3, "ours", 4)]
+    assert calls == [(*j, 2) for j in jobs] + [(*j, None) for j in jobs]

@@ -17,7 +17,7 @@ from vllm.kernels.triton import residency_step as m
 fn = m._residency_step_kernel
 types = {"P": "i32", "K": "i32", "E": "i32", "N": "i32", "w": "i32", "D": "i32",
          "crf_ptr": "*fp64", "wt_ptr": "*fp64", "b_ptr": "*fp64", "prev_ptr": "*u8",
-         "par_ptr": "*fp64", "pow_ptr": "*fp64", "pv_ptr": "*u8"}
+         "par_ptr": "*fp64", "pow_ptr": "*fp64", "pv_ptr": "*u8", "ks_ptr": "*fp64"}
 for cc in (90, 120):
     for policy in range(5):
         consts = dict(POLICY=policy, HAS_ROWS=True, FIRST_WAVE=True, BLOCK_E=64, BLOCK_N=64,

@@ -83,6 +83,30 @@ def test_benchmark_quantization_backend_per_scheme(capsys):
         bench.backend_for(["torch", "w4a16-gptq=triton"], "bf16")
 
 
+def test_benchmark_quantization_reuses_its_work_dir_and_measures_the_loaded_layout(
+        capsys, tmp_path, monkeypatch):
+    """--work: a second run reuses the checkpoints (no quantization); bytes per expert are the
+    loaded engine's, so the torch backend's GPTQ layout (int32 words, f16 scales) differs from
+    the C kernel's packed one, and a row with the cache equals the one without."""
+    import json
+    bench = _load("benchmark_quantization")
+    argv = ["--speed", "--speed-shape", "64", "32", "8", "1", "--speed-tokens", "2",
+            "--speed-reps", "1", "--schemes", "w4a16-gptq", "--json", "--work", str(tmp_path)]
+    bench.main(argv)
+    packed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    calls = []
+    monkeypatch.setattr(bench, "quantize_main", lambda a: calls.append(a))
+    bench.main(argv + ["--moe-backend", "w4a16-gptq=torch"])
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert calls == [] and (tmp_path / "64x32x8x1" / "w4a16-gptq" / ".done").exists()
+    per = {(r["scheme"], r["backend"], r["cache"]): r["bytes_per_expert"]
+           for r in packed + plain}
+    for scheme, backend in (("bf16", "cpu_kernel"), ("w4a16-gptq", "cpu_kernel"),
+                            ("w4a16-gptq", "torch")):
+        assert per[scheme, backend, 0] == per[scheme, backend, 2]
+    assert per["w4a16-gptq", "torch", 0] != per["w4a16-gptq", "cpu_kernel", 0]
+
+
 def test_benchmark_quant_layer_cpu_rows(capsys):
     """A row per scheme, dtype and token count, as printed; act order and FP8 both run."""
     import json

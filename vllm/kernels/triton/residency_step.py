@@ -15,7 +15,8 @@ with ``debug_barrier`` between the phases that read what an earlier phase stored
 wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). No host read:
 the wave's shapes are fixed, so the launch can be captured in a CUDA graph. Differences from
 the C kernel: a valid pair with an id >= E routes nowhere (a launch cannot raise; the router
-never produces one), and there is no scratch to allocate.
+never produces one), and its only scratch is the victim ranking's [BLOCK_N] keys, allocated
+per call (from the graph's pool inside a capture).
 
 Floating point: keep scores are float64 computed in the reference's operation order; the launch
 passes ``enable_fp_fusion=False`` so ``crf * p * w1 + r * w0`` is not contracted into an FMA,
@@ -135,9 +136,12 @@ def _victim_keys(s, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_pt
 
 @triton.jit
 def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
-                par_ptr, pow_ptr, D, ps_ptr, POLICY: tl.constexpr, BLOCK_N: tl.constexpr,
-                ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
-    """plan_slots[:M]: the empty slots in slot order, then victims by (score, expert id)."""
+                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr,
+                BLOCK_N: tl.constexpr, ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
+    """plan_slots[:M]: the empty slots in slot order, then victims by (score, expert id). The
+    keys are computed once (lrfu_next's cost a pass over its [E, E] weight) and each row block
+    of the ranking reads them back from the scratch ks [BLOCK_N] (score) and kx [BLOCK_N] (the
+    victim's expert, -1 for a slot that is no victim): the same bits."""
     s = tl.arange(0, BLOCK_N)
     empty = (s < N) & (tl.load(eos_ptr + s, mask=s < N, other=0) < 0)
     empty_rank = tl.cumsum(empty.to(tl.int32), axis=0).to(tl.int64) - 1
@@ -147,11 +151,14 @@ def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr
     n_evict = M - tl.minimum(n_empty, M)
     cv, cscore, cexp = _victim_keys(s, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr,
                                     crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D, POLICY, ROWS_E)
+    tl.store(ks_ptr + s, cscore)
+    tl.store(kx_ptr + s, tl.where(cv, cexp, -1))
+    tl.debug_barrier()
     for r0 in tl.static_range(0, BLOCK_N, ROW_BLOCK):
         r = r0 + tl.arange(0, ROW_BLOCK)
-        rv, rscore, rexp = _victim_keys(r, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr,
-                                        last_ptr, crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D,
-                                        POLICY, ROWS_E)
+        rexp = tl.load(kx_ptr + r)
+        rv = rexp >= 0
+        rscore = tl.load(ks_ptr + r)
         before = (cscore[None, :] < rscore[:, None]) | (
             (cscore[None, :] == rscore[:, None]) & (cexp[None, :] < rexp[:, None]))
         vrank = tl.sum((before & cv[None, :]).to(tl.int64), axis=1)       # [ROW_BLOCK]
@@ -223,7 +230,7 @@ def _bump(cnt_ptr, idx, value, any_used):
 def _residency_step_kernel(
         ids_ptr, rows_ptr, P, K, E, N, w, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
         freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
-        pv_ptr, sid_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST_WAVE: tl.constexpr,
+        pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST_WAVE: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
         ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
     if FIRST_WAVE:
@@ -241,7 +248,7 @@ def _residency_step_kernel(
     tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
     tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
     _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
-                par_ptr, pow_ptr, D, ps_ptr, POLICY, BLOCK_N, ROW_BLOCK, ROWS_E)
+                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, BLOCK_N, ROW_BLOCK, ROWS_E)
     tl.debug_barrier()
     live = i < M
     ps = tl.load(ps_ptr + i, mask=live, other=0)
@@ -312,11 +319,15 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     crf, weight, bias = (state.get(n, params) for n in ("crf", "weight", "bias"))
     prev = state.get("prev", plan_valid).view(torch.uint8)
     block_e, block_n = triton.next_power_of_2(E), triton.next_power_of_2(N)
+    # The victim ranking's key scratch (_plan_slots): from the caching allocator, or the graph's
+    # pool inside a capture; no host work.
+    key_score = torch.empty(block_n, dtype=f64, device=dev)
+    key_expert = torch.empty(block_n, dtype=i64, device=dev)
     _residency_step_kernel[(1,)](
         topk_ids, row_slots if row_slots is not None else topk_ids, T * K, K, E, N, wave,
         slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use, crf, weight,
         bias, prev, params, decay_pow, decay_pow.numel(), plan_slots, plan_experts,
-        plan_valid.view(torch.uint8), slot_ids, POLICY=policy_code,
+        plan_valid.view(torch.uint8), slot_ids, key_score, key_expert, POLICY=policy_code,
         HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, BLOCK_E=block_e, BLOCK_N=block_n,
         BLOCK_P=BLOCK_P, ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e),
         **LAUNCH_OPTIONS)
