@@ -1,8 +1,8 @@
 """Triton fused-MoE experts: vLLM's fused_moe design over whatever expert rows it is handed.
 
-The pairs (token t, choice k) of a call are grouped by expert id (``moe_align_block_size``), each
-expert's group padded to a multiple of BLOCK_M, so every BLOCK_M block of the sorted order
-belongs to one expert. A grouped GEMM (``_moe_gemm_kernel``, one program per (M block, N block))
+The pairs (token t, choice k) of a call are grouped by expert id (``moe_align_block_size`` in
+``moe_align.py``: one launch for a decode step), each expert's group padded to a multiple of
+BLOCK_M, so every BLOCK_M block of the sorted order belongs to one expert. A grouped GEMM (``_moe_gemm_kernel``, one program per (M block, N block))
 gathers its A rows by sorted pair id (// top_k for the hidden states), multiplies by that
 expert's weight block and writes the rows back at their pair index. Three launches per call:
 gate_up = x @ w13[e]^T (+ b13[e]) -> activation (``_moe_act_kernel``) -> out = (act @
@@ -26,49 +26,12 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton.fused_moe_config import get_moe_config
+from vllm.kernels.triton.moe_align import moe_align_block_size  # noqa: F401 - re-exported
 
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "swigluoai": 2, "relu2_no_mul": 3}
 """Activation name (``MoEActivation.name``) -> the kernel's ACT constexpr."""
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACT_BLOCK_N = 64    # activation columns per program
-
-
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert, each group padded to a multiple of ``block_m``.
-
-    topk_ids [T, K] (any int dtype; ids outside [0, num_experts) are skipped) -> (sorted_ids
-    [S] int64: pair indices t * K + k, ascending within each expert, padding = the sentinel
-    P = T * K; block_expert [S // block_m] int64: the expert of each block, -1 past the end;
-    num_padded [1] int64: the padded pair count). S = P + min(E, P) * (block_m - 1) rounded up
-    to a multiple of block_m: the worst case, fixed by the shapes alone (no host read)."""
-    if block_m < 1:
-        raise ValueError(f"moe_align_block_size: block_m={block_m} must be >= 1")
-    if num_experts < 1:
-        raise ValueError(f"moe_align_block_size: num_experts={num_experts} must be >= 1")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise ValueError(f"moe_align_block_size: topk_ids must be integer, not {topk_ids.dtype}")
-    E, dev = num_experts, topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)                     # [P]
-    P = flat.numel()
-    S = triton.cdiv(P + min(E, P) * (block_m - 1), block_m) * block_m
-    key = torch.where((flat >= 0) & (flat < E), flat, E)            # [P] skipped pairs -> E
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
-    counts.index_add_(0, key, torch.ones_like(key))
-    counts = counts[:E]                                             # [E] pairs per expert
-    padded = (counts + block_m - 1) // block_m * block_m            # [E]
-    padded_end = padded.cumsum(0)                                   # [E] inclusive ends
-    order = torch.argsort(key, stable=True)                         # [P] pairs by expert
-    sorted_key = key[order]                                         # [P]
-    e = sorted_key.clamp(max=E - 1)
-    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[e]   # [P] rank in group
-    dest = torch.where(sorted_key < E, padded_end[e] - padded[e] + rank, S)   # S = dropped
-    sorted_ids = torch.full((S + 1,), P, dtype=torch.int64, device=dev)
-    sorted_ids.scatter_(0, dest, order)
-    block_start = torch.arange(0, S, block_m, device=dev)           # [S // block_m]
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < E, block_expert, -1)
-    return sorted_ids[:S], block_expert, padded_end[-1:].clone()
 
 
 @triton.jit

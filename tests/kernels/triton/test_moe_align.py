@@ -1,0 +1,64 @@
+"""The one-launch ``moe_align_block_size`` kernel (vllm/kernels/triton/moe_align.py) equals the
+torch version exactly, under Triton's interpreter: random ids with skipped ones (-1, >= E), every
+block size the tables use, E from 1 to 257 (one-hot tiles of 16 to 128 pairs), pair counts from
+1 to the kernel's limit (many chunks, padded blocks); past the limit the torch version runs.
+The torch version itself is checked against a Python loop in test_fused_moe.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
+
+
+@pytest.fixture
+def ma():
+    from vllm.kernels.triton import moe_align
+    return moe_align
+
+
+@pytest.mark.parametrize("T,K,E,block_m", [
+    (1, 1, 1, 16), (1, 8, 64, 16), (3, 8, 64, 32), (32, 8, 64, 64), (5, 2, 7, 16),
+    (37, 4, 13, 128), (300, 3, 5, 32), (3, 2, 40, 16), (17, 6, 257, 16), (512, 8, 128, 64),
+    (64, 8, 256, 16), (1, 4, 512, 16)])
+def test_kernel_equals_the_torch_version(ma, T, K, E, block_m):
+    g = torch.Generator().manual_seed(T * 131 + E * 7 + block_m)
+    ids = torch.randint(-1, E + 2, (T, K), generator=g)
+    got = ma.moe_align_block_size(ids, block_m, E)
+    want = ma.moe_align_block_size_torch(ids, block_m, E)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b)
+
+
+def test_a_whole_step_on_one_expert_and_none_at_all(ma):
+    """All pairs on one expert (one group spanning many blocks); every pair skipped."""
+    for ids in (torch.full((40, 4), 3), torch.full((6, 2), -1)):
+        got = ma.moe_align_block_size(ids, 16, 8)
+        want = ma.moe_align_block_size_torch(ids, 16, 8)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16])
+def test_narrow_id_dtypes(ma, dtype):
+    ids = torch.randint(0, 8, (9, 2), generator=torch.Generator().manual_seed(1))
+    got = ma.moe_align_block_size(ids.to(dtype), 16, 8)
+    want = ma.moe_align_block_size_torch(ids, 16, 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_kernel_runs_up_to_its_limit_and_torch_past_it(ma, monkeypatch):
+    launches = []
+    real = ma._align_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+    monkeypatch.setattr(ma, "_align_kernel", Spy())
+    for P in (ma.KERNEL_MAX_PAIRS, ma.KERNEL_MAX_PAIRS + 2):
+        ids = torch.randint(0, 16, (P // 2, 2), generator=torch.Generator().manual_seed(P))
+        got = ma.moe_align_block_size(ids, 32, 16)
+        want = ma.moe_align_block_size_torch(ids, 32, 16)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert launches == [(1,)]
