@@ -56,12 +56,14 @@ def _triton_elementwise_ops() -> ElementwiseOps | None:
     package) where triton is not installed: the layers then run their torch ops."""
     try:
         import vllm.kernels.triton.elementwise as ew
+        from vllm.kernels.triton.router import topk_softmax
     except ImportError as e:
-        logger.warning("the fused RMSNorm, activation and rotary kernels need the 'triton' "
-                       "package (%s); using torch ops. Install it with pip install triton", e)
+        logger.warning("the fused RMSNorm, activation, rotary and routing kernels need the "
+                       "'triton' package (%s); using torch ops. Install it with pip install "
+                       "triton", e)
         return None
     return ElementwiseOps(ew.DTYPES, ew.rms_norm, ew.silu_and_mul, ew.gelu_and_mul,
-                          ew.rotary_embedding)
+                          ew.rotary_embedding, topk_softmax)
 
 
 class CudaSideStream:

@@ -45,6 +45,9 @@ class ElementwiseOps:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     """(positions [T], q [T, Hq*D], k [T, Hkv*D], inv_freq [rd/2] f32, scaling, D, rd) -> (q, k)
     rotated, neox style."""
+    topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(logits [T, E], top_k, renormalize) -> (weights [T, k] f32, ids [T, k] int64): plain
+    softmax routing, largest first, ties to the lower id (``fused_moe/router.py``)."""
 
 
 class SideStream(Protocol):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kernels.cpu.ops import topk_softmax
-from vllm.platforms import native_kernels
+from vllm.platforms import elementwise_ops, native_kernels
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,17 @@ def select_experts(router_logits: torch.Tensor, cfg: RouterConfig,
     """Return (topk_weights [T, K] float32, topk_ids [T, K] int64).
 
     The correction bias (if any) only affects which experts are selected, never the weights.
-    Plain softmax top-k on CPU runs one C kernel (``vllm/kernels/cpu/router.c``) unless traced
-    by torch.compile; everything else, and the kernel's reference, is ``select_experts_torch``.
+    Plain softmax top-k runs one kernel where the platform has one (CUDA: the Triton kernel of
+    ``elementwise_ops``; CPU: the C kernel ``vllm/kernels/cpu/router.c``) unless traced by
+    torch.compile; everything else, and the kernels' reference, is ``select_experts_torch``.
     """
     if cfg.scoring_func == "softmax" and not cfg.num_expert_group and correction_bias is None \
-            and cfg.routed_scaling_factor == 1.0 \
-            and native_kernels(router_logits.dtype, router_logits.device):
-        return topk_softmax(router_logits, cfg.top_k, cfg.renormalize)
+            and cfg.routed_scaling_factor == 1.0:
+        fused = elementwise_ops(router_logits.dtype, router_logits.device)
+        if fused is not None and fused.topk_softmax is not None:
+            return fused.topk_softmax(router_logits, cfg.top_k, cfg.renormalize)
+        if native_kernels(router_logits.dtype, router_logits.device):
+            return topk_softmax(router_logits, cfg.top_k, cfg.renormalize)
     return select_experts_torch(router_logits, cfg, correction_bias)
 
 
