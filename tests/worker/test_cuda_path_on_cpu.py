@@ -148,6 +148,40 @@ def test_overlap_and_prefetch_on_the_cuda_path_have_no_host_reads(tiny_model_fac
         assert stats[1]["prefetch_loads"] > 0
 
 
+def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, monkeypatch):
+    """What a replayed decode step (cache on) would launch on a GPU, counted here: Triton
+    launches plus the aten ops outside them that run a kernel. At most 30 per layer (about 27
+    today: norms, rotary, KV write, attention, router, residency step, two gathers, the align,
+    two GEMMs, the activation, projections, residual adds, the sum over k); before the one-launch
+    align and router it was about 67, most of them the align's 30 small torch ops."""
+    from launch_count import count_launches
+    counts = []
+
+    class Counting(cuda_graphs.EagerCapturer):
+        def capture(self, fn):
+            def replay():
+                with count_launches() as n:
+                    out = fn()
+                counts.append(n)
+                return out
+            return replay
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    monkeypatch.setattr(cuda_graphs, "uses_cuda_graphs", lambda device: True)
+    monkeypatch.setattr(cuda_graphs, "default_capturer", lambda device: Counting())
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    llm = LLM(path, device="cpu", max_num_seqs=1, cuda_graph_sizes=[1], dtype="float32",
+              moe_expert_cache_size=2)
+    llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(max_tokens=4,
+                                                                     ignore_eos=True))
+    L = len(llm.llm_engine.runner.moe_layers)
+    assert counts and L == 2
+    for n in counts:
+        assert n.triton["_align_kernel"] == n.triton["_topk_softmax_kernel"] == L
+        assert n.triton["_residency_step_kernel"] == L
+        assert sum(n.triton.values()) + sum(n.torch.values()) <= 30 * L, (n.triton, n.torch)
+        assert sum(n.torch.values()) <= 12 * L, n.torch
+
+
 def test_the_audit_catches_a_host_read_in_a_captured_step(tiny_model_factory, rehearsal,
                                                            monkeypatch):
     """The same run with one ``.item()`` slipped into the MoE layer fails at the first replay,
