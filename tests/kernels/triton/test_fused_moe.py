@@ -228,13 +228,39 @@ def test_block_size_tables():
     assert table_file_name("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
     assert load_table("NVIDIA H100 80GB HBM3")[0] == "NVIDIA_H100_80GB_HBM3.json"
     assert load_table("Some CPU")[0] == load_table("")[0] == "fused_moe_default.json"
-    small, large = get_moe_config(64, 768, 1), get_moe_config(64, 768, 10 ** 6)
+    small, large = get_moe_config(768, 1), get_moe_config(768, 10 ** 6)
     assert small["BLOCK_M"] < large["BLOCK_M"]
-    assert get_moe_config(64, 768, 1, "NVIDIA H100 80GB HBM3")["num_stages"] == 4
+    assert get_moe_config(768, 1, "NVIDIA H100 80GB HBM3")["num_stages"] == 4
     with pytest.raises(ValueError, match="BLOCK_N=48 is invalid: must be a power of two"):
         _check_entry({**small, "BLOCK_N": 48}, "t.json")
     with pytest.raises(ValueError, match=r"lacks \['GROUP_M'\]"):
         _check_entry({k: v for k, v in small.items() if k != "GROUP_M"}, "t.json")
+
+
+def test_tables_are_keyed_by_shape_never_by_expert_count(tmp_path, monkeypatch):
+    """A "N=<intermediate>" list applies to that shape at any expert count (a cached layer's
+    kernels see its slots: the same blocks as uncached, so the same f32 sums); an
+    "E=...,N=..." key is refused with the reason."""
+    import json
+
+    from vllm.kernels.triton import fused_moe_config as fc
+    entry = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4,
+             "num_stages": 2}
+    default = [{**entry, "max_m": None, "BLOCK_N": 64}]
+    monkeypatch.setattr(fc, "CONFIG_DIR", str(tmp_path))
+    (tmp_path / "Dev_A.json").write_text(json.dumps(
+        {"default": default, "N=768": [{**entry, "max_m": None}]}))
+    (tmp_path / "Dev_B.json").write_text(json.dumps(
+        {"default": default, "E=64,N=768": [{**entry, "max_m": None}]}))
+    fc.load_table.cache_clear()
+    try:
+        assert fc.get_moe_config(768, 3, "Dev A")["BLOCK_N"] == 32
+        assert fc.get_moe_config(1536, 3, "Dev A")["BLOCK_N"] == 64
+        with pytest.raises(ValueError, match=r"key 'E=64,N=768' is invalid: must be 'default' "
+                                             r"or 'N=<intermediate size>'"):
+            fc.load_table("Dev B")
+    finally:
+        fc.load_table.cache_clear()
 
 
 @pytest.mark.gpu

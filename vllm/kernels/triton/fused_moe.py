@@ -225,7 +225,7 @@ def fused_moe_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     P = T * K
     if P == 0:
         return
-    cfg = config or get_moe_config(G, N, T, device_name)
+    cfg = config or get_moe_config(N, T, device_name)
     align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G)
     gate_up = x.new_empty(P, w13.shape[1])           # [P, 2N] rows of the call's pairs
     _gemm(x, w13, b13, gate_up, None, align, K, cfg)

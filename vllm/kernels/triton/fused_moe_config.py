@@ -2,8 +2,11 @@
 
 ``configs/<device name>.json`` (the CUDA device name with spaces as underscores, e.g.
 ``NVIDIA_H100_80GB_HBM3.json``) or, for a device without one, ``configs/fused_moe_default.json``.
-A table maps ``"default"`` or ``"E=<experts>,N=<intermediate size>"`` to a list of entries
-tried in order; the first whose ``max_m`` (the call's token count) is >= M, or null, applies.
+A table maps ``"default"`` or ``"N=<intermediate size>"`` to a list of entries tried in order;
+the first whose ``max_m`` (the call's token count) is >= M, or null, applies. Never keyed by the
+expert count: a cached layer's kernels see its N slots, not its E experts, and the block sizes
+(BLOCK_K fixes the order of the f32 sums) must be the uncached layer's for bitwise-equal outputs
+(``tools/tune_fused_moe.py`` writes these tables).
 
 NOTHING HERE IS TUNED: no value has been measured on a GPU yet (the kernels have only been
 interpreted and compiled). The H100 table holds plausible, clearly labelled starting values.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_TABLE = "fused_moe_default.json"
@@ -53,6 +57,10 @@ def load_table(device_name: str = "") -> tuple[str, dict[str, list[tuple[int | N
     for key, entries in raw.items():
         if key.startswith("_"):
             continue
+        if key != "default" and not re.fullmatch(r"N=[1-9][0-9]*", key):
+            raise ValueError(f"{name}: key {key!r} is invalid: must be 'default' or "
+                             "'N=<intermediate size>' (never the expert count: a cached layer "
+                             "must choose the uncached layer's block sizes)")
         if not isinstance(entries, list) or not entries:
             raise ValueError(f"{name}: {key!r} must be a non-empty list of entries")
         table[key] = [(e.get("max_m"), _check_entry(e, f"{name} {key!r}")) for e in entries]
@@ -63,12 +71,12 @@ def load_table(device_name: str = "") -> tuple[str, dict[str, list[tuple[int | N
     return name, table
 
 
-def get_moe_config(num_experts: int, intermediate_size: int, num_tokens: int,
+def get_moe_config(intermediate_size: int, num_tokens: int,
                    device_name: str = "") -> dict[str, int]:
-    """Block sizes for a layer of ``num_experts`` (E, or N cache slots) and
-    ``intermediate_size`` run on ``num_tokens`` tokens on ``device_name`` (a copy)."""
+    """Block sizes for a layer of ``intermediate_size`` run on ``num_tokens`` tokens on
+    ``device_name`` (a copy)."""
     _, table = load_table(device_name)
-    entries = table.get(f"E={num_experts},N={intermediate_size}", table["default"])
+    entries = table.get(f"N={intermediate_size}", table["default"])
     for max_m, cfg in entries:
         if max_m is None or num_tokens <= max_m:
             return dict(cfg)

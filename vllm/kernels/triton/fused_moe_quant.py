@@ -289,7 +289,7 @@ def run_pairs(gemm, x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
     P = T * K
     if P == 0:
         return
-    cfg = config or get_moe_config(G, N, T, device_name)
+    cfg = config or get_moe_config(N, T, device_name)
     align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G)
     gate_up = x.new_empty(P, 2 * N)                  # [P, 2N] rows of the call's pairs
     gemm(x, w13, b13, gate_up, None, align, K, cfg)
