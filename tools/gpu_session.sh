@@ -8,6 +8,8 @@
 #   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap
 #   bash tools/gpu_session.sh offload   # benchmark_expert_offload on the DeepSeek-V2-Lite trace
 #   bash tools/gpu_session.sh quant     # benchmark_quantization --speed: triton, cutlass_w4a16
+#   bash tools/gpu_session.sh tune      # tools/tune_fused_moe.py at the probe shape: a table for
+#                                       # this GPU (copy $OUT/fused_moe_table.json to configs/)
 #
 # Every step runs under the smaller of its own limit and what is left of BUDGET seconds (default
 # 540, from the start of the command), and is skipped when under 30 s are left, so the steps of
@@ -148,7 +150,12 @@ quant)
     step 240 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 64 4 --schemes w4a16-gptq \
         --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
     ;;
+tune)
+    install
+    step 500 tune python3 tools/tune_fused_moe.py --hidden 2048 --intermediate 768 \
+        --experts 64 --top-k 8 --dtype bf16 --search quick --out "$OUT/fused_moe_table.json"
+    ;;
 *)
-    echo "unknown stage $stage: first, check, suite, decode, offload or quant"; exit 2 ;;
+    echo "unknown stage $stage: first, check, suite, decode, offload, quant or tune"; exit 2 ;;
 esac
 pack

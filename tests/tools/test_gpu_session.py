@@ -15,9 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
 
 
-def _bench(name: str):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))     # their sibling modules
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks",
+def _bench(name: str, folder: str = "benchmarks"):
+    sys.path.insert(0, os.path.join(ROOT, folder))           # their sibling modules
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, folder,
                                                                      f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
@@ -34,16 +34,18 @@ def test_the_script_is_valid_bash():
                                                ("first", "benchmark_expert_offload", 1),
                                                ("decode", "benchmark_decode", 3),
                                                ("offload", "benchmark_expert_offload", 1),
-                                               ("quant", "benchmark_quantization", 2)])
+                                               ("quant", "benchmark_quantization", 2),
+                                               ("tune", "tune_fused_moe", 1)])
 def test_every_benchmark_command_parses(tmp_path, stage, bench, count):
     out = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "DRY": "1", "OUT": str(tmp_path)}, check=True)
     lines = [shlex.split(line) for line in out.stdout.splitlines() if f"{bench}.py" in line]
     assert len(lines) == count, out.stdout
-    parse = _bench(bench).parse_args
+    folder = "tools" if bench.startswith("tune") else "benchmarks"
+    parse = _bench(bench, folder).parse_args
     for words in lines:
-        args = parse(words[words.index(f"benchmarks/{bench}.py") + 1:])
-        assert args.json and str(tmp_path) in args.out
+        args = parse(words[words.index(f"{folder}/{bench}.py") + 1:])
+        assert (folder == "tools" or args.json) and str(tmp_path) in args.out
 
 
 def test_first_skips_the_steps_past_its_budget(tmp_path):
@@ -58,7 +60,8 @@ def test_first_skips_the_steps_past_its_budget(tmp_path):
                        "quant-cutlass"]
 
 
-@pytest.mark.parametrize("stage", ["first", "check", "suite", "decode", "offload", "quant"])
+@pytest.mark.parametrize("stage", ["first", "check", "suite", "decode", "offload", "quant",
+                                   "tune"])
 def test_a_stage_returns_at_most_eight_files(tmp_path, stage):
     """The device tool brings back at most 8 files from $OUT: summary.txt, logs.tgz and one
     JSON per benchmark step (logs go to $LOGS, packed into logs.tgz); the pytest steps run on
