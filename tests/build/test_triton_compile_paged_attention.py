@@ -1,14 +1,16 @@
 """The Triton paged-attention kernels (``vllm/kernels/triton/paged_attention.py``) compile for
 SM90 and SM120 without a GPU, in bf16 and fp16, plain and with a sliding window and sinks,
 decode-only and mixed, and at MLA's one-plane D = 576: what the interpreter cannot catch (a
-non-constexpr global, an op without a lowering, a loop-carried type mismatch). Compiling is not
-running: results on a GPU are the ``gpu`` test of tests/kernels/triton/test_triton_paged_attention.py.
+non-constexpr global, an op without a lowering, a loop-carried type mismatch). So do the
+split-context decode kernels (``paged_decode.py``, also fp32), within the target's shared memory
+and on the tensor cores for 16-bit caches. Compiling is not running: results on a GPU are the
+``gpu`` test of tests/kernels/triton/test_triton_paged_attention.py.
 """
 from __future__ import annotations
 
 
 import pytest
-from triton_compile import compile_in_subprocess
+from triton_compile import SHARED_LIMIT, compile_in_subprocess
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
@@ -49,6 +51,39 @@ for cc in (90, 120):
             consts = dict(NUM_KV_HEADS=2, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
                           HAS_V=has_v)
             out[f"write/{cc}/{dtype}/{d}"] = compile_one(m._write_kv_kernel, dtype, cc, consts)
+
+DECODE_SCALARS = {"scale_log2": "fp32", "window": "i32", "base": "i32", "num_chunks": "i32"}
+
+
+def compile_decode(fn, dtype, cc, consts, options):
+    def arg_type(a):
+        if a in consts:
+            return "constexpr"
+        if a in DECODE_SCALARS or a.startswith("stride"):
+            return DECODE_SCALARS.get(a, "i32")
+        if a in ("block_tables_ptr", "seq_lens_ptr"):
+            return "*i64"
+        return "*fp32" if a in ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr") else "*" + dtype
+    sig = {a: arg_type(a) for a in fn.arg_names}
+    return compile_kernel(fn, sig, consts, cc, options)
+
+
+from vllm.kernels.triton import paged_decode as pd
+
+for cc in (90, 120):
+    for dtype in ("bf16", "fp16", "fp32"):
+        for group, hkv, d in ((1, 8, 128), (8, 1, 128), (16, 1, 576)):
+            if (cc, dtype, d) == (120, "fp32", 576):
+                continue                                   # over SM120's shared memory
+            consts = pd.partial_consts(group, hkv, d, 16, pd.decode_block_n(d),
+                                       f32_cache=dtype == "fp32", has_window=group == 8)
+            launch = pd.decode_launch(d, dtype == "fp32")
+            out[f"decode/{cc}/{dtype}/{group}/{d}"] = compile_decode(
+                pd._decode_partial_kernel, dtype, cc, consts, launch)
+            consts = dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), HAS_SINKS=group == 8)
+            out[f"reduce/{cc}/{dtype}/{group}/{d}"] = compile_decode(
+                pd._decode_reduce_kernel, dtype, cc, consts,
+                {"num_warps": launch["num_warps"]})
 """
 
 
@@ -75,3 +110,23 @@ def test_paged_attention_compiles(compiled, cc, dtype, variant):
 def test_write_kv_cache_compiles(compiled, cc, dtype, d):
     k = compiled[f"write/{cc}/{dtype}/{d}"]
     assert k["cubin"] > 0 and f".target sm_{cc}a" in k["ptx"]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cc,dtype,group,d", [
+    (cc, dtype, group, d) for cc in (90, 120) for dtype in ("bf16", "fp16", "fp32")
+    for group, d in ((1, 128), (8, 128), (16, 576)) if (cc, dtype, d) != (120, "fp32", 576)])
+def test_paged_decode_compiles(compiled, cc, dtype, group, d):
+    """The split-context decode kernels (paged_decode.py): GQA 1:1 (16 padded rows) and 8:1 with
+    a window and sinks at D = 128, MLA-like 16:1 at D = 576 (not fp32 on SM120: 132 KB of shared
+    memory, over its limit); 16-bit caches on the tensor cores, fp32 ones with no TF32."""
+    for name in ("decode", "reduce"):
+        k = compiled[f"{name}/{cc}/{dtype}/{group}/{d}"]
+        assert k["cubin"] > 0 and f".target sm_{cc}a" in k["ptx"]
+        assert k["shared"] <= SHARED_LIMIT[cc], f"{name}: {k['shared']} bytes of shared memory"
+    ptx = compiled[f"decode/{cc}/{dtype}/{group}/{d}"]["ptx"]
+    assert "ex2.approx" in ptx
+    if dtype != "fp32":
+        assert "mma" in ptx
+    else:
+        assert "tf32" not in ptx

@@ -2,9 +2,15 @@
 attention of every query token of a step, decodes and prefill chunks alike, over its context
 read in place from the paged cache.
 
+What runs where: ``write_kv_cache`` -> ``_write_kv_kernel``; ``paged_attention`` with
+``decode_only`` -> ``paged_decode.paged_decode`` (split-context kernels, all the query heads of
+a kv head per program on ``tl.dot``, then a reduce over the chunks); otherwise (mixed or prefill
+steps) -> ``_paged_attention_kernel`` below, one program per (token, query head) on CUDA cores.
+
 NOT YET RUN ON A GPU: the kernels are checked under Triton's interpreter against a torch
-reference (tests/kernels/triton/test_triton_paged_attention.py) and compiled for SM90 and SM120
-(tests/build/test_triton_compile_paged_attention.py), never executed on a device.
+reference (tests/kernels/triton/test_triton_paged_attention.py, test_triton_paged_decode.py) and
+compiled for SM90 and SM120 (tests/build/test_triton_compile_paged_attention.py), never executed
+on a device.
 
 Layouts (``model_executor/layers/attention/interface.py``, ``forward_context.py``):
 - cache [P, num_blocks, block_size, Hkv, D], contiguous; plane 0 = keys, plane 1 = values, or
@@ -14,22 +20,26 @@ Layouts (``model_executor/layers/attention/interface.py``, ``forward_context.py`
   seq_lens[b] - (query_start_loc[b + 1] - t) and attends keys [lo, position], lo = 0, or
   position + 1 - W with a sliding window W (keys in (p - W, p]).
 
-CUDA graphs: the attention grid is (T, Hq) and every length is read from device memory inside
-the kernel (the loop over a token's keys has device-loaded bounds). With ``decode_only`` token t
-is sequence t and attends seq_lens[t] keys: nothing of the launch depends on the step's lengths,
-so a decode step captured for T rows replays for new lengths and block tables. Otherwise each
+CUDA graphs: every length is read from device memory inside the kernels (the loops over a
+token's keys have device-loaded bounds). With ``decode_only`` token t is sequence t and attends
+seq_lens[t] keys; the grids (T, Hkv, num_chunks) and (T, Hq) and the chunk size depend on T and
+the buffers' shapes only (paged_decode.py), so a decode step captured for T rows replays for
+new lengths and block tables, each row's bits independent of the other rows. Otherwise each
 program finds its sequence by counting the query_start_loc[1:] entries <= t (entries past the
 real sequences must be >= T, e.g. a padded graph buffer filled with T): the launch depends on T
 and the buffers' shapes only. A row of length 0 writes zeros (no NaN).
 
-Softmax: online, in fp32, base 2 (q is pre-scaled by scale * log2(e)); with sinks the running
-max and sum start at (sink_h, 1), i.e. exp(sink_h) joins the denominator with no value.
+Softmax: online, in fp32, base 2 (here q is pre-scaled by scale * log2(e); the decode kernels
+scale the f32 scores); with sinks the running max and sum start at (sink_h, 1), i.e.
+exp(sink_h) joins the denominator with no value.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm.kernels.triton.paged_decode import paged_decode
 
 PAD_SLOT_ID = tl.constexpr(-1)       # forward_context.PAD_SLOT_ID, as a constexpr
 LOG2E = 1.4426950408889634
@@ -193,8 +203,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     (their sizes may exceed the step's sequences, padded; with ``decode_only`` each of the T
     tokens is its own sequence, B >= T, and query_start_loc is not read). ``window`` W >= 1 or
     None; ``sinks`` [Hq] float32 or None; ``block_n``: keys per loop step, a power of two
-    (default ``block_n_for(D)``; tests pass small ones to cross many steps). No host read: safe
-    to capture in a CUDA graph."""
+    (default ``block_n_for(D)``, with ``decode_only`` ``paged_decode.decode_block_n(D)``; tests
+    pass small ones to cross many steps). No host read: safe to capture in a CUDA graph."""
     _check_cache(kv_cache)
     _check_rows(q, "q", kv_cache)
     dev = kv_cache.device
@@ -211,14 +221,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         raise ValueError(f"triton paged_attention: seq_lens {tuple(seq_lens.shape)}, "
                          f"block_tables {tuple(block_tables.shape)}, query_start_loc "
                          f"{tuple(query_start_loc.shape)} do not cover T={T} tokens")
-    block_n = block_n_for(D) if block_n is None else block_n
-    if block_n < 1 or block_n & (block_n - 1):
+    if block_n is not None and (block_n < 1 or block_n & (block_n - 1)):
         raise ValueError(f"triton paged_attention: block_n={block_n} must be a power of two")
     if window is not None and window < 1:
         raise ValueError(f"triton paged_attention: window={window} must be >= 1 or None")
     if sinks is not None and (sinks.shape != (Hq,) or sinks.dtype != torch.float32
                               or sinks.device != dev):
         raise _fail("sinks", sinks, f"a float32 [{Hq}] tensor on {dev}")
+    if decode_only:
+        return paged_decode(q, kv_cache, block_tables, seq_lens, scale, window=window,
+                            sinks=sinks, block_n=block_n)
+    block_n = block_n_for(D) if block_n is None else block_n
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=dev)
     if T == 0:
         return out

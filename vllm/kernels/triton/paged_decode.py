@@ -1,0 +1,232 @@
+"""Decode attention over the paged cache as two Triton kernels (CUDA): split over the context,
+one program per (token, kv head, chunk) for all the query heads of a kv head (tensor cores),
+then one program per (token, query head) combines the chunks.
+
+NOT YET RUN ON A GPU: checked under Triton's interpreter against a float64 torch reference
+(tests/kernels/triton/test_triton_paged_decode.py) and compiled for SM90 and SM120
+(tests/build/test_triton_compile_paged_attention.py), never executed on a device.
+
+Layouts and semantics are ``paged_attention``'s decode case (paged_attention.py): token t is
+sequence t and attends keys [lo, n), n = seq_lens[t], lo = max(n - W, 0) with a window W; a
+row with n = 0 (and no sink) writes zeros.
+
+- ``_decode_partial_kernel``, grid (T, Hkv, num_chunks): program (t, g, c) runs the GROUP =
+  Hq / Hkv query heads of kv head g (rows padded to GROUP_PAD >= 16 for ``tl.dot``) over keys
+  [c * chunk_t, (c + 1) * chunk_t) & [lo, n), ``block_n`` keys per step (a tile of max(16,
+  block_n) rows), q cast to the cache's dtype for the dot, online softmax in base 2 from the
+  f32 scores times scale * log2(e); it writes the chunk's running max m, sum l and acc [D]
+  (f32) to scratch. A chunk with no keys writes (-inf, 0, 0).
+- ``_decode_reduce_kernel``, grid (T, Hq): M = max(m_c, sink), L = 2^(sink - M) + sum_c
+  l_c 2^(m_c - M), out = sum_c acc_c 2^(m_c - M) / L, chunks added in order.
+
+Batch invariance and CUDA graphs: the grid's num_chunks = ``decode_chunks(max_ctx, block_n)``
+with max_ctx = block_tables.shape[1] * block_size, from shapes only; every length is read from
+device memory. Each sequence's chunk size comes from its own length alone: chunk_t =
+``sequence_chunk(n, base)`` = base * (the power of two that makes cdiv(n, chunk_t) <=
+MAX_CHUNKS), base = max(MIN_CHUNK, block_n); it needs at most num_chunks chunks. So a
+sequence's bits depend on its own rows only (empty chunks add exact zeros): not on the batch
+size, the other rows, nor the table's width (an eager step's tables are as wide as its longest
+sequence, a graph's as max_model_len).
+
+Limits: an fp32 cache at D > 512 needs 132 KB of shared memory in the partial kernel (its f32
+dot operands), within SM90's 227 KiB, over SM120's 99 KiB: it does not fit SM120.
+
+Under the interpreter ``tl.dot`` reads bfloat16 tiles as their uint16 storage: there (only)
+bf16 operands are widened to f32 before the dot, exact for the products as on the tensor cores.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton import interpreting
+
+LOG2E = 1.4426950408889634
+MIN_CHUNK = 256                        # keys per chunk of a sequence up to 16 * 256 keys
+MAX_CHUNKS = 16                        # chunks per (token, kv head), at most
+MAX_CHUNKS_C = tl.constexpr(MAX_CHUNKS)
+
+
+@triton.jit
+def _sequence_chunk(n, base):
+    """base * the smallest power of two p with n <= base * p * MAX_CHUNKS (n < 2**40)."""
+    p = n * 0 + 1
+    for _ in tl.static_range(40):
+        p = tl.where(base * p * MAX_CHUNKS_C < n, p * 2, p)
+    return base * p
+
+
+@triton.jit
+def _decode_partial_kernel(
+        m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        scale_log2, window, base, num_chunks, stride_qt, stride_qh, stride_bt,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (t, g, c): (m, l, acc) of query heads g*GROUP.. over chunk c's keys of row t."""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    c = tl.program_id(2)
+    n = tl.load(seq_lens_ptr + t)
+    lo = n * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(n - window, 0)
+    chunk = _sequence_chunk(n, base)
+    c_lo = tl.maximum(lo, c.to(tl.int64) * chunk)                   # keys [c_lo, c_hi)
+    c_hi = tl.minimum(n, (c + 1).to(tl.int64) * chunk)
+    r = tl.arange(0, GROUP_PAD)
+    r_in = r < GROUP
+    h = g * GROUP + r                                                # [GROUP_PAD] query heads
+    d = tl.arange(0, BLOCK_D)
+    d_in = d < HEAD_DIM
+    rd_in = r_in[:, None] & d_in[None, :]
+    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=rd_in,
+                other=0.0).to(k_cache_ptr.dtype.element_ty)          # [GROUP_PAD, BLOCK_D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    head_off = g * HEAD_DIM
+    table = block_tables_ptr + t * stride_bt
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    s_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    jj = tl.arange(0, BLOCK_N)                                       # BLOCK_N >= KEYS
+    for start in range(c_lo, c_hi, KEYS):
+        j = start + jj                                               # [BLOCK_N] key positions
+        j_in = (jj < KEYS) & (j < c_hi)
+        block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
+        off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + head_off
+        kv_mask = j_in[:, None] & d_in[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(j_in[None, :], s, float("-inf"))                # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))                     # finite: j_in[0] holds
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        pv = p.to(v_cache_ptr.dtype.element_ty)                      # the dot's operand
+        if DOT_F32:
+            pv = pv.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        s_sum = s_sum * alpha + tl.sum(p, axis=1)
+        m = m_new
+    row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [GROUP_PAD] scratch rows
+    tl.store(m_ptr + row, m, mask=r_in)
+    tl.store(l_ptr + row, s_sum, mask=r_in)
+    tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=rd_in)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, sinks_ptr, num_chunks,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          HAS_SINKS: tl.constexpr):
+    """Program (t, h): out[t, h] [D] from the num_chunks partial (m, l, acc), in chunk order."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row0 = (t * tl.num_programs(1) + h) * num_chunks
+    d = tl.arange(0, BLOCK_D)
+    d_in = d < HEAD_DIM
+    big_m = tl.load(m_ptr + row0)
+    for c in range(1, num_chunks):
+        big_m = tl.maximum(big_m, tl.load(m_ptr + row0 + c))
+    s_sum = tl.load(l_ptr + row0) * 0.0                              # l >= 0: finite zero
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        big_m = tl.maximum(big_m, sink)
+        s_sum = tl.exp2(sink - big_m)
+    big_m = tl.where(big_m > float("-inf"), big_m, 0.0)             # no key, no sink: L = 0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c in range(0, num_chunks):
+        w = tl.exp2(tl.load(m_ptr + row0 + c) - big_m)              # empty chunk: exp2(-inf) = 0
+        s_sum += tl.load(l_ptr + row0 + c) * w
+        a = tl.load(acc_ptr + (row0 + c) * HEAD_DIM + d, mask=d_in, other=0.0)
+        acc += a * w
+    out = tl.where(s_sum > 0, acc / tl.maximum(s_sum, 1e-30), 0.0)
+    tl.store(out_ptr + (t * tl.num_programs(1) + h) * HEAD_DIM + d,
+             out.to(out_ptr.dtype.element_ty), mask=d_in)
+
+
+def decode_block_n(head_dim: int) -> int:
+    """Default keys per step: K and V tiles [BLOCK_N, BLOCK_D] of 8K elements, 16 at least."""
+    return min(64, max(16, 8192 // triton.next_power_of_2(head_dim)))
+
+
+def decode_chunks(max_ctx: int, block_n: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+    """(num_chunks, base): base = max(min_chunk, block_n), num_chunks = cdiv(max_ctx, base)
+    clamped to [1, MAX_CHUNKS], enough for ``sequence_chunk`` of any length <= max_ctx."""
+    for name, x in (("block_n", block_n), ("min_chunk", min_chunk)):
+        if x < 1 or x & (x - 1):
+            raise ValueError(f"triton paged_decode: {name}={x} must be a power of two")
+    if max_ctx < 0:
+        raise ValueError(f"triton paged_decode: max_ctx={max_ctx} must be >= 0")
+    base = max(min_chunk, block_n)
+    return min(MAX_CHUNKS, max(1, triton.cdiv(max_ctx, base))), base
+
+
+def sequence_chunk(n: int, base: int) -> int:
+    """A sequence of n keys is split into chunks of this many keys (``_sequence_chunk``): base
+    times the smallest power of two that leaves at most MAX_CHUNKS chunks."""
+    p = 1
+    while base * p * MAX_CHUNKS < n:
+        p *= 2
+    return base * p
+
+
+def decode_launch(head_dim: int, f32_cache: bool) -> dict:
+    """Launch options: 4 warps up to D = 128, 8 above (the [GROUP_PAD, BLOCK_D] f32
+    accumulator); f32 caches above D = 128 unpipelined (1 stage: their cp.async K/V stages
+    would pass SM120's 99 KiB of shared memory), else Triton's 3 stages."""
+    wide = triton.next_power_of_2(head_dim) > 128
+    return dict(num_warps=8 if wide else 4, num_stages=1 if wide and f32_cache else 3)
+
+
+def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, block_n: int,
+                   *, f32_cache: bool, has_window: bool, dot_f32: bool = False) -> dict:
+    """``_decode_partial_kernel``'s constexprs (also what the compile test builds)."""
+    return dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, block_n),
+                KEYS=block_n, HAS_WINDOW=has_window, DOT_F32=dot_f32,
+                PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, *, window: int | None = None,
+                 sinks: torch.Tensor | None = None, block_n: int | None = None,
+                 min_chunk: int = MIN_CHUNK) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] (q's dtype): token t attends row t of ``block_tables`` and
+    ``seq_lens`` (module docstring). Arguments as checked by ``paged_attention`` (which calls
+    this with ``decode_only``); ``block_n`` keys per step (default ``decode_block_n(D)``),
+    ``min_chunk`` the smallest chunk (tests pass small ones). No host read: graph-safe."""
+    T, Hq, D = q.shape
+    Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"triton paged_decode: q has {Hq} heads, not a multiple of the "
+                         f"cache's {Hkv} kv heads")
+    block_n = decode_block_n(D) if block_n is None else block_n
+    num_chunks, base = decode_chunks(block_tables.shape[1] * block_size, block_n, min_chunk)
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    dev = kv_cache.device
+    m = torch.empty((T, Hq, num_chunks), dtype=torch.float32, device=dev)     # [T, Hq, C]
+    s_sum = torch.empty((T, Hq, num_chunks), dtype=torch.float32, device=dev)
+    acc = torch.empty((T, Hq, num_chunks, D), dtype=torch.float32, device=dev)  # [T, Hq, C, D]
+    consts = partial_consts(Hq // Hkv, Hkv, D, block_size, block_n,
+                            f32_cache=kv_cache.dtype == torch.float32,
+                            has_window=window is not None,
+                            dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting())
+    launch = decode_launch(D, kv_cache.dtype == torch.float32)
+    _decode_partial_kernel[(T, Hkv, num_chunks)](
+        m, s_sum, acc, q, kv_cache[0], kv_cache[-1], block_tables, seq_lens, scale * LOG2E,
+        window or 0, base, num_chunks, q.stride(0), q.stride(1), block_tables.stride(0),
+        **consts, **launch)
+    _decode_reduce_kernel[(T, Hq)](
+        out, m, s_sum, acc, sinks if sinks is not None else m, num_chunks, HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D), HAS_SINKS=sinks is not None,
+        num_warps=launch["num_warps"])
+    return out
