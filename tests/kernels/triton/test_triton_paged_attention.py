@@ -227,3 +227,22 @@ def test_on_cuda_at_model_shapes(dtype, opts):
     for shape in (dict(hq=8, hkv=1, d=128), dict(hq=16, hkv=1, d=576, shared=True)):
         case = Case(*seqs, bs=16, dtype=dtype, **shape, **OPTIONS[opts]).to("cuda")
         case.check(case.run())
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("opts", list(OPTIONS))
+def test_decode_kernels_on_cuda_at_model_shapes(dtype, opts):
+    """Decode-only steps take paged_decode.py's split-context kernels (tl.dot over the GQA
+    group): GQA 4:1 and 8:1 at D=128, block 16; contexts of 1 key to past 16 chunks of 256 (a
+    5000-key sequence gets chunks of 512); a sequence alone gives the batch's bits."""
+    seqs = ([(5000, 1), (1, 1), (1000, 1), (257, 1)], 4)
+    for shape in (dict(hq=16, hkv=4, d=128), dict(hq=8, hkv=1, d=128)):
+        case = Case(*seqs, bs=16, dtype=dtype, **shape, **OPTIONS[opts]).to("cuda")
+        out = case.run()
+        case.check(out)
+        alone = paged_attention(case.q[:1], case.cache, case.block_tables[:1],
+                                case.seq_lens[:1], case.query_start_loc[:2], case.scale,
+                                decode_only=True, window=case.window, sinks=case.sinks)
+        assert torch.equal(alone[0], out[0])
