@@ -97,6 +97,14 @@ def test_padding_rows_and_an_empty_row():
         assert not out[-1].any()
 
 
+def assert_alone_is_the_same(case: Case, batch: torch.Tensor, **kw) -> None:
+    """Each row of ``batch`` is the same bits as its sequence decoded alone."""
+    for t in range(batch.shape[0]):
+        alone = decode(case, case.q[t:t + 1], case.block_tables[t:t + 1],
+                       case.seq_lens[t:t + 1], **kw)
+        assert torch.equal(alone[0], batch[t])
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_batch_invariance(dtype):
     """A sequence's output rows are the same bits alone, in a batch of 3, in the other order,
@@ -107,10 +115,7 @@ def test_batch_invariance(dtype):
     kw = dict(block_n=16, min_chunk=32)
     batch = decode(case, **kw)
     case.check(batch)
-    for t in range(3):
-        alone = decode(case, case.q[t:t + 1], case.block_tables[t:t + 1],
-                       case.seq_lens[t:t + 1], **kw)
-        assert torch.equal(alone[0], batch[t])
+    assert_alone_is_the_same(case, batch, **kw)
     flip = torch.arange(2, -1, -1, device=DEVICE)
     assert torch.equal(decode(case, case.q[flip], case.block_tables[flip], case.seq_lens[flip],
                               **kw), batch[flip])
@@ -133,10 +138,7 @@ def test_long_sequences_take_longer_chunks():
     kw = dict(block_n=8, min_chunk=8)
     both = decode(case, **kw)
     case.check(both)
-    for t in range(2):
-        alone = decode(case, case.q[t:t + 1], case.block_tables[t:t + 1],
-                       case.seq_lens[t:t + 1], **kw)
-        assert torch.equal(alone[0], both[t])
+    assert_alone_is_the_same(case, both, **kw)
 
 
 def test_launch_depends_on_shapes_only(monkeypatch):
