@@ -150,10 +150,11 @@ def test_overlap_and_prefetch_on_the_cuda_path_have_no_host_reads(tiny_model_fac
 
 def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, monkeypatch):
     """What a replayed decode step (cache on) would launch on a GPU, counted here: Triton
-    launches plus the aten ops outside them that run a kernel. At most 30 per layer (about 27
-    today: norms, rotary, KV write, attention, router, residency step, two gathers, the align,
-    two GEMMs, the activation, projections, residual adds, the sum over k); before the one-launch
-    align and router it was about 67, most of them the align's 30 small torch ops."""
+    launches plus the aten ops outside them that run a kernel. At most 30 per layer (about 28
+    today: norms, rotary, KV write, attention and its reduce, router, residency step, two
+    gathers, the align, two GEMMs, the activation, projections, residual adds, the sum over k);
+    before the one-launch align and router it was about 67, most of them the align's 30 small
+    torch ops."""
     from launch_count import count_launches
     counts = []
 
