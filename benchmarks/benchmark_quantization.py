@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import vllm  # noqa: E402
 from tools.quantize_checkpoint import main as quantize_main  # noqa: E402
-from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, ModelConfig,  # noqa: E402
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig,  # noqa: E402
                          MoECacheConfig, SchedulerConfig, VllmConfig)
 from vllm.model_executor.forward_context import (AttentionMetadata,  # noqa: E402
                                                  set_forward_context)
@@ -109,17 +109,13 @@ def layer_expert_bytes(layer: FusedMoE) -> int:
                for n in layer.quant_method.expert_tensor_names())
 
 
-def expert_bytes(model_dir: str, dtype: str = "float32",
-                 backend: str = "auto") -> tuple[int, int, int]:
-    """(bytes per expert, experts per layer, top_k) of the first MoE layer, as loaded (in the
-    layout its MoE backend reads)."""
-    cfg = VllmConfig(ModelConfig(model_dir, dtype=dtype), CacheConfig(), SchedulerConfig(),
-                     MoECacheConfig(), DeviceConfig("cpu"),
-                     kernel_config=KernelConfig(moe_backend=backend))
+def expert_bytes(model_dir: str) -> tuple[int, int, int]:
+    """(bytes per expert, experts per layer, top_k) of the first MoE layer of the float32 model
+    loaded on CPU (in the layout its MoE backend reads)."""
+    cfg = VllmConfig(ModelConfig(model_dir, dtype="float32"), CacheConfig(), SchedulerConfig(),
+                     MoECacheConfig(), DeviceConfig("cpu"))
     layer = next(m for m in get_model(cfg).modules() if isinstance(m, FusedMoE))
-    names = layer.quant_method.expert_tensor_names()
-    per = sum(getattr(layer, n)[0].numel() * getattr(layer, n).element_size() for n in names)
-    return per, layer.num_experts, layer.top_k
+    return layer_expert_bytes(layer), layer.num_experts, layer.top_k
 
 
 def build_speed_model(path: str, hidden: int, inter: int, experts: int, layers: int) -> None:

@@ -2,7 +2,7 @@
 # One GPU session's checks and figures, in stages that each end inside a 10-minute command.
 #
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
-#                                       # build, gpu tests, then the headline figures
+#                                       # build, the decode headline, gpu tests, then the rest
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
 #   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap

@@ -5,7 +5,7 @@
         --dtype bf16 --tokens 1 2 4 8 16 32 64 128 256 --write
 
 For each token count T it times every candidate block configuration (``--search quick``: 24,
-``full``: 144) on random routing (CUDA events, median of ``--iters`` calls after a warm-up),
+``full``: 288) on random routing (CUDA events, median of ``--iters`` calls after a warm-up),
 drops those that fail to launch (e.g. out of shared memory) or whose output is not the default
 configuration's within the dtype's rounding, and keeps the fastest. The entries become the
 ``"N=<intermediate>"`` list of the device's table (``max_m`` = each T, the last null), merged into

@@ -51,8 +51,8 @@ def native_kernels(dtype: torch.dtype, device: torch.device) -> bool:
 
 def elementwise_ops(dtype: torch.dtype, device: torch.device) -> ElementwiseOps | None:
     """The platform's fused kernels for ``dtype`` tensors on ``device`` (RMSNorm, gated
-    activations, rotary), or None: the op then asks ``native_kernels``. Never while torch.compile
-    traces (compiled graphs hold the torch ops)."""
+    activations, rotary, softmax routing), or None: the op then asks ``native_kernels``. Never
+    while torch.compile traces (compiled graphs hold the torch ops)."""
     if torch.compiler.is_compiling():
         return None
     ops = platform_for(device).elementwise_ops()

@@ -32,8 +32,8 @@ class DeviceCapability:
 @dataclass(frozen=True)
 class ElementwiseOps:
     """A platform's fused kernels for a layer's small ops, one launch each, with the semantics of
-    the layers' torch paths (the CUDA platform's: ``vllm/kernels/triton/elementwise.py``, where
-    each signature is documented)."""
+    the layers' torch paths (the CUDA platform's: ``vllm/kernels/triton/elementwise.py`` and
+    ``router.py``, where each signature is documented)."""
     dtypes: tuple[torch.dtype, ...]
     """Dtypes every op takes."""
     rms_norm: Callable[..., torch.Tensor]
@@ -117,8 +117,8 @@ class Platform:
         return None
 
     def elementwise_ops(self) -> ElementwiseOps | None:
-        """Fused kernels for RMSNorm, the gated activations and rotary embedding, or None: the
-        layers then run the C kernels (``has_native_kernels``) or torch."""
+        """Fused kernels for RMSNorm, the gated activations, rotary embedding and softmax top-k
+        routing, or None: the layers then run the C kernels (``has_native_kernels``) or torch."""
         return None
 
     def side_stream(self, device: torch.device) -> SideStream | None:

@@ -38,7 +38,6 @@ def load_cuda_ops() -> bool:
     return True
 
 
-
 def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
                   slots: torch.Tensor, valid: torch.Tensor) -> None:
     """For each i with valid[i]: dst[slots[i]] = src[experts[i]], in one launch on the current

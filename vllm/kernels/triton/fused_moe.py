@@ -2,9 +2,10 @@
 
 The pairs (token t, choice k) of a call are grouped by expert id (``moe_align_block_size`` in
 ``moe_align.py``: one launch for a decode step), each expert's group padded to a multiple of
-BLOCK_M, so every BLOCK_M block of the sorted order belongs to one expert. A grouped GEMM (``_moe_gemm_kernel``, one program per (M block, N block))
-gathers its A rows by sorted pair id (// top_k for the hidden states), multiplies by that
-expert's weight block and writes the rows back at their pair index. Three launches per call:
+BLOCK_M, so every BLOCK_M block of the sorted order belongs to one expert. A grouped GEMM
+(``_moe_gemm_kernel``, one program per (M block, N block)) gathers its A rows by sorted pair id
+(// top_k for the hidden states), multiplies by that expert's weight block and writes the rows
+back at their pair index. Three launches per call:
 gate_up = x @ w13[e]^T (+ b13[e]) -> activation (``_moe_act_kernel``) -> out = (act @
 w2[e]^T (+ b2[e])) * topk_weight, written straight into the caller's ``out`` [T, K, H]; pairs
 with an id outside [0, G) are never written (the expert cache's waves). ``fused_moe`` adds the

@@ -53,10 +53,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     [S] int64: pair indices t * K + k, ascending within each expert, padding = the sentinel
     P = T * K; block_expert [S // block_m] int64: the expert of each block, -1 past the end;
     num_padded [1] int64: the padded pair count). S = ``padded_size(P, E, block_m)``."""
-    _check(topk_ids, block_m, num_experts)
     P = topk_ids.numel()
     if not 0 < P <= KERNEL_MAX_PAIRS:
-        return moe_align_block_size_torch(topk_ids, block_m, num_experts)
+        return moe_align_block_size_torch(topk_ids, block_m, num_experts)   # checks too
+    _check(topk_ids, block_m, num_experts)
     E, dev = num_experts, topk_ids.device
     flat = topk_ids.reshape(-1)
     flat = flat if flat.dtype == torch.int64 else flat.to(torch.int64)

@@ -230,9 +230,9 @@ def _bump(cnt_ptr, idx, value, any_used):
 def _residency_step_kernel(
         ids_ptr, rows_ptr, P, K, E, N, w, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
         freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
-        pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr, FIRST_WAVE: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-        ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
+        pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
+        FIRST_WAVE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_P: tl.constexpr, ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
     if FIRST_WAVE:
         _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe_ptr, woe_ptr, cnt_ptr, HAS_ROWS,
                       BLOCK_E, BLOCK_P)

@@ -177,14 +177,11 @@ class _DeviceIndices:
         if self.device.type == "cpu":
             return indices
         n = indices.numel()
-        if self.host is None or self.host.numel() < n:
-            if self.done is not None:
-                self.done.synchronize()
-            self.host = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
-            self.dev = torch.empty(self.host.numel(), dtype=torch.int32, device=self.device)
-            self.done = None
         if self.done is not None:
             self.done.synchronize()            # the previous step's copy has left the buffer
+        if self.host is None or self.host.numel() < n:
+            self.host = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
+            self.dev = torch.empty(self.host.numel(), dtype=torch.int32, device=self.device)
         self.host[:n].copy_(indices)
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         self.done = torch.cuda.Event()
