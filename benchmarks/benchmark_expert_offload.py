@@ -132,10 +132,10 @@ class Setup:
         g = torch.Generator().manual_seed(seed)
         w13 = torch.randn(E, 2 * inter, self.hidden, generator=g).mul_(self.hidden ** -0.5)
         w2 = torch.randn(E, self.hidden, inter, generator=g).mul_(inter ** -0.5)
-        pin = platform_for(self.device).is_pin_memory_available()
+        platform = platform_for(self.device)
         self.store = HostStore.from_experts(
             {"w13_weight": w13.to(dtype), "w2_weight": w2.to(dtype)}, self.qm.prepare_expert,
-            pin=pin)
+            pin=platform.is_pin_memory_available(), empty_pinned=platform.empty_pinned)
         del w13, w2
         self.ids = torch.from_numpy(trace.experts.astype(np.int64))      # [T, L, K]
         self.topk_weights = torch.full((K,), 1.0 / K, dtype=dtype, device=self.device)

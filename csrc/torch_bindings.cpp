@@ -1,13 +1,17 @@
 // The torch binding of the compiled ops: schemas under torch.ops._C, argument checks, the
-// current stream. Only device-generic torch headers (c10/core), so it also compiles against a
-// CPU build of torch (tests/build/test_cmake_build.py). Kernels live in their own .cu files behind plain C++ entry points, so nvcc
-// compiles them without torch headers (tests/build/test_compile_cuda.py).
+// current stream. Only device-generic torch headers (c10/core, ATen's from_blob), so it also
+// compiles against a CPU build of torch (tests/build/test_cmake_build.py). Kernels live in their
+// own .cu files behind plain C++ entry points, so nvcc compiles them without torch headers
+// (tests/build/test_compile_cuda.py).
 #include <Python.h>
 
+#include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
+#include "memory/pinned_host.h"
 #include "moe/expert_gather.h"
 #ifdef VLLM_HAS_W4A16_MOE_MM
 #include "moe/w4a16_moe_mm.h"
@@ -57,6 +61,25 @@ void expert_gather(const at::Tensor& src, at::Tensor& dst, const at::Tensor& exp
       slots.const_data_ptr<int64_t>(), valid.const_data_ptr<bool>(), n, src.size(0),
       dst.size(0), row_bytes, stream);
   TORCH_CHECK(rc == 0, "expert_gather: ", vllm::cuda_error_string(rc));
+}
+
+// See memory/pinned_host.h. An uninitialised CPU tensor of exactly `size` in page-locked memory
+// (torch's pinned allocator would round it up to a power of two), freed with its last reference.
+at::Tensor empty_pinned(c10::IntArrayRef size, c10::ScalarType dtype) {
+  uint64_t numel = 1, bytes = 0;
+  for (const int64_t d : size) {
+    TORCH_CHECK(d >= 0, "empty_pinned: sizes must be non-negative, got ", size);
+    TORCH_CHECK(!c10::mul_overflows(numel, static_cast<uint64_t>(d), &numel),
+                "empty_pinned: ", size, " overflows");
+  }
+  TORCH_CHECK(!c10::mul_overflows(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &bytes),
+              "empty_pinned: ", size, " of ", dtype, " overflows");
+  void* ptr = nullptr;
+  const int rc = vllm::pinned_host_alloc(static_cast<size_t>(bytes), &ptr);
+  TORCH_CHECK(rc == 0, "empty_pinned: cannot page-lock ", bytes, " bytes of host memory: ",
+              vllm::cuda_error_string(rc));
+  return at::from_blob(ptr, size, [](void* p) { vllm::pinned_host_free(p); },
+                       at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
 #ifdef VLLM_HAS_W4A16_MOE_MM
@@ -121,6 +144,8 @@ int64_t w4a16_moe_mm_workspace_size(int64_t num_groups, int64_t device) {
 TORCH_LIBRARY(_C, m) {
   m.def("expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, Tensor slots, Tensor valid)"
         " -> ()");
+  // No tensor argument: a plain function, as w4a16_moe_mm_workspace_size below.
+  m.def("empty_pinned(int[] size, ScalarType dtype) -> Tensor", &empty_pinned);
 #ifdef VLLM_HAS_W4A16_MOE_MM
   m.def("w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor(a!) d, Tensor expert_offsets, "
         "int group_size, Tensor(b!) workspace) -> ()");

@@ -102,3 +102,37 @@ def test_w4a16_moe_mm_is_built_with_cutlass(built):
         "_C::w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor(a!) d, "
         "Tensor expert_offsets, int group_size, Tensor(b!) workspace) -> ()",
         "_C::w4a16_moe_mm_workspace_size(int num_groups, int device) -> int"]
+
+
+def test_empty_pinned_is_registered_and_fails_cleanly_without_a_gpu(built):
+    """The exact-size pinned allocator: its schema, a zero-size tensor needs no CUDA call, and on
+    a machine without a GPU the allocation raises an error naming the size and the CUDA error
+    (instead of returning unlocked memory), twice in a row (no stale error left behind)."""
+    build, _ = built
+    [lib] = build.glob("_C*.so")
+    code = """if True:
+        import torch, sys
+        torch.ops.load_library(sys.argv[1])
+        print(torch.ops._C.empty_pinned.default._schema)
+        t = torch.ops._C.empty_pinned([0, 3], torch.bfloat16)
+        print(tuple(t.shape), t.dtype, t.device)
+        for _ in range(2):
+            try:
+                torch.ops._C.empty_pinned([5, 7], torch.float32)
+                print("allocated")
+            except RuntimeError as e:
+                print(str(e).splitlines()[0])
+        try:
+            torch.ops._C.empty_pinned([-1], torch.float32)
+        except RuntimeError as e:
+            print(str(e).splitlines()[0])
+    """
+    proc = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "_C::empty_pinned(int[] size, ScalarType dtype) -> Tensor"
+    assert lines[1] == "(0, 3) torch.bfloat16 cpu"
+    if shutil.which("nvidia-smi") is None:
+        for line in lines[2:4]:
+            assert line.startswith("empty_pinned: cannot page-lock 140 bytes of host memory: ")
+    assert lines[4] == "empty_pinned: sizes must be non-negative, got [-1]"

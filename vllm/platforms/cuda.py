@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import platform as _py_platform
 from typing import Callable
 
 import torch
 
 from vllm.kernels.cuda import ops as cuda_ops
-from vllm.logger import init_logger
+from vllm.logger import init_logger, log_once
 from vllm.platforms.interface import DeviceCapability, ElementwiseOps, Platform
 
 logger = init_logger(__name__)
+
+PINNED_ROUNDING_MSG = (
+    "Expert cache: vllm._C is not built, so the host expert store is pinned with torch's "
+    "allocator, which rounds each tensor up to a power of two of bytes (up to 2x the locked "
+    "host memory); a CUDA build (docs/build.md) allocates exact sizes.")
 
 
 @functools.cache
@@ -113,6 +119,12 @@ class CudaPlatform(Platform):
 
     def is_pin_memory_available(self) -> bool:
         return not _in_wsl()
+
+    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if cuda_ops.has_empty_pinned():
+            return cuda_ops.empty_pinned(shape, dtype)
+        log_once(logger, logging.WARNING, PINNED_ROUNDING_MSG)
+        return super().empty_pinned(shape, dtype)
 
     def expert_copy_kernel(self) -> Callable[..., None] | None:
         return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else _triton_expert_gather()

@@ -94,6 +94,12 @@ class Platform:
         """Whether page-locked host memory can back asynchronous copies to this device."""
         return False
 
+    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised page-locked host tensor for asynchronous copies to this device (the
+        expert cache's host store); RuntimeError where none can be made. torch's pinned
+        allocator here: it rounds each tensor up to a power of two of bytes."""
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+
     def has_native_kernels(self, dtype: torch.dtype) -> bool:
         """Whether this platform's compiled kernels (on CPU: ``vllm/kernels/cpu``) are loaded and
         take ``dtype``. Where they do not, each op runs its torch implementation."""

@@ -131,3 +131,36 @@ def test_torch_compile_traces_the_gather_op_whole():
     out = subprocess.run([sys.executable, "-c", _COMPILE_OPAQUE], capture_output=True,
                          text=True, timeout=300).stdout
     assert "compiled [[0.0, 0.0, 0.0], [18.0, 20.0, 22.0]]" in out, out
+
+
+def test_cuda_store_pinning_uses_the_exact_size_op_when_built(monkeypatch, vllm_log):
+    made = []
+
+    def fake(shape, dtype):
+        made.append((tuple(shape), dtype))
+        return torch.empty(shape, dtype=dtype)
+    monkeypatch.setattr(ops, "has_empty_pinned", lambda: True)
+    monkeypatch.setattr(ops, "empty_pinned", fake)
+    t = platform_for("cuda").empty_pinned((3, 5), torch.bfloat16)
+    assert made == [((3, 5), torch.bfloat16)] and t.shape == (3, 5)
+    from vllm.platforms.cuda import PINNED_ROUNDING_MSG
+    assert PINNED_ROUNDING_MSG not in vllm_log.text
+
+
+def test_cuda_store_pinning_without_the_op_is_torch_s_and_says_it_rounds(monkeypatch,
+                                                                         vllm_log):
+    """Without vllm._C the store is pinned by torch (torch.empty(pin_memory=True): on a CPU build
+    of torch that raises, as the store expects of a failed pin) after one warning."""
+    from vllm.platforms.cuda import PINNED_ROUNDING_MSG
+    monkeypatch.setattr(ops, "has_empty_pinned", lambda: False)
+    monkeypatch.setattr(ops, "empty_pinned", None)
+    requests = []
+    real_empty = torch.empty
+
+    def recording_empty(*shape, **kw):
+        requests.append(kw.get("pin_memory"))
+        return real_empty(*shape, **{k: v for k, v in kw.items() if k != "pin_memory"})
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    platform_for("cuda").empty_pinned((2, 2), torch.float32)
+    assert requests == [True]
+    assert vllm_log.text.count(PINNED_ROUNDING_MSG) == 1

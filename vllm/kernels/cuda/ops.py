@@ -49,6 +49,20 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
     torch.ops._C.expert_gather(src, dst, experts, slots, valid)
 
 
+def has_empty_pinned() -> bool:
+    """Whether ``vllm._C`` has the exact-size pinned allocator (``empty_pinned``)."""
+    return load_cuda_ops() and hasattr(torch.ops._C, "empty_pinned")
+
+
+def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor of ``shape`` in page-locked memory of exactly its bytes
+    (``cudaHostAlloc``, csrc/memory/pinned_host.cu), mapped for the expert gather kernel and
+    freed with its last reference. torch's pinned allocator rounds each block up to a power of
+    two (a 738 MB tensor locks 1 GiB); this one does not. Raises RuntimeError (naming the size
+    and the CUDA error) where the memory cannot be locked."""
+    return torch.ops._C.empty_pinned(list(shape), dtype)
+
+
 W4A16_TILE_K = 64
 """K per mainloop tile of the CUTLASS W4A16 grouped GEMM (128 bytes of bf16): a scale group
 must be the whole K or a multiple of it (CUTLASS's ``chunk_size`` rule)."""

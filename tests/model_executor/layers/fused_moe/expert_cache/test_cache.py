@@ -13,6 +13,7 @@ from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CPU_NO_S
                                                                         CachedWeightProvider)
 from vllm.model_executor.layers.fused_moe.expert_cache.store import PIN_FAILED_MSG
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.platforms.interface import Platform
 from tiny_checkpoints import layer_config as vllm_config
 
 E, H, I = 8, 32, 16
@@ -200,9 +201,9 @@ def test_stats_are_consistent():
 
 
 def test_pin_failure_falls_back_warns_once_and_stays_exact(vllm_log, monkeypatch):
-    def fail(self, *a, **k):
+    def fail(self, shape, dtype):
         raise RuntimeError("simulated pin failure")
-    monkeypatch.setattr(torch.Tensor, "pin_memory", fail)
+    monkeypatch.setattr(Platform, "empty_pinned", fail)
     w = weights(torch.float32, 4)
     ref = build(0, w)
     caches = []

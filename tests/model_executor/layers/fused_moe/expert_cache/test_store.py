@@ -149,33 +149,45 @@ def test_bad_process_expert_is_rejected():
         HostStore.from_experts({"nope": None}, method.process_expert, pin=False)
 
 
-def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log, monkeypatch):
-    def fail(self, *a, **k):
+def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log):
+    calls = []
+
+    def fail(shape, dtype):
+        calls.append(shape)
         raise RuntimeError("simulated: cannot pin (e.g. WSL)")
-    monkeypatch.setattr(torch.Tensor, "pin_memory", fail)
     method = Int8ScaledMethod()
     names = method.expert_tensor_names()
-    stores = [HostStore.from_experts(experts_of(make_layer(method, s), names),
-                                     method.process_expert, pin=True) for s in range(3)]
-    assert not any(s.pinned for s in stores)
+    layers = [make_layer(method, s) for s in range(3)]
+    stores = [HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=True,
+                                     empty_pinned=fail) for layer in layers]
+    assert len(calls) == 3 and not any(s.pinned for s in stores)
     warnings = [r for r in vllm_log.records if r.getMessage() == PIN_FAILED_MSG]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    for layer, store in zip(layers, stores):  # the pageable store holds the same experts
+        ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=False)
+        assert all(torch.equal(store.tensors[n], ref.tensors[n]) for n in names)
 
 
-def test_pin_success_pins_every_tensor(monkeypatch):
-    pinned = []
+def test_a_pinned_store_is_allocated_once_at_its_size_and_filled_in_place():
+    """Each store tensor comes from ``empty_pinned`` at its final [E, ...] shape and dtype, and
+    the store holds exactly those tensors, filled (no pageable copy pinned afterwards)."""
+    made = []
 
-    def fake_pin(self, *a, **k):  # a CPU build cannot pin; record what would be pinned
-        copy = self.clone()
-        pinned.append(copy)
-        return copy
-    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    def fake_empty_pinned(shape, dtype):  # a CPU build cannot pin; record what would be
+        t = torch.full(shape, 7, dtype=dtype)
+        made.append(t)
+        return t
     method = Int8ScaledMethod()
-    store = HostStore.from_experts(experts_of(make_layer(method), method.expert_tensor_names()),
-                                   method.process_expert, pin=True)
-    assert store.pinned
-    assert sorted(t.data_ptr() for t in pinned) == sorted(
-        t.data_ptr() for t in store.tensors.values())
+    names = method.expert_tensor_names()
+    layer = make_layer(method)
+    store = HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=True,
+                                   empty_pinned=fake_empty_pinned)
+    ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=False)
+    assert store.pinned and not ref.pinned
+    assert [t.data_ptr() for t in made] == [store.tensors[n].data_ptr() for n in names]
+    for n in names:
+        assert store.tensors[n].shape == ref.tensors[n].shape
+        assert torch.equal(store.tensors[n], ref.tensors[n])
 
 
 def _moe(cache_size):

@@ -19,9 +19,12 @@ from vllm.logger import init_logger, log_once
 logger = init_logger(__name__)
 
 ProcessExpert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+EmptyPinned = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""(shape, dtype) -> an uninitialised page-locked host tensor (``Platform.empty_pinned``)."""
 
-PIN_FAILED_MSG = ("Expert cache: could not pin the host expert store (pin_memory raised); falling "
-                  "back to pageable memory and synchronous expert copies, which are slower.")
+PIN_FAILED_MSG = ("Expert cache: could not page-lock the host expert store (the pinned "
+                  "allocation raised); falling back to pageable memory and synchronous expert "
+                  "copies, which are slower.")
 
 
 @dataclass
@@ -42,27 +45,34 @@ class HostStore:
 
     @classmethod
     def from_experts(cls, weights: dict[str, torch.Tensor], process_expert: ProcessExpert,
-                     pin: bool, name: str = "") -> "HostStore":
+                     pin: bool, name: str = "",
+                     empty_pinned: EmptyPinned | None = None) -> "HostStore":
         """Build the store from a layer's loaded expert tensors (name -> [E, ...], ideally in host
-        memory), processing one expert at a time. ``pin``: try page-locked memory. ``name``
-        (the layer's) prefixes errors."""
+        memory), processing one expert at a time straight into it. ``pin``: allocate it
+        page-locked with ``empty_pinned`` (the platform's; default torch's, which rounds each
+        tensor up to a power of two of bytes), pageable if that raises. ``name`` (the layer's)
+        prefixes errors."""
         if not weights:
             raise ValueError(f"{name}: quant method declares no expert-indexed tensors "
                              "(expert_tensor_names() is empty)")
         loaded = {n: _host_tensor(t, n, name) for n, t in weights.items()}
         names = tuple(loaded)
         num_experts = _common_num_experts(loaded)
-        tensors: dict[str, torch.Tensor] = {}
+        one = process_expert({n: t[0] for n, t in loaded.items()})
+        _check_processed(one, names, {}, 0)
+        # Allocated once at its final size (and pinned there): no pageable copy to pin after.
+        tensors, pinned = _allocate(num_experts, one, pin, empty_pinned or torch_empty_pinned)
         for e in range(num_experts):
-            one = process_expert({n: t[e] for n, t in loaded.items()})
-            _check_processed(one, names, tensors, e)
-            if not tensors:
-                # Explicitly host memory, even under a ``with torch.device(...)`` context.
-                tensors = {n: torch.empty((num_experts, *one[n].shape), dtype=one[n].dtype,
-                                          device="cpu") for n in names}
+            if e:
+                one = process_expert({n: t[e] for n, t in loaded.items()})
+                _check_processed(one, names, tensors, e)
             for n in names:
                 tensors[n][e].copy_(one[n])
-        return cls(*_maybe_pin(tensors, pin))
+        return cls(tensors, pinned)
+
+
+def torch_empty_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
 
 def _host_tensor(t: torch.Tensor, tensor_name: str, layer_name: str) -> torch.Tensor:
@@ -97,14 +107,16 @@ def _check_processed(one: dict[str, torch.Tensor], names: tuple[str, ...],
                              f"{expert}, but {want} for expert 0; it must be the same for all")
 
 
-def _maybe_pin(tensors: dict[str, torch.Tensor], pin: bool) -> tuple[dict[str, torch.Tensor], bool]:
-    if not pin:
-        return tensors, False
-    try:
-        for n in tensors:  # in place, one at a time: each pageable copy is freed once pinned
-            tensors[n] = tensors[n].pin_memory()
-    except RuntimeError:
-        # Possibly a mix of pinned and pageable tensors: treated as pageable (synchronous copies).
-        log_once(logger, logging.WARNING, PIN_FAILED_MSG)
-        return tensors, False
-    return tensors, True
+def _allocate(num_experts: int, first: dict[str, torch.Tensor], pin: bool,
+              empty_pinned: EmptyPinned) -> tuple[dict[str, torch.Tensor], bool]:
+    """name -> uninitialised [E, *first[name].shape] host tensor (explicitly host memory, even
+    under a ``with torch.device(...)`` context), and whether all of them are page-locked."""
+    shapes = {n: ((num_experts, *t.shape), t.dtype) for n, t in first.items()}
+    if pin:
+        try:
+            return {n: empty_pinned(shape, dtype) for n, (shape, dtype) in shapes.items()}, True
+        except RuntimeError:
+            # Pinned tensors made before the failure are freed with the comprehension.
+            log_once(logger, logging.WARNING, PIN_FAILED_MSG)
+    return {n: torch.empty(shape, dtype=dtype, device="cpu")
+            for n, (shape, dtype) in shapes.items()}, False

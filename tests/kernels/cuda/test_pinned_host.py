@@ -1,0 +1,81 @@
+"""The exact-size pinned allocator (csrc/memory/pinned_host.cu, ``ops.empty_pinned``) on a GPU:
+page-locked, mapped for the gather kernel, outside torch's rounding host allocator, and a failed
+allocation leaves nothing behind for torch's next launch check. Needs a CUDA GPU and vllm._C."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from vllm.kernels.cuda import ops
+    if not ops.has_empty_pinned():
+        pytest.skip("vllm._C is not built: VLLM_TARGET_DEVICE=cuda pip install "
+                    "--no-build-isolation -e .")
+    return ops
+
+
+def _torch_pinned_bytes() -> int | None:
+    """Bytes torch's caching host allocator holds, where this torch reports it."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return None if stats is None else stats().get("allocated_bytes.current", 0)
+
+
+def test_exact_pinned_tensor_round_trips_and_is_not_torch_s(ops):
+    before = _torch_pinned_bytes()
+    t = ops.empty_pinned((3, 1000, 7), torch.bfloat16)
+    assert t.device.type == "cpu" and t.shape == (3, 1000, 7) and t.is_pinned()
+    assert t.is_contiguous() and t.untyped_storage().nbytes() == 3 * 1000 * 7 * 2
+    t.copy_(torch.randn(3, 1000, 7).to(torch.bfloat16))
+    d = t.to("cuda", non_blocking=True)
+    back = ops.empty_pinned((3, 1000, 7), torch.bfloat16)
+    back.copy_(d, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, t)
+    if before is not None:
+        assert _torch_pinned_bytes() == before
+
+
+def test_the_gather_kernel_reads_it_in_place(ops):
+    src = ops.empty_pinned((5, 64, 48), torch.bfloat16)
+    src.copy_(torch.randn(5, 64, 48).to(torch.bfloat16))
+    dst = torch.zeros(2, 64, 48, dtype=torch.bfloat16, device="cuda")
+    experts = torch.tensor([4, 1], device="cuda")
+    slots = torch.tensor([1, 0], device="cuda")
+    ops.expert_gather(src, dst, experts, slots, torch.tensor([True, True], device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(dst[1].cpu(), src[4]) and torch.equal(dst[0].cpu(), src[1])
+
+
+def test_a_failed_allocation_raises_and_leaves_no_error_behind(ops):
+    with pytest.raises(RuntimeError, match="cannot page-lock"):
+        ops.empty_pinned((1 << 48,), torch.uint8)         # 256 TiB
+    x = torch.ones(4, device="cuda") * 2                  # torch's launch check must pass
+    torch.cuda.synchronize()
+    assert x.sum().item() == 8
+
+
+def test_freed_memory_is_returned(ops):
+    """2 GiB allocated and dropped eight times: would exhaust a host that never frees it."""
+    for _ in range(8):
+        t = ops.empty_pinned((1 << 31,), torch.uint8)
+        t[:: 1 << 20].fill_(1)
+        del t
+
+
+def test_the_expert_cache_store_uses_it(ops):
+    from vllm.config import MoECacheConfig
+    from vllm.model_executor.layers.fused_moe.expert_cache.provider import CachedWeightProvider
+    before = _torch_pinned_bytes()
+    w = {"w13_weight": torch.randn(8, 32, 16).to(torch.bfloat16),
+         "w2_weight": torch.randn(8, 16, 16).to(torch.bfloat16)}
+    p = CachedWeightProvider.from_experts(w, lambda t: t, MoECacheConfig(2), "cuda")
+    assert p.store.pinned
+    for n, t in p.store.tensors.items():
+        assert t.is_pinned() and torch.equal(t, w[n])
+        assert t.untyped_storage().nbytes() == w[n].numel() * 2
+    if before is not None:
+        assert _torch_pinned_bytes() == before
