@@ -155,7 +155,8 @@ def make_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[lis
 
 def _cache_counts(llm) -> dict | None:
     s = llm.get_moe_cache_stats()
-    return None if s is None else {k: s[k] for k in ("hits", "misses", "bytes_copied")}
+    keys = ("hits", "misses", "bytes_copied", "cpu_pairs")   # cpu_pairs: with CPU compute on
+    return None if s is None else {k: s[k] for k in keys if k in s}
 
 
 def decode(llm, prompts: list[list[int]], output_len: int) -> dict:
@@ -198,6 +199,8 @@ def _row(n: int, batch: int, r: dict) -> dict:
         row.update(hits=r["hits"], misses=r["misses"], bytes_copied=r["bytes_copied"],
                    hit_rate=r["hits"] / lookups if lookups else None,
                    copy_gbps=r["bytes_copied"] / max(r["decode_seconds"], 1e-9) / 1e9)
+        if "cpu_pairs" in r:
+            row["cpu_pairs"] = r["cpu_pairs"]
     return row
 
 
@@ -211,6 +214,7 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
         llm = LLM(model=path, dtype=str(dtype)[6:], device=device, moe_expert_cache_size=n,
                   max_num_seqs=max(args.batch), enforce_eager=args.enforce_eager,
                   moe_expert_overlap=args.moe_expert_overlap,
+                  moe_expert_cpu_compute=args.moe_expert_cpu_compute,
                   kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
         for b in args.batch:
             prompts = make_prompts(vocab, b, args.prompt_len, args.seed)
@@ -261,6 +265,7 @@ def run(args) -> dict:
         "dtype": str(dtype)[6:], "prompt_len": args.prompt_len, "output_len": args.output_len,
         "batches": args.batch, "cache_sizes": args.moe_expert_cache_size,
         "enforce_eager": args.enforce_eager, "moe_expert_overlap": args.moe_expert_overlap,
+        "moe_expert_cpu_compute": args.moe_expert_cpu_compute,
         "threads": torch.get_num_threads(),
         "checkpoint": args.checkpoint or "temporary", "checkpoint_reused": reused,
         "build_seconds": build_s, "rows": rows, "tokens_identical": identical,
@@ -283,6 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also profile this many decode steps per row (launches per step)")
     ap.add_argument("--moe-expert-overlap", action="store_true",
                     help="copy misses on a side stream while the hit experts compute (CUDA)")
+    ap.add_argument("--moe-expert-cpu-compute", choices=["off", "auto", "always"], default="off",
+                    help="compute missing experts on the CPU (eager steps; tokens may differ "
+                         "by rounding off a CPU device)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,

@@ -170,3 +170,18 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(result, monkeypatch, tmp_pat
     assert kept["partial"] is True and kept["preset"] == "tiny" and kept["device"] == "cpu"
     assert [(r["moe_expert_cache_size"], r["batch"]) for r in kept["rows"]] == [(0, 1)]
     assert "partial" not in json.loads(result[1].read_text())
+
+
+def test_cpu_compute_rows_keep_the_tokens_and_copy_nothing(result):
+    """--moe-expert-cpu-compute always: every miss runs on the CPU (nothing copied), and on a
+    CPU device the tokens equal the uncached engine's."""
+    argv = result[2]
+    ckpt = argv[argv.index("--checkpoint") + 1]
+    out = bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+                      "2", "--moe-expert-cache-size", "0", "2", "--output-len", "3",
+                      "--checkpoint", ckpt, "--moe-expert-cpu-compute", "always", "--json"])
+    assert out["moe_expert_cpu_compute"] == "always" and out["all_tokens_identical"]
+    cached = [r for r in out["rows"] if r["moe_expert_cache_size"] == 2]
+    assert cached and all(r["bytes_copied"] == 0 and r["misses"] == 0 and r["cpu_pairs"] > 0
+                          for r in cached)
+    assert all("cpu_pairs" not in r for r in result[0]["rows"])

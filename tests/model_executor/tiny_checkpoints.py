@@ -100,10 +100,11 @@ def build_checkpoint(arch: str, path, dtype: torch.dtype = torch.float32, seed: 
 
 
 def layer_config(cache_size: int = 0, policy: str = "auto",
-                 moe_backend: str = "auto") -> VllmConfig:
+                 moe_backend: str = "auto", cpu_compute: str = "off") -> VllmConfig:
     """A CPU config without a model, for building single layers under it."""
     return VllmConfig(None, CacheConfig(), SchedulerConfig(),
-                      MoECacheConfig(cache_size=cache_size, policy=policy), DeviceConfig("cpu"),
+                      MoECacheConfig(cache_size=cache_size, policy=policy,
+                                     cpu_compute=cpu_compute), DeviceConfig("cpu"),
                       kernel_config=KernelConfig(moe_backend=moe_backend))
 
 

@@ -139,6 +139,7 @@ class SchedulerConfig:
 
 
 MOE_PREFETCH_MODES = ("off", "next-layer")
+MOE_CPU_COMPUTE_MODES = ("off", "auto", "always")
 
 
 @dataclass
@@ -159,6 +160,11 @@ class MoECacheConfig:
     """Copy each wave's misses on a side stream while the layer computes the wave's hits, then
     compute the misses (``expert_cache/overlap.py``); outputs are unchanged. Where the platform
     has no side stream (CPU) it has no effect."""
+    cpu_compute: str = "off"
+    """"off"; "auto": compute a missing expert's tokens on the CPU from the host store instead of
+    copying it when a cost model measured at load says that is cheaper (slow links); "always":
+    every miss on the CPU. Not loaded, not counted as a miss; eager steps only; outputs may
+    differ by rounding (``expert_cache/host_compute.py``)."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:
@@ -167,6 +173,9 @@ class MoECacheConfig:
         if not isinstance(self.overlap, bool):
             raise ValueError(f"moe_expert_overlap={self.overlap!r} is invalid: must be True or "
                              "False")
+        if self.cpu_compute not in MOE_CPU_COMPUTE_MODES:
+            raise ValueError(f"moe_expert_cpu_compute={self.cpu_compute!r} is invalid: must be "
+                             f"one of {list(MOE_CPU_COMPUTE_MODES)}")
         if self.prefetch not in MOE_PREFETCH_MODES:
             raise ValueError(f"moe_expert_prefetch={self.prefetch!r} is invalid: must be one of "
                              f"{list(MOE_PREFETCH_MODES)}")
@@ -240,6 +249,7 @@ class VllmConfig:
             "moe_expert_cache_policy": self.moe_cache_config.policy,
             "moe_expert_prefetch": self.moe_cache_config.prefetch,
             "moe_expert_overlap": self.moe_cache_config.overlap,
+            "moe_expert_cpu_compute": self.moe_cache_config.cpu_compute,
             "quantization": self.quant_config.describe() if self.quant_config else None,
         })
 

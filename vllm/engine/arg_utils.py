@@ -64,6 +64,11 @@ class EngineArgs:
     """Expert cache: copy each wave's misses (and prefetch loads) on a side stream while the layer
     computes its hit experts (CUDA; outputs unchanged; no effect on CPU; see
     docs/expert-cache.md)."""
+    moe_expert_cpu_compute: str = "off"
+    """Expert cache: off; auto (compute a missing expert's tokens on the CPU from host memory
+    when a cost model measured at load says that beats copying it: slow links such as PCIe x4
+    or WSL); always (every miss on the CPU). Eager steps only; outputs may differ by rounding;
+    see docs/expert-cache.md."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""
     tensor_parallel_size: int = 1
@@ -144,7 +149,8 @@ class EngineArgs:
                              routing_trace_path=self.moe_routing_trace_path,
                              routing_trace_scores=bool(self.moe_routing_trace_scores),
                              prefetch=self.moe_expert_prefetch,
-                             overlap=self.moe_expert_overlap)
+                             overlap=self.moe_expert_overlap,
+                             cpu_compute=self.moe_expert_cpu_compute)
         config = VllmConfig(model_config, cache_config, scheduler_config, moe,
                             DeviceConfig(self.device), enforce_eager=bool(self.enforce_eager),
                             kernel_config=KernelConfig(self.moe_backend,

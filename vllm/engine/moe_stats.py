@@ -15,6 +15,9 @@ _PREFETCH_FIELDS = ("prefetch_predicted", "prefetch_loads", "prefetch_used", "pr
                     "prefetch_wasted_bytes")
 """With ``moe_expert_prefetch`` on (``expert_cache/prefetch.py``); ``bytes_copied`` includes
 ``prefetch_bytes``."""
+_CPU_FIELDS = ("cpu_pairs", "cpu_expert_calls")
+"""With ``moe_expert_cpu_compute`` on (``expert_cache/host_compute.py``): pairs and
+(step, expert) calls the CPU computed instead of a miss (neither hits nor misses)."""
 
 
 class MoEStatsReporter:
@@ -28,11 +31,13 @@ class MoEStatsReporter:
         """{"hits", "misses", "evictions", "bytes_copied", "hit_rate", "num_layers",
         "per_layer": {field: [per MoE layer, model order]}}; None when no layer is cached.
         With prefetch on, also the ``_PREFETCH_FIELDS`` and "prefetch_recall" (recalled /
-        needed; per layer None where nothing predicted it, e.g. the first MoE layer)."""
+        needed; per layer None where nothing predicted it, e.g. the first MoE layer); with CPU
+        compute on, the ``_CPU_FIELDS``."""
         layers = self.runner.moe_cache_stats()
         if layers is None:
             return None
-        fields = _FIELDS + (_PREFETCH_FIELDS if "prefetch_loads" in layers[0] else ())
+        fields = _FIELDS + (_PREFETCH_FIELDS if "prefetch_loads" in layers[0] else ()) + \
+            (_CPU_FIELDS if "cpu_pairs" in layers[0] else ())
         per_layer = {f: [int(s[f]) for s in layers] for f in fields}
         per_layer["hit_rate"] = [float(s["hit_rate"]) for s in layers]
         totals = {f: sum(per_layer[f]) for f in fields}
@@ -53,7 +58,9 @@ class MoEStatsReporter:
         return (f"expert cache ({self.config.cache_size} slots x {s['num_layers']} layers, "
                 f"policy {policy}): hit_rate={s['hit_rate']:.3f} hits={s['hits']} "
                 f"misses={s['misses']} evictions={s['evictions']} "
-                f"copied={s['bytes_copied'] / 2**20:.1f} MiB" + _prefetch_summary(s))
+                f"copied={s['bytes_copied'] / 2**20:.1f} MiB" + _prefetch_summary(s) +
+                (f" cpu: pairs={s['cpu_pairs']} expert_calls={s['cpu_expert_calls']}"
+                 if "cpu_pairs" in s else ""))
 
     def maybe_log(self) -> None:
         now = time.monotonic()

@@ -9,6 +9,7 @@ scheme and, through the backend the registry chose for it, computes the pairs.
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Callable
 
 import torch
@@ -74,6 +75,7 @@ class FusedMoE(nn.Module):
         shape = MoEShape(num_experts, hidden_size, intermediate_size,
                          params_dtype or torch.get_default_dtype(), bias,
                          self.activation.gated)
+        self.params_dtype = shape.params_dtype
         self._moe_cache_config = cfg.moe_cache_config if cfg is not None else None
         # Cached experts are created in host memory: they become the store, never touching the
         # device. Uncached ones are created on the ambient (compute) device.
@@ -130,7 +132,8 @@ class FusedMoE(nn.Module):
         names = self.quant_method.expert_tensor_names()
         loaded = {n: getattr(self, n) for n in names}
         self.weight_provider = make_weight_provider(loaded, self.quant_method,
-                                                    self._moe_cache_config, device, self.prefix)
+                                                    self._moe_cache_config, device, self.prefix,
+                                                    self.hidden_size, self.params_dtype)
         for name, t in self.weight_provider.slot_weights().items():
             self._hold(name, t)
         # A backend that quantizes activations (flashinfer_cutlass on NVFP4) reads the scheme's
@@ -173,6 +176,13 @@ class FusedMoE(nn.Module):
         # nowhere, so a padded replay plans what the eager step would.
         row_slots = md.slot_mapping if md is not None and \
             md.slot_mapping.shape[0] == topk_ids.shape[0] else None
+        topk_weights = topk_weights.to(hidden_states.dtype)
+        split = provider.split_for_host(topk_ids)
+        host_pairs = None
+        if split is not None:  # moe_expert_cpu_compute: the CPU computes the pairs it names
+            topk_ids = split.device_ids
+            host_pairs = partial(provider.host_compute.compute, hidden_states, topk_weights,
+                                 split.host_ids)
         waves = provider.prepare(topk_ids, row_slots)
-        return self.quant_method.apply(provider.slot_weights(), hidden_states,
-                                       topk_weights.to(hidden_states.dtype), waves)
+        return self.quant_method.apply(provider.slot_weights(), hidden_states, topk_weights,
+                                       waves, host_pairs=host_pairs)

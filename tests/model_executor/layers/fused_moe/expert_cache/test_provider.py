@@ -45,9 +45,9 @@ def test_one_call_path_for_every_provider(cache_size, kind, monkeypatch):
         calls.append(("prepare", ids))
         return real_prepare(ids, row_slots)
 
-    def apply(weights, x, topk_weights, waves):
+    def apply(weights, x, topk_weights, waves, host_pairs=None):
         calls.append(("apply", weights))
-        return real_apply(weights, x, topk_weights, waves)
+        return real_apply(weights, x, topk_weights, waves, host_pairs=host_pairs)
     monkeypatch.setattr(provider, "prepare", prepare)
     monkeypatch.setattr(layer.quant_method, "apply", apply)
     layer(torch.randn(4, H), torch.randn(4, E))

@@ -45,6 +45,8 @@ import torch
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
+    HostCostModel, HostMissCompute, HostSplit, host_experts, measure_cost_model)
 from vllm.model_executor.layers.fused_moe.expert_cache.overlap import overlapped_wave
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
@@ -91,6 +93,11 @@ class WeightProvider:
     def slot_weights(self) -> dict[str, torch.Tensor]:
         """name -> [G, ...] device tensor the kernel reads (G = E experts, or N slots)."""
         raise NotImplementedError
+
+    def split_for_host(self, topk_ids: torch.Tensor) -> "HostSplit | None":
+        """This step's pairs the CPU computes from host memory, or None (all on the device):
+        only a cache with ``moe_expert_cpu_compute`` has any."""
+        return None
 
 
 class IdentityProvider(WeightProvider):
@@ -169,19 +176,24 @@ class CachedWeightProvider(WeightProvider):
         self._prefetch_in_flight: LoadPlan | None = None
         """The plan of a prefetch copy forked onto the side stream (kept alive until the next
         plan joins the side stream, first thing)."""
+        self.host_compute: HostMissCompute | None = None
+        """Set by ``enable_host_compute`` (``moe_expert_cpu_compute``): misses on the CPU."""
 
     @property
     def cpu_graph_safe(self) -> bool:
         """Whether a CPU graph can record this layer's cached step (fused C step and C copy; the
         overlap split is torch ops, which CPU graphs do not record)."""
         return self.step.cpu_graph_node and getattr(self.copy, "cpu_graph_node", False) and \
-            self.side_stream is None
+            self.side_stream is None and self.host_compute is None
 
     def cuda_graph_refusal(self) -> str | None:
         """Why a decode graph (``worker/cuda_graphs.py``) cannot capture this layer's cached
         step, or None. It needs the platform's fused residency step (one launch per wave, no
         host read; the reference is refused: ~40 launches per wave) and a ``sync_free`` copy
         engine (a copy kernel; not the torch fallback, which reads the plan on the host)."""
+        if self.host_compute is not None:
+            return (f"moe_expert_cpu_compute={self.host_compute.mode!r} reads each step's "
+                    "routing on the host to choose the experts the CPU computes")
         if self.step.name == "reference":
             return (f"its residency step is the tensor-op reference (the {self.device.type} "
                     "platform has no fused residency step kernel, e.g. triton is missing, or "
@@ -248,6 +260,26 @@ class CachedWeightProvider(WeightProvider):
         return ExpertPlan(self, topk_ids, row_slots, num_waves(self.num_experts, T * K,
                                                                self.num_slots))
 
+    def enable_host_compute(self, mode: str, quant_method, hidden_size: int, dtype: torch.dtype,
+                            cost: HostCostModel | None = None) -> None:
+        """Compute misses on the CPU from the host store (``host_compute.py``); mode "auto"
+        measures its cost model here unless given one. ValueError where the backend's layout
+        cannot be computed on the CPU."""
+        experts = host_experts(quant_method, self.device)
+        if mode == "auto" and cost is None:
+            cost = measure_cost_model(self.store.tensors, self.slots, experts, hidden_size, dtype)
+            log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (first "
+                     "cached layer; a missing expert goes to the CPU when its tokens cost less "
+                     "there than its copy)")
+        self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
+
+    def split_for_host(self, topk_ids: torch.Tensor) -> HostSplit | None:
+        """With host compute: this step's pairs for the CPU and the rest (``HostMissCompute.
+        split``, a host read); None when the device computes them all."""
+        if self.host_compute is None:
+            return None
+        return self.host_compute.split(topk_ids, self.residency.slot_of_expert)
+
     @property
     def prefetching(self) -> bool:
         """Whether a prefetcher feeds this layer: ``stats`` then has the ``prefetch_*`` keys."""
@@ -295,7 +327,8 @@ class CachedWeightProvider(WeightProvider):
                 "experts_copied": copied,
                 "bytes_copied": copied * self.store.bytes_per_expert,
                 "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                "waves": waves, **pf}
+                "waves": waves, **pf,
+                **(self.host_compute.stats() if self.host_compute is not None else {})}
 
     def reset_stats(self) -> None:
         """Zero the counters (residency, policy state, the clock and prefetch flags are kept)."""
@@ -303,15 +336,26 @@ class CachedWeightProvider(WeightProvider):
         for t in (self.residency.hits, self.residency.misses, self.residency.evictions,
                   self.residency.waves, *pf):
             t.zero_()
+        if self.host_compute is not None:
+            self.host_compute.reset_stats()
 
 
 def make_weight_provider(weights: dict[str, torch.Tensor], quant_method, config: MoECacheConfig |
-                         None, device: torch.device, name: str = "") -> WeightProvider:
+                         None, device: torch.device, name: str = "", hidden_size: int = 0,
+                         dtype: torch.dtype = torch.float32) -> WeightProvider:
     """The provider a loaded layer gets: cached when ``cache_enabled``, else every expert
     processed in place on the compute device. ``quant_method``: the layer's
-    ``FusedMoEMethodBase`` (its ``prepare_expert`` / ``process_weights``)."""
+    ``FusedMoEMethodBase`` (its ``prepare_expert`` / ``process_weights``); ``hidden_size`` and
+    the activation ``dtype`` size the probes of ``moe_expert_cpu_compute='auto'``."""
     num_experts = next(iter(weights.values())).shape[0]
     if cache_enabled(config, num_experts):
-        return CachedWeightProvider.from_experts(weights, quant_method.prepare_expert, config,
-                                                 device, name=name)
+        provider = CachedWeightProvider.from_experts(weights, quant_method.prepare_expert,
+                                                     config, device, name=name)
+        if config.cpu_compute != "off":
+            try:
+                provider.enable_host_compute(config.cpu_compute, quant_method, hidden_size,
+                                             dtype)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        return provider
     return IdentityProvider(quant_method.process_weights(weights))

@@ -1,0 +1,191 @@
+"""Misses computed on the CPU from the host store (``expert_cache/host_compute.py``,
+``moe_expert_cpu_compute``).
+
+On a CPU device both sides run the layer's own kernel, so outputs must equal the uncached
+layer's bit for bit whatever the split; the split itself and the cost model's rule are checked
+against hand-written expectations. What a GPU adds (the device kernels beside the CPU) has not
+run on a GPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tools.quantize_checkpoint import main as quantize_main
+from vllm import LLM, SamplingParams
+from vllm.config import set_current_vllm_config
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
+    HostCostModel, HostMissCompute, host_experts, measure_cost_model)
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts, TorchExperts
+from vllm.model_executor.model_loader import get_model
+from model_executor.layers.quantization.published_ckpt import TINY
+from model_executor.tiny_checkpoints import layer_config, make_vllm_config
+
+E, H, I = 8, 32, 16
+RESIDENT = torch.tensor([-1, 0, -1, 1, -1, -1, 2, -1])     # experts 1, 3, 6 in slots 0, 1, 2
+
+
+def build(cache_size, dtype=torch.float32, cpu_compute="off", moe_backend="auto", top_k=2):
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.2).to(dtype)
+    with set_current_vllm_config(layer_config(cache_size, moe_backend=moe_backend,
+                                              cpu_compute=cpu_compute)):
+        layer = FusedMoE(E, top_k, H, I, params_dtype=dtype)
+        layer.load_expert_weight("w13_weight", w13, None, None)
+        layer.load_expert_weight("w2_weight", w2, None, None)
+        layer.finish_loading(torch.device("cpu"))
+    return layer
+
+
+def test_split_sends_missing_experts_pairs_to_the_cpu():
+    hc = HostMissCompute("always", experts=None, store_tensors={}, cost=None)
+    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5]])
+    split = hc.split(ids, RESIDENT)
+    # Resident 1, 3, 6 and the skipped pair stay on the device; 0, 2, 5 go to the CPU.
+    assert split.device_ids.tolist() == [[1, -1], [3, -1], [-1, 6], [-1, -1]]
+    assert split.host_ids.tolist() == [[-1, 0], [-1, 2], [-1, -1], [0, 5]]
+    assert hc.stats() == {"cpu_pairs": 4, "cpu_expert_calls": 3}
+    assert hc.split(torch.tensor([[1, 3], [6, -1]]), RESIDENT) is None    # all hits
+    assert hc.stats()["cpu_pairs"] == 4
+    hc.reset_stats()
+    assert hc.stats() == {"cpu_pairs": 0, "cpu_expert_calls": 0}
+
+
+def test_auto_sends_an_expert_to_the_cpu_only_when_its_tokens_cost_less_than_its_copy():
+    # CPU: 0.1 + 0.2 t seconds; copy: 1.0 s -> t <= 4 tokens on the CPU, 5 or more copied.
+    cost = HostCostModel(copy_seconds=1.0, cpu_fixed=0.1, cpu_per_token=0.2)
+    assert cost.cpu_is_cheaper(torch.tensor([0, 1, 4, 5, 9])).tolist() == \
+        [True, True, True, False, False]
+    hc = HostMissCompute("auto", experts=None, store_tensors={}, cost=cost)
+    ids = torch.tensor([[0, 2]] * 5 + [[0, 1]] * 1)        # expert 0: 6 tokens, 2: 5, 1: hit
+    ids[0, 1] = 4                                           # expert 2: 4 tokens, 4: 1 token
+    split = hc.split(ids, RESIDENT)
+    host = split.host_ids
+    assert set(host[host >= 0].tolist()) == {2, 4}
+    assert (split.device_ids[ids == 0] == 0).all() and (split.device_ids[ids == 1] == 1).all()
+    assert hc.stats() == {"cpu_pairs": 5, "cpu_expert_calls": 2}
+    slow_cpu = HostCostModel(copy_seconds=1.0, cpu_fixed=2.0, cpu_per_token=0.0)
+    assert HostMissCompute("auto", None, {}, slow_cpu).split(ids, RESIDENT) is None
+
+
+def test_modes_are_checked():
+    with pytest.raises(ValueError, match=r"moe_expert_cpu_compute='off' is invalid here"):
+        HostMissCompute("off", None, {}, None)
+    with pytest.raises(ValueError, match="'auto' needs a cost model"):
+        HostMissCompute("auto", None, {}, None)
+    with pytest.raises(ValueError, match=r"moe_expert_cpu_compute='sometimes' is invalid: must "
+                                         r"be one of \['off', 'auto', 'always'\]"):
+        layer_config(2, cpu_compute="sometimes")
+
+
+@pytest.mark.parametrize("moe_backend", ["cpu_kernel", "grouped_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["always", "auto"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_cached_with_cpu_compute_equals_uncached_bitwise(moe_backend, dtype, mode, n):
+    ref = build(0, dtype, moe_backend=moe_backend)
+    layer = build(n, dtype, mode, moe_backend)
+    assert layer.expert_cache.host_compute.mode == mode
+    g = torch.Generator().manual_seed(1)
+    pairs = 0
+    for T in [1, 7, 64, 1, 300, 3]:
+        x = torch.randn(T, H, generator=g).to(dtype)
+        logits = torch.randn(T, E, generator=g) + torch.arange(E) * 0.3
+        assert torch.equal(layer(x, logits), ref(x, logits)), T
+        pairs += 2 * T
+    stats = layer.expert_cache.stats()
+    assert stats["hits"] + stats["misses"] + stats["cpu_pairs"] >= 0
+    if mode == "always":          # nothing is ever loaded: every pair ran on the CPU
+        assert stats["cpu_pairs"] == pairs and stats["hits"] == stats["misses"] == 0
+        assert stats["bytes_copied"] == 0
+
+
+def test_the_measured_cost_model_is_finite_and_non_negative():
+    layer = build(2)
+    cache = layer.expert_cache
+    cost = measure_cost_model(cache.store.tensors, cache.slots, layer.quant_method.kernel, H,
+                              torch.float32)
+    values = (cost.copy_seconds, cost.cpu_fixed, cost.cpu_per_token)
+    assert all(math.isfinite(v) and v >= 0 for v in values) and cost.copy_seconds > 0
+
+
+def test_graphs_leave_a_layer_with_cpu_compute_eager():
+    cache = build(2, cpu_compute="always").expert_cache
+    assert "moe_expert_cpu_compute='always' reads each step's routing" in \
+        cache.cuda_graph_refusal()
+    assert not cache.cpu_graph_safe
+    assert build(2).expert_cache.cpu_graph_safe          # the same layer without it
+
+
+def test_host_experts_per_device_and_backend():
+    cpu_layer = build(2, moe_backend="cpu_kernel")
+    assert host_experts(cpu_layer.quant_method, torch.device("cpu")) is \
+        cpu_layer.quant_method.kernel
+    assert isinstance(cpu_layer.quant_method.kernel, CpuKernelExperts)
+    with pytest.raises(ValueError, match="the 'cpu_kernel' MoE backend keeps the experts in a "
+                                         "layout of its own"):
+        host_experts(cpu_layer.quant_method, torch.device("cuda"))
+    torch_layer = build(2, moe_backend="torch")
+    got = host_experts(torch_layer.quant_method, torch.device("cuda"))
+    assert isinstance(got, TorchExperts) and got is not torch_layer.quant_method.kernel
+
+
+@pytest.mark.parametrize("scheme,args", [("fp8-block", ["--block-size", "16", "32"]),
+                                         ("w4a16-gptq", ["--asym", "--group-size", "32"])])
+def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, tmp_path,
+                                                           scheme, args):
+    """Off a CPU device the CPU side is the torch loop over the host store, dequantizing each
+    expert: its pairs equal the uncached torch backend's bit for bit."""
+    src = tiny_model_factory("Qwen3MoeForCausalLM", **TINY)
+    path = str(tmp_path / scheme)
+    quantize_main(["--model", src, "--out", path, "--scheme", scheme, *args])
+
+    def layer(cache_size):
+        cfg = make_vllm_config(path)
+        cfg.moe_cache_config.cache_size = cache_size
+        cfg.kernel_config.moe_backend = "torch"
+        return next(m for m in get_model(cfg).modules() if isinstance(m, FusedMoE))
+    cached, twin = layer(2), layer(0)
+    hc = HostMissCompute("always", host_experts(cached.quant_method, torch.device("cuda")),
+                         cached.expert_cache.store.tensors, None)
+    g = torch.Generator().manual_seed(0)
+    T, K = 5, cached.top_k
+    x = torch.randn(T, cached.hidden_size, generator=g)
+    w = torch.rand(T, K, generator=g)
+    ids = torch.randint(0, cached.num_experts, (T, K), generator=g)
+    ids[1, 0] = -1
+    want = torch.zeros(T, K, cached.hidden_size)
+    twin.quant_method.apply_pairs(twin.weight_provider.slot_weights(), x, w, ids, want)
+    assert torch.equal(hc.compute(x, w, ids), want)
+
+
+def _outputs(llm, prompts, params):
+    return [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
+                                       for d in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
+
+
+def test_engine_outputs_bitwise_equal_with_cpu_compute(tiny_model_factory, vllm_log):
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 150, (int(n),), generator=g).tolist() for n in (2, 9, 17, 4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    ref = _outputs(LLM(path), prompts, params)
+    for mode in ("always", "auto"):
+        llm = LLM(path, moe_expert_cache_size=2, moe_expert_cpu_compute=mode)
+        assert _outputs(llm, prompts, params) == ref, mode
+        stats = llm.get_moe_cache_stats()
+        assert "cpu_pairs" in stats and "cpu_expert_calls" in stats["per_layer"]
+        if mode == "always":
+            assert stats["cpu_pairs"] > 0 and stats["misses"] == 0
+    assert '"moe_expert_cpu_compute": "always"' in vllm_log.text
+    assert "moe_expert_cpu_compute='auto': HostCostModel(copy_seconds=" in vllm_log.text
+
+
+def test_engine_refuses_a_bad_mode(tiny_model_factory):
+    with pytest.raises(ValueError, match=r"moe_expert_cpu_compute='yes' is invalid"):
+        LLM(tiny_model_factory("Qwen3MoeForCausalLM"), moe_expert_cache_size=2,
+            moe_expert_cpu_compute="yes")

@@ -1,0 +1,155 @@
+"""Misses computed on the CPU from the host store (``moe_expert_cpu_compute``, off by default).
+
+Where the link is slow (PCIe 4 x4 laptops, WSL), running a missing expert's few tokens on the
+CPU, which reads the expert from RAM, can be cheaper than copying the expert to the device.
+Per step and cached layer, with a mode other than "off":
+  1. the routing and the layer's residency are read on the host (one synchronisation: this mode
+     is for eager steps; decode graphs refuse it, ``CachedWeightProvider.cuda_graph_refusal``);
+  2. each *missing* expert (needed, not resident) goes to the CPU in mode "always", and in
+     "auto" when ``HostCostModel`` says its tokens cost less there than its copy;
+  3. its pairs leave the device's ids (-1), so the residency step, the copies and the policy
+     see only the rest: a miss computed on the CPU is not loaded, and the cache's contents
+     change only through the misses that are copied (and prefetch);
+  4. the CPU computes those pairs into their own [T, top_k, H] (``HostPairs``), the device
+     kernels the others, and the layer adds the two before its k-order combine: each pair has
+     exactly one non-zero side, so the sum is that side's value.
+On the device the pairs come from another kernel than the CPU's, so outputs may differ by
+rounding; where both sides run the same kernel (CPU device: the layer's own) they are bitwise
+equal to the uncached layer's.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from vllm.config import MOE_CPU_COMPUTE_MODES
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
+from vllm.model_executor.layers.fused_moe.registry import TorchExperts
+
+@dataclass(frozen=True)
+class HostCostModel:
+    """Seconds to serve one missing expert: copy it (``copy_seconds``), or run its ``t`` tokens
+    on the CPU (``cpu_fixed + cpu_per_token * t``: reading the weights, then the FLOPs)."""
+    copy_seconds: float
+    cpu_fixed: float
+    cpu_per_token: float
+
+    def cpu_is_cheaper(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [E] int64 (pairs per expert this step) -> [E] bool."""
+        return self.cpu_fixed + self.cpu_per_token * tokens.double() < self.copy_seconds
+
+
+def _best_seconds(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cost_model(store_tensors: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
+                       experts: MoEExperts, hidden_size: int, dtype: torch.dtype,
+                       probe_tokens: int = 8) -> HostCostModel:
+    """Times, at build (every slot still empty, so slot 0 may be overwritten): one expert's copy
+    into slot 0 (waiting for the device), and the CPU on 1 and ``probe_tokens`` tokens of
+    expert 0; the best of 3 each."""
+    device = next(iter(slots.values())).device
+
+    def copy_one():
+        for n, t in store_tensors.items():
+            slots[n][0].copy_(t[0], non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def cpu(tokens: int):
+        x = torch.randn(tokens, hidden_size).to(dtype)
+        ids = torch.zeros(tokens, 1, dtype=torch.int64)
+        w = torch.ones(tokens, 1, dtype=dtype)
+        out = torch.zeros(tokens, 1, hidden_size, dtype=dtype)
+        return lambda: experts.apply_pairs(store_tensors, x, w, ids, out)
+
+    copy_seconds = _best_seconds(copy_one)
+    one, many = _best_seconds(cpu(1)), _best_seconds(cpu(probe_tokens))
+    per_token = max(0.0, (many - one) / (probe_tokens - 1))
+    return HostCostModel(copy_seconds, max(0.0, one - per_token), per_token)
+
+
+def host_experts(quant_method, device: torch.device) -> MoEExperts:
+    """What computes a layer's pairs on the CPU, from the host store (the layout of the layer's
+    device backend): on a CPU device the layer's own backend; elsewhere the torch loop
+    (``TorchExperts``, dequantizing per expert), which reads the scheme's layout, so only
+    behind a backend that keeps it (no ``pack`` of its own). ValueError with the reason."""
+    kernel = quant_method.kernel
+    if device.type == "cpu":
+        return kernel
+    if type(kernel).pack is not MoEExperts.pack:
+        raise ValueError(f"moe_expert_cpu_compute: the {kernel.name!r} MoE backend keeps the "
+                         "experts in a layout of its own, which the CPU cannot compute from; "
+                         "use a backend that reads the scheme's layout (triton, grouped_mm, "
+                         "torch) or moe_expert_cpu_compute='off'")
+    return TorchExperts(quant_method.activation, quant_method.dequantizer())
+
+
+@dataclass
+class HostSplit:
+    """One step's split: ``device_ids`` [T, top_k] on the device (the CPU's pairs -1) and
+    ``host_ids`` [T, top_k] on the host (global expert ids, -1 where the device computes)."""
+    device_ids: torch.Tensor
+    host_ids: torch.Tensor
+
+
+class HostMissCompute:
+    """The CPU side of one cached layer: decides the split, computes its pairs, counts them."""
+
+    def __init__(self, mode: str, experts: MoEExperts, store_tensors: dict[str, torch.Tensor],
+                 cost: HostCostModel | None):
+        if mode not in MOE_CPU_COMPUTE_MODES[1:]:
+            raise ValueError(f"moe_expert_cpu_compute={mode!r} is invalid here: must be one of "
+                             f"{list(MOE_CPU_COMPUTE_MODES[1:])}")
+        if mode == "auto" and cost is None:
+            raise ValueError("moe_expert_cpu_compute='auto' needs a cost model")
+        self.mode, self.experts, self.store_tensors, self.cost = mode, experts, store_tensors, cost
+        self.pairs = 0
+        """Pairs computed on the CPU so far."""
+        self.expert_calls = 0
+        """(step, expert) calls computed on the CPU so far: each saved one expert copy."""
+
+    def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor) -> HostSplit | None:
+        """topk_ids [T, top_k] (device), slot_of_expert [E] (the residency before this step)
+        -> the split, or None when the device computes every pair. Reads both on the host."""
+        ids = topk_ids.to("cpu")                                    # [T, top_k]
+        resident = slot_of_expert.to("cpu") >= 0                    # [E]
+        num_experts = resident.shape[0]
+        miss = (ids >= 0) & ~resident[ids.clamp(min=0)]             # [T, top_k]
+        if not bool(miss.any()):
+            return None
+        tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per missing expert
+        if self.mode == "auto":
+            to_cpu = self.cost.cpu_is_cheaper(tokens) & (tokens > 0)
+            miss &= to_cpu[ids.clamp(min=0)]
+            tokens = torch.where(to_cpu, tokens, 0)
+            if not bool(miss.any()):
+                return None
+        self.pairs += int(miss.sum())
+        self.expert_calls += int((tokens > 0).sum())
+        device_miss = miss.to(topk_ids.device)
+        return HostSplit(torch.where(device_miss, -1, topk_ids), torch.where(miss, ids, -1))
+
+    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor
+                ) -> torch.Tensor:
+        """x [T, H], topk_weights [T, top_k] (device) -> [T, top_k, H] on x's device: the
+        pairs ``host_ids`` names, computed on the CPU from the host store; zeros elsewhere."""
+        xh = x.to("cpu")
+        wh = topk_weights.to("cpu", x.dtype)
+        out = torch.zeros(*host_ids.shape, x.shape[-1], dtype=x.dtype)
+        self.experts.apply_pairs(self.store_tensors, xh, wh, host_ids, out)
+        return out.to(x.device)
+
+    def stats(self) -> dict[str, int]:
+        return {"cpu_pairs": self.pairs, "cpu_expert_calls": self.expert_calls}
+
+    def reset_stats(self) -> None:
+        self.pairs = self.expert_calls = 0
