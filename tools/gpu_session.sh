@@ -5,7 +5,8 @@
 #                                       # build, the decode headline, gpu tests, then the rest
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
-#   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap
+#   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap,
+#                                       # misses on the CPU
 #   bash tools/gpu_session.sh offload   # benchmark_expert_offload on the DeepSeek-V2-Lite trace
 #   bash tools/gpu_session.sh quant     # benchmark_quantization --speed: triton, cutlass_w4a16
 #   bash tools/gpu_session.sh tune      # tools/tune_fused_moe.py at the probe shape: a table for
@@ -74,7 +75,7 @@ triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$SUMMARY"
     grep -E "CUDA architectures|W4A16 grouped GEMM|error:|Error" "$LOGS/build.log" | tail -n 20 \
         | tee -a "$SUMMARY"
     python3 -c "import torch, vllm._C; print('vllm._C:', {n: hasattr(torch.ops._C, n)
-for n in ('expert_gather', 'w4a16_moe_mm')})" 2>&1 | tail -n 1 | tee -a "$SUMMARY"
+for n in ('expert_gather', 'empty_pinned', 'w4a16_moe_mm')})" 2>&1 | tail -n 1 | tee -a "$SUMMARY"
     pack
 }
 
@@ -136,6 +137,9 @@ decode)
         --output-len 64 --enforce-eager --profile-steps 4 --out "$OUT/decode-eager.json"
     step 120 decode-overlap "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 16 \
         --output-len 64 --moe-expert-overlap --out "$OUT/decode-overlap.json"
+    # Misses computed on the CPU where the load-time cost model says so (eager: a host read).
+    step 120 decode-cpu "${DECODE[@]}" --batch 1 --moe-expert-cache-size 16 --output-len 32 \
+        --moe-expert-cpu-compute auto --out "$OUT/decode-cpu.json"
     ;;
 offload)
     install
