@@ -120,11 +120,12 @@ class CudaPlatform(Platform):
     def is_pin_memory_available(self) -> bool:
         return not _in_wsl()
 
-    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device | None = None) -> torch.Tensor:
         if cuda_ops.has_empty_pinned():
-            return cuda_ops.empty_pinned(shape, dtype)
+            return cuda_ops.empty_pinned(shape, dtype, device)
         log_once(logger, logging.WARNING, PINNED_ROUNDING_MSG)
-        return super().empty_pinned(shape, dtype)
+        return super().empty_pinned(shape, dtype, device)
 
     def expert_copy_kernel(self) -> Callable[..., None] | None:
         return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else _triton_expert_gather()

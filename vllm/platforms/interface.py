@@ -94,8 +94,9 @@ class Platform:
         """Whether page-locked host memory can back asynchronous copies to this device."""
         return False
 
-    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised page-locked host tensor for asynchronous copies to this device (the
+    def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device | None = None) -> torch.Tensor:
+        """An uninitialised page-locked host tensor for asynchronous copies to ``device`` (the
         expert cache's host store); RuntimeError where none can be made. torch's pinned
         allocator here: it rounds each tensor up to a power of two of bytes."""
         return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)

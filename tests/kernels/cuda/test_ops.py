@@ -136,13 +136,13 @@ def test_torch_compile_traces_the_gather_op_whole():
 def test_cuda_store_pinning_uses_the_exact_size_op_when_built(monkeypatch, vllm_log):
     made = []
 
-    def fake(shape, dtype):
-        made.append((tuple(shape), dtype))
+    def fake(shape, dtype, device):
+        made.append((tuple(shape), dtype, device))
         return torch.empty(shape, dtype=dtype)
     monkeypatch.setattr(ops, "has_empty_pinned", lambda: True)
     monkeypatch.setattr(ops, "empty_pinned", fake)
-    t = platform_for("cuda").empty_pinned((3, 5), torch.bfloat16)
-    assert made == [((3, 5), torch.bfloat16)] and t.shape == (3, 5)
+    t = platform_for("cuda").empty_pinned((3, 5), torch.bfloat16, torch.device("cuda:1"))
+    assert made == [((3, 5), torch.bfloat16, torch.device("cuda:1"))] and t.shape == (3, 5)
     from vllm.platforms.cuda import PINNED_ROUNDING_MSG
     assert PINNED_ROUNDING_MSG not in vllm_log.text
 

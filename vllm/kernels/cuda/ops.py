@@ -54,13 +54,20 @@ def has_empty_pinned() -> bool:
     return load_cuda_ops() and hasattr(torch.ops._C, "empty_pinned")
 
 
-def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | None = None) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` in page-locked memory of exactly its bytes
     (``cudaHostAlloc``, csrc/memory/pinned_host.cu), mapped for the expert gather kernel and
-    freed with its last reference. torch's pinned allocator rounds each block up to a power of
-    two (a 738 MB tensor locks 1 GiB); this one does not. Raises RuntimeError (naming the size
-    and the CUDA error) where the memory cannot be locked."""
-    return torch.ops._C.empty_pinned(list(shape), dtype)
+    freed with its last reference (which must come after the copies that read it). torch's
+    pinned allocator rounds each block up to a power of two (a 738 MB tensor locks 1 GiB); this
+    one does not. ``device``: the GPU the memory feeds (default the current one), whose context
+    makes the allocation, so no context is created on another GPU. Raises RuntimeError (naming
+    the size and the CUDA error) where the memory cannot be locked."""
+    # torch reports a pointer as pinned (is_pinned, the pinned check of captured copies) only
+    # once it has initialised CUDA itself; the allocation alone does not count.
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        return torch.ops._C.empty_pinned(list(shape), dtype)
 
 
 W4A16_TILE_K = 64

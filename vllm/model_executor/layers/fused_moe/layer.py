@@ -177,12 +177,11 @@ class FusedMoE(nn.Module):
         row_slots = md.slot_mapping if md is not None and \
             md.slot_mapping.shape[0] == topk_ids.shape[0] else None
         topk_weights = topk_weights.to(hidden_states.dtype)
-        split = provider.split_for_host(topk_ids)
+        split = provider.split_for_host(topk_ids, hidden_states, topk_weights)
         host_pairs = None
         if split is not None:  # moe_expert_cpu_compute: the CPU computes the pairs it names
             topk_ids = split.device_ids
-            host_pairs = partial(provider.host_compute.compute, hidden_states, topk_weights,
-                                 split.host_ids)
+            host_pairs = partial(provider.host_compute.compute, split, hidden_states.device)
         waves = provider.prepare(topk_ids, row_slots)
         return self.quant_method.apply(provider.slot_weights(), hidden_states, topk_weights,
                                        waves, host_pairs=host_pairs)

@@ -201,7 +201,10 @@ def test_stats_are_consistent():
 
 
 def test_pin_failure_falls_back_warns_once_and_stays_exact(vllm_log, monkeypatch):
-    def fail(self, shape, dtype):
+    asked = []
+
+    def fail(self, shape, dtype, device=None):
+        asked.append(device)
         raise RuntimeError("simulated pin failure")
     monkeypatch.setattr(Platform, "empty_pinned", fail)
     w = weights(torch.float32, 4)
@@ -219,6 +222,7 @@ def test_pin_failure_falls_back_warns_once_and_stays_exact(vllm_log, monkeypatch
     msgs = [r.getMessage() for r in vllm_log.records]
     assert msgs.count(PIN_FAILED_MSG) == 1
     assert msgs.count(CPU_NO_SAVING_MSG) == 1
+    assert asked and set(asked) == {torch.device("cpu")}   # the store is pinned for its device
 
 
 def test_auto_policy_resolves_to_default():

@@ -40,15 +40,25 @@ def build(cache_size, dtype=torch.float32, cpu_compute="off", moe_backend="auto"
     return layer
 
 
+def _split(hc, ids):
+    """``hc.split`` with stand-in step inputs (x [T, H] = row index, weights 0.5)."""
+    T = ids.shape[0]
+    x = torch.arange(T, dtype=torch.float32)[:, None].expand(T, H).contiguous()
+    return hc.split(ids, RESIDENT, x, torch.full(ids.shape, 0.5))
+
+
 def test_split_sends_missing_experts_pairs_to_the_cpu():
     hc = HostMissCompute("always", experts=None, store_tensors={}, cost=None)
-    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5]])
-    split = hc.split(ids, RESIDENT)
-    # Resident 1, 3, 6 and the skipped pair stay on the device; 0, 2, 5 go to the CPU.
-    assert split.device_ids.tolist() == [[1, -1], [3, -1], [-1, 6], [-1, -1]]
-    assert split.host_ids.tolist() == [[-1, 0], [-1, 2], [-1, -1], [0, 5]]
+    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5], [8, 3]])
+    split = _split(hc, ids)
+    # Resident 1, 3, 6, the skipped pair and an id past E stay on the device (the residency step
+    # routes the last nowhere); 0, 2, 5 go to the CPU.
+    assert split.device_ids.tolist() == [[1, -1], [3, -1], [-1, 6], [-1, -1], [8, 3]]
+    assert split.host_ids.tolist() == [[-1, 0], [-1, 2], [-1, -1], [0, 5], [-1, -1]]
+    assert split.x.device.type == "cpu" and split.x[:, 0].tolist() == [0, 1, 2, 3, 4]
+    assert split.topk_weights.dtype == torch.float32 and split.topk_weights.shape == (5, 2)
     assert hc.stats() == {"cpu_pairs": 4, "cpu_expert_calls": 3}
-    assert hc.split(torch.tensor([[1, 3], [6, -1]]), RESIDENT) is None    # all hits
+    assert _split(hc, torch.tensor([[1, 3], [6, -1]])) is None    # all hits
     assert hc.stats()["cpu_pairs"] == 4
     hc.reset_stats()
     assert hc.stats() == {"cpu_pairs": 0, "cpu_expert_calls": 0}
@@ -62,13 +72,13 @@ def test_auto_sends_an_expert_to_the_cpu_only_when_its_tokens_cost_less_than_its
     hc = HostMissCompute("auto", experts=None, store_tensors={}, cost=cost)
     ids = torch.tensor([[0, 2]] * 5 + [[0, 1]] * 1)        # expert 0: 6 tokens, 2: 5, 1: hit
     ids[0, 1] = 4                                           # expert 2: 4 tokens, 4: 1 token
-    split = hc.split(ids, RESIDENT)
+    split = _split(hc, ids)
     host = split.host_ids
     assert set(host[host >= 0].tolist()) == {2, 4}
     assert (split.device_ids[ids == 0] == 0).all() and (split.device_ids[ids == 1] == 1).all()
     assert hc.stats() == {"cpu_pairs": 5, "cpu_expert_calls": 2}
     slow_cpu = HostCostModel(copy_seconds=1.0, cpu_fixed=2.0, cpu_per_token=0.0)
-    assert HostMissCompute("auto", None, {}, slow_cpu).split(ids, RESIDENT) is None
+    assert _split(HostMissCompute("auto", None, {}, slow_cpu), ids) is None
 
 
 def test_modes_are_checked():
@@ -112,6 +122,14 @@ def test_the_measured_cost_model_is_finite_and_non_negative():
     assert all(math.isfinite(v) and v >= 0 for v in values) and cost.copy_seconds > 0
 
 
+def test_auto_measures_its_cost_model_only_while_the_slots_are_empty():
+    layer = build(2)
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    layer(x, logits)                                     # now slots hold experts
+    with pytest.raises(ValueError, match="measures its cost model in an empty slot"):
+        layer.expert_cache.enable_host_compute("auto", layer.quant_method, H, torch.float32)
+
+
 def test_graphs_leave_a_layer_with_cpu_compute_eager():
     cache = build(2, cpu_compute="always").expert_cache
     assert "moe_expert_cpu_compute='always' reads each step's routing" in \
@@ -151,6 +169,7 @@ def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, 
     cached, twin = layer(2), layer(0)
     hc = HostMissCompute("always", host_experts(cached.quant_method, torch.device("cuda")),
                          cached.expert_cache.store.tensors, None)
+    empty = torch.full((cached.num_experts,), -1)            # nothing resident: all to the CPU
     g = torch.Generator().manual_seed(0)
     T, K = 5, cached.top_k
     x = torch.randn(T, cached.hidden_size, generator=g)
@@ -159,7 +178,9 @@ def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, 
     ids[1, 0] = -1
     want = torch.zeros(T, K, cached.hidden_size)
     twin.quant_method.apply_pairs(twin.weight_provider.slot_weights(), x, w, ids, want)
-    assert torch.equal(hc.compute(x, w, ids), want)
+    split = hc.split(ids, empty, x, w)
+    assert torch.equal(split.host_ids, ids)
+    assert torch.equal(hc.compute(split, torch.device("cpu")), want)
 
 
 def _outputs(llm, prompts, params):

@@ -42,10 +42,12 @@ class HostCostModel:
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
+    """Best of ``repeats`` calls ``fn(r)``, each on another expert, so no call finds the last
+    one's weights in the CPU caches (a real miss reads its expert from RAM)."""
     best = float("inf")
-    for _ in range(repeats):
+    for r in range(repeats):
         start = time.perf_counter()
-        fn()
+        fn(r)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -53,26 +55,30 @@ def _best_seconds(fn, repeats: int = 3) -> float:
 def measure_cost_model(store_tensors: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
                        experts: MoEExperts, hidden_size: int, dtype: torch.dtype,
                        probe_tokens: int = 8) -> HostCostModel:
-    """Times, at build (every slot still empty, so slot 0 may be overwritten): one expert's copy
-    into slot 0 (waiting for the device), and the CPU on 1 and ``probe_tokens`` tokens of
-    expert 0; the best of 3 each."""
+    """Times one expert's copy into slot 0 (waiting for the device) and the CPU on 1 and
+    ``probe_tokens`` tokens of an expert, the best of 3 experts each. Overwrites slot 0: call
+    only while every slot is empty (``CachedWeightProvider.enable_host_compute`` checks)."""
     device = next(iter(slots.values())).device
+    num_experts = next(iter(store_tensors.values())).shape[0]
 
-    def copy_one():
+    def copy_one(r: int):
         for n, t in store_tensors.items():
-            slots[n][0].copy_(t[0], non_blocking=True)
+            slots[n][0].copy_(t[r % num_experts], non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def cpu(tokens: int):
-        x = torch.randn(tokens, hidden_size).to(dtype)
-        ids = torch.zeros(tokens, 1, dtype=torch.int64)
-        w = torch.ones(tokens, 1, dtype=dtype)
-        out = torch.zeros(tokens, 1, hidden_size, dtype=dtype)
-        return lambda: experts.apply_pairs(store_tensors, x, w, ids, out)
+    def cpu(tokens: int, first: int):
+        x = torch.randn(tokens, hidden_size, device="cpu").to(dtype)
+        w = torch.ones(tokens, 1, dtype=dtype, device="cpu")
+        out = torch.zeros(tokens, 1, hidden_size, dtype=dtype, device="cpu")
+
+        def run(r: int):
+            ids = torch.full((tokens, 1), (first + r) % num_experts, dtype=torch.int64)
+            experts.apply_pairs(store_tensors, x, w, ids, out)
+        return run
 
     copy_seconds = _best_seconds(copy_one)
-    one, many = _best_seconds(cpu(1)), _best_seconds(cpu(probe_tokens))
+    one, many = _best_seconds(cpu(1, 3)), _best_seconds(cpu(probe_tokens, 6))
     per_token = max(0.0, (many - one) / (probe_tokens - 1))
     return HostCostModel(copy_seconds, max(0.0, one - per_token), per_token)
 
@@ -95,10 +101,14 @@ def host_experts(quant_method, device: torch.device) -> MoEExperts:
 
 @dataclass
 class HostSplit:
-    """One step's split: ``device_ids`` [T, top_k] on the device (the CPU's pairs -1) and
-    ``host_ids`` [T, top_k] on the host (global expert ids, -1 where the device computes)."""
+    """One step's split: ``device_ids`` [T, top_k] on the device (the CPU's pairs -1); on the
+    host, ``host_ids`` [T, top_k] (global expert ids, -1 where the device computes) and the
+    step's inputs ``x`` [T, H] and ``topk_weights`` [T, top_k] (in x's dtype), copied while the
+    device was idle, so ``compute`` never waits for the device."""
     device_ids: torch.Tensor
     host_ids: torch.Tensor
+    x: torch.Tensor
+    topk_weights: torch.Tensor
 
 
 class HostMissCompute:
@@ -117,36 +127,49 @@ class HostMissCompute:
         self.expert_calls = 0
         """(step, expert) calls computed on the CPU so far: each saved one expert copy."""
 
-    def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor) -> HostSplit | None:
-        """topk_ids [T, top_k] (device), slot_of_expert [E] (the residency before this step)
-        -> the split, or None when the device computes every pair. Reads both on the host."""
-        ids = topk_ids.to("cpu")                                    # [T, top_k]
-        resident = slot_of_expert.to("cpu") >= 0                    # [E]
+    def host_pairs(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_ids [T, top_k] (device), slot_of_expert [E] (the residency before this step) ->
+        (ids [T, top_k] on the host, [T, top_k] bool: the pairs the CPU computes). One read of
+        the device."""
+        T, K = topk_ids.shape
+        both = torch.cat([topk_ids.reshape(-1), slot_of_expert]).to("cpu")   # the sync
+        ids, resident = both[:T * K].view(T, K), both[T * K:] >= 0
         num_experts = resident.shape[0]
-        miss = (ids >= 0) & ~resident[ids.clamp(min=0)]             # [T, top_k]
+        known = (ids >= 0) & (ids < num_experts)             # others route nowhere, as the steps
+        miss = known & ~resident[ids.clamp(0, num_experts - 1)]
+        if self.mode == "auto" and bool(miss.any()):
+            tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per miss
+            to_cpu = self.cost.cpu_is_cheaper(tokens) & (tokens > 0)
+            miss &= to_cpu[ids.clamp(0, num_experts - 1)]
+        return ids, miss
+
+    def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
+              topk_weights: torch.Tensor) -> HostSplit | None:
+        """The step's split (``host_pairs``), or None when the device computes every pair.
+        x [T, H] and topk_weights [T, top_k] are the device's; eager steps only (no padding rows:
+        graphs refuse this mode)."""
+        ids, miss = self.host_pairs(topk_ids, slot_of_expert)
         if not bool(miss.any()):
             return None
-        tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per missing expert
-        if self.mode == "auto":
-            to_cpu = self.cost.cpu_is_cheaper(tokens) & (tokens > 0)
-            miss &= to_cpu[ids.clamp(min=0)]
-            tokens = torch.where(to_cpu, tokens, 0)
-            if not bool(miss.any()):
-                return None
+        host_ids = torch.where(miss, ids, -1)
         self.pairs += int(miss.sum())
-        self.expert_calls += int((tokens > 0).sum())
-        device_miss = miss.to(topk_ids.device)
-        return HostSplit(torch.where(device_miss, -1, topk_ids), torch.where(miss, ids, -1))
+        self.expert_calls += int(torch.unique(ids[miss]).numel())
+        device_ids = torch.where(miss.to(topk_ids.device), -1, topk_ids)
+        # The device is idle here (the router's ids were just read), so these copies wait for
+        # nothing; the device's waves are enqueued after them.
+        return HostSplit(device_ids, host_ids, x.to("cpu"), topk_weights.to("cpu", x.dtype))
 
-    def compute(self, x: torch.Tensor, topk_weights: torch.Tensor, host_ids: torch.Tensor
-                ) -> torch.Tensor:
-        """x [T, H], topk_weights [T, top_k] (device) -> [T, top_k, H] on x's device: the
-        pairs ``host_ids`` names, computed on the CPU from the host store; zeros elsewhere."""
-        xh = x.to("cpu")
-        wh = topk_weights.to("cpu", x.dtype)
-        out = torch.zeros(*host_ids.shape, x.shape[-1], dtype=x.dtype)
-        self.experts.apply_pairs(self.store_tensors, xh, wh, host_ids, out)
-        return out.to(x.device)
+    def compute(self, split: HostSplit, device: torch.device) -> torch.Tensor:
+        """-> [T, top_k, H] on ``device``: the pairs ``split.host_ids`` names, computed on the CPU
+        from the host store while the device runs its waves; zeros elsewhere. The copy back is
+        asynchronous from pinned memory where the device has it."""
+        x = split.x
+        pin = device.type == "cuda"
+        out = torch.zeros(*split.host_ids.shape, x.shape[-1], dtype=x.dtype, device="cpu",
+                          pin_memory=pin)
+        self.experts.apply_pairs(self.store_tensors, x, split.topk_weights, split.host_ids, out)
+        return out.to(device, non_blocking=pin)
 
     def stats(self) -> dict[str, int]:
         return {"cpu_pairs": self.pairs, "cpu_expert_calls": self.expert_calls}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 
@@ -94,9 +95,11 @@ class WeightProvider:
         """name -> [G, ...] device tensor the kernel reads (G = E experts, or N slots)."""
         raise NotImplementedError
 
-    def split_for_host(self, topk_ids: torch.Tensor) -> "HostSplit | None":
-        """This step's pairs the CPU computes from host memory, or None (all on the device):
-        only a cache with ``moe_expert_cpu_compute`` has any."""
+    def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
+                       topk_weights: torch.Tensor) -> "HostSplit | None":
+        """This step's pairs the CPU computes from host memory (``HostMissCompute.split``, a host
+        read), or None (all on the device): only a cache with ``moe_expert_cpu_compute`` has
+        any. x [T, H], topk_ids and topk_weights [T, K]."""
         return None
 
 
@@ -231,7 +234,8 @@ class CachedWeightProvider(WeightProvider):
             log_once(logger, logging.INFO, CPU_NO_SAVING_MSG)
         pin = platform.is_pin_memory_available() if pin is None else pin
         store = HostStore.from_experts(weights, prepare_expert, pin=pin, name=name,
-                                       empty_pinned=platform.empty_pinned)
+                                       empty_pinned=partial(platform.empty_pinned,
+                                                            device=device))
         slots = allocate_slots(store, config.cache_size, device)
         policy_name = resolve_policy_name(config.policy)
         residency = Residency(store.num_experts, config.cache_size, get_policy(policy_name),
@@ -267,18 +271,20 @@ class CachedWeightProvider(WeightProvider):
         cannot be computed on the CPU."""
         experts = host_experts(quant_method, self.device)
         if mode == "auto" and cost is None:
+            if bool((self.residency.expert_of_slot >= 0).any()):
+                raise ValueError("moe_expert_cpu_compute='auto' measures its cost model in an "
+                                 "empty slot: enable it before the first step")
             cost = measure_cost_model(self.store.tensors, self.slots, experts, hidden_size, dtype)
             log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (first "
                      "cached layer; a missing expert goes to the CPU when its tokens cost less "
                      "there than its copy)")
         self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
 
-    def split_for_host(self, topk_ids: torch.Tensor) -> HostSplit | None:
-        """With host compute: this step's pairs for the CPU and the rest (``HostMissCompute.
-        split``, a host read); None when the device computes them all."""
+    def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
+                       topk_weights: torch.Tensor) -> HostSplit | None:
         if self.host_compute is None:
             return None
-        return self.host_compute.split(topk_ids, self.residency.slot_of_expert)
+        return self.host_compute.split(topk_ids, self.residency.slot_of_expert, x, topk_weights)
 
     @property
     def prefetching(self) -> bool:
