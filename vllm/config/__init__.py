@@ -162,9 +162,10 @@ class MoECacheConfig:
     has no side stream (CPU) it has no effect."""
     cpu_compute: str = "off"
     """"off"; "auto": compute a missing expert's tokens on the CPU from the host store instead of
-    copying it when a cost model measured at load says that is cheaper (slow links); "always":
-    every miss on the CPU. Not loaded, not counted as a miss; eager steps only; outputs may
-    differ by rounding (``expert_cache/host_compute.py``)."""
+    copying it until the CPU has spent one copy's time on it (ski rental, over a cost model
+    measured at load; for slow links); "always": every miss on the CPU. Not loaded, not counted
+    as a miss; eager steps only; outputs may differ by rounding
+    (``expert_cache/host_compute.py``)."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:

@@ -6,13 +6,16 @@ Per step and cached layer, with a mode other than "off":
   1. the routing and the layer's residency are read on the host (one synchronisation: this mode
      is for eager steps; decode graphs refuse it, ``CachedWeightProvider.cuda_graph_refusal``);
   2. each *missing* expert (needed, not resident) goes to the CPU in mode "always", and in
-     "auto" when ``HostCostModel`` says its tokens cost less there than its copy;
+     "auto" while the CPU time spent on it since it was last copied, this step's included,
+     stays under one copy's (``rent_or_buy``, ski rental over ``HostCostModel``); else it is
+     copied as usual;
   3. its pairs leave the device's ids (-1), so the residency step, the copies and the policy
      see only the rest: a miss computed on the CPU is not loaded, and the cache's contents
      change only through the misses that are copied (and prefetch);
-  4. the CPU computes those pairs into their own [T, top_k, H] (``HostPairs``), the device
-     kernels the others, and the layer adds the two before its k-order combine: each pair has
-     exactly one non-zero side, so the sum is that side's value.
+  4. the step's inputs go to the host while the device is idle, the device's waves are
+     enqueued, and the CPU computes its pairs into their own [T, top_k, H] meanwhile
+     (``compute``); the layer adds the two before its k-order combine: each pair has exactly
+     one non-zero side, so the sum is that side's value.
 On the device the pairs come from another kernel than the CPU's, so outputs may differ by
 rounding; where both sides run the same kernel (CPU device: the layer's own) they are bitwise
 equal to the uncached layer's.
@@ -36,9 +39,22 @@ class HostCostModel:
     cpu_fixed: float
     cpu_per_token: float
 
-    def cpu_is_cheaper(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [E] int64 (pairs per expert this step) -> [E] bool."""
-        return self.cpu_fixed + self.cpu_per_token * tokens.double() < self.copy_seconds
+    def cpu_seconds(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [E] int64 (pairs per expert this step) -> [E] float64 seconds on the CPU."""
+        return self.cpu_fixed + self.cpu_per_token * tokens.double()
+
+
+def rent_or_buy(spent: torch.Tensor, cpu_seconds: torch.Tensor, tokens: torch.Tensor,
+                copy_seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ski rental per missing expert: compute on the CPU ("rent") while what the CPU has spent
+    on it since it was last loaded, this step included, stays under one copy ("buy"); then
+    copy it. An expert needed once is never copied; one that keeps missing is copied once the
+    CPU has spent a copy's worth on it (at most twice the cost of knowing the future).
+    spent [E] float64, cpu_seconds [E], tokens [E] (0: not missing) -> (rent [E] bool, the new
+    spent: grown where rented, 0 where bought, kept elsewhere)."""
+    missing = tokens > 0
+    rent = missing & (spent + cpu_seconds < copy_seconds)
+    return rent, torch.where(rent, spent + cpu_seconds, torch.where(missing, 0.0, spent))
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
@@ -126,6 +142,8 @@ class HostMissCompute:
         """Pairs computed on the CPU so far."""
         self.expert_calls = 0
         """(step, expert) calls computed on the CPU so far: each saved one expert copy."""
+        self.spent: torch.Tensor | None = None
+        """[E] float64 seconds of CPU work per expert since it was last copied (mode "auto")."""
 
     def host_pairs(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +158,11 @@ class HostMissCompute:
         miss = known & ~resident[ids.clamp(0, num_experts - 1)]
         if self.mode == "auto" and bool(miss.any()):
             tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per miss
-            to_cpu = self.cost.cpu_is_cheaper(tokens) & (tokens > 0)
-            miss &= to_cpu[ids.clamp(0, num_experts - 1)]
+            if self.spent is None:
+                self.spent = torch.zeros(num_experts, dtype=torch.float64)
+            rent, self.spent = rent_or_buy(self.spent, self.cost.cpu_seconds(tokens), tokens,
+                                           self.cost.copy_seconds)
+            miss &= rent[ids.clamp(0, num_experts - 1)]
         return ids, miss
 
     def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
