@@ -30,6 +30,18 @@ def compile_kernel(fn, sig, consts, cc, options, attrs=None):
     return {"ptx": k.asm["ptx"], "cubin": len(k.asm["cubin"]), "shared": k.metadata.shared}
 
 
+def kernel_signature(fn, consts, dtype, scalars, index, f32_ptrs=("sinks_ptr",)):
+    # Arg name -> Triton type: constexprs; scalars (name -> type; other stride* are i32);
+    # int64 index pointers; float32 pointers; every other pointer of the kernel's dtype.
+    def arg_type(a):
+        if a in consts:
+            return "constexpr"
+        if a in scalars or a.startswith("stride"):
+            return scalars.get(a, "i32")
+        return "*i64" if a in index else "*fp32" if a in f32_ptrs else "*" + dtype
+    return {a: arg_type(a) for a in fn.arg_names}
+
+
 out = {}
 """
 

@@ -1,6 +1,8 @@
 """The Triton paged-attention kernels (``vllm/kernels/triton/paged_attention.py``) compile for
 SM90 and SM120 without a GPU, in bf16 and fp16, plain and with a sliding window and sinks,
-decode-only and mixed, and at MLA's one-plane D = 576: what the interpreter cannot catch (a
+decode-only and mixed (the per-token reference kernel, ``tiled=False``; the tiled prefill
+kernel mixed steps run is test_triton_compile_paged_prefill.py's), and at MLA's one-plane
+D = 576: what the interpreter cannot catch (a
 non-constexpr global, an op without a lowering, a loop-carried type mismatch). So do the
 split-context decode kernels (``paged_decode.py``, also fp32), within the target's shared memory
 and on the tensor cores for 16-bit caches. Compiling is not running: results on a GPU are the
@@ -23,13 +25,7 @@ INDEX = {"block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr"}
 
 
 def compile_one(fn, dtype, cc, consts):
-    def arg_type(a):
-        if a in consts:
-            return "constexpr"
-        if a in SCALARS or a.startswith("stride"):
-            return SCALARS.get(a, "i32")
-        return "*i64" if a in INDEX else "*fp32" if a == "sinks_ptr" else "*" + dtype
-    sig = {a: arg_type(a) for a in fn.arg_names}
+    sig = kernel_signature(fn, consts, dtype, SCALARS, INDEX)
     return compile_kernel(fn, sig, consts, cc, {"num_warps": m.NUM_WARPS})
 
 
@@ -56,15 +52,9 @@ DECODE_SCALARS = {"scale_log2": "fp32", "window": "i32", "base": "i32", "num_chu
 
 
 def compile_decode(fn, dtype, cc, consts, options):
-    def arg_type(a):
-        if a in consts:
-            return "constexpr"
-        if a in DECODE_SCALARS or a.startswith("stride"):
-            return DECODE_SCALARS.get(a, "i32")
-        if a in ("block_tables_ptr", "seq_lens_ptr"):
-            return "*i64"
-        return "*fp32" if a in ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr") else "*" + dtype
-    sig = {a: arg_type(a) for a in fn.arg_names}
+    sig = kernel_signature(fn, consts, dtype, DECODE_SCALARS,
+                           ("block_tables_ptr", "seq_lens_ptr"),
+                           ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr"))
     return compile_kernel(fn, sig, consts, cc, options)
 
 

@@ -65,6 +65,17 @@ class AttentionMetadata:
         return torch.tensor(rows), torch.tensor(lens)
 
     @cached_property
+    def _step_cache(self) -> dict:
+        return {}
+
+    def per_step(self, key, make):
+        """``make()``, computed once per step (this metadata) and ``key``: what a backend derives
+        from the step's host lists for every layer (e.g. the Triton prefill kernel's work list)."""
+        if key not in self._step_cache:
+            self._step_cache[key] = make()
+        return self._step_cache[key]
+
+    @cached_property
     def query_start_loc_cpu(self) -> list[int]:
         """Host copy of ``query_start_loc``, computed once per step (every layer reads it)."""
         return [0, *itertools.accumulate(self.query_lens_cpu)]

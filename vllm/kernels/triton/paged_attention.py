@@ -5,12 +5,16 @@ read in place from the paged cache.
 What runs where: ``write_kv_cache`` -> ``_write_kv_kernel``; ``paged_attention`` with
 ``decode_only`` -> ``paged_decode.paged_decode`` (split-context kernels, all the query heads of
 a kv head per program on ``tl.dot``, then a reduce over the chunks); otherwise (mixed or prefill
-steps) -> ``_paged_attention_kernel`` below, one program per (token, query head) on CUDA cores.
+steps) -> ``paged_prefill.paged_prefill`` (one program per (query tile, kv head), FlashAttention-2
+style on ``tl.dot``, over a work list of query tiles built on the host), or with ``tiled=False``
+-> ``_paged_attention_kernel`` below, one program per (token, query head) on CUDA cores (the
+reference path the tests compare against).
 
 NOT YET RUN ON A GPU: the kernels are checked under Triton's interpreter against a torch
-reference (tests/kernels/triton/test_triton_paged_attention.py, test_triton_paged_decode.py) and
-compiled for SM90 and SM120 (tests/build/test_triton_compile_paged_attention.py), never executed
-on a device.
+reference (tests/kernels/triton/test_triton_paged_attention.py, test_triton_paged_decode.py,
+test_triton_paged_prefill.py) and compiled for SM90 and SM120
+(tests/build/test_triton_compile_paged_attention.py, test_triton_compile_paged_prefill.py),
+never executed on a device.
 
 Layouts (``model_executor/layers/attention/interface.py``, ``forward_context.py``):
 - cache [P, num_blocks, block_size, Hkv, D], contiguous; plane 0 = keys, plane 1 = values, or
@@ -24,13 +28,17 @@ CUDA graphs: every length is read from device memory inside the kernels (the loo
 token's keys have device-loaded bounds). With ``decode_only`` token t is sequence t and attends
 seq_lens[t] keys; the grids (T, Hkv, num_chunks) and (T, Hq) and the chunk size depend on T and
 the buffers' shapes only (paged_decode.py), so a decode step captured for T rows replays for
-new lengths and block tables, each row's bits independent of the other rows. Otherwise each
-program finds its sequence by counting the query_start_loc[1:] entries <= t (entries past the
-real sequences must be >= T, e.g. a padded graph buffer filled with T): the launch depends on T
-and the buffers' shapes only. A row of length 0 writes zeros (no NaN).
+new lengths and block tables, each row's bits independent of the other rows. Otherwise
+(never captured: prefill and mixed steps run eagerly) the tiled kernel's grid is the work list's
+length, a host-built list of query tiles (``paged_prefill.query_tiles``; the backend builds it
+once per step from the metadata's host lists); without one, ``paged_attention`` builds it from
+``query_start_loc`` with ONE host read (a sync). Entries of query_start_loc past the real
+sequences must be >= T (e.g. a padded buffer filled with T): they get no tiles. The per-token
+kernel (``tiled=False``) finds each token's sequence on the device by counting the
+query_start_loc[1:] entries <= t, with no host read. A row of length 0 writes zeros (no NaN).
 
-Softmax: online, in fp32, base 2 (here q is pre-scaled by scale * log2(e); the decode kernels
-scale the f32 scores); with sinks the running max and sum start at (sink_h, 1), i.e.
+Softmax: online, in fp32, base 2 (here q is pre-scaled by scale * log2(e); the decode and
+prefill kernels scale the f32 scores); with sinks the running max and sum start at (sink_h, 1), i.e.
 exp(sink_h) joins the denominator with no value.
 """
 from __future__ import annotations
@@ -40,6 +48,7 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton.paged_decode import paged_decode
+from vllm.kernels.triton.paged_prefill import QueryTiles, paged_prefill
 
 PAD_SLOT_ID = tl.constexpr(-1)       # forward_context.PAD_SLOT_ID, as a constexpr
 LOG2E = 1.4426950408889634
@@ -195,16 +204,22 @@ def block_n_for(head_dim: int) -> int:
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     decode_only: bool, window: int | None = None,
-                    sinks: torch.Tensor | None = None, block_n: int | None = None
-                    ) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, block_n: int | None = None,
+                    tiles: QueryTiles | None = None, block_m: int | None = None,
+                    tiled: bool = True) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (q's dtype) over the paged cache (module docstring).
 
     block_tables [B, max_blocks], seq_lens [B], query_start_loc [B + 1]: int64 device tensors
     (their sizes may exceed the step's sequences, padded; with ``decode_only`` each of the T
     tokens is its own sequence, B >= T, and query_start_loc is not read). ``window`` W >= 1 or
     None; ``sinks`` [Hq] float32 or None; ``block_n``: keys per loop step, a power of two
-    (default ``block_n_for(D)``, with ``decode_only`` ``paged_decode.decode_block_n(D)``; tests
-    pass small ones to cross many steps). No host read: safe to capture in a CUDA graph."""
+    (default ``paged_decode.decode_block_n(D)`` with ``decode_only``, else
+    ``paged_prefill.prefill_config``, or ``block_n_for(D)`` with ``tiled=False``; tests pass
+    small ones to cross many steps). With ``decode_only``: no host read, safe to capture in a
+    CUDA graph. Otherwise ``tiles`` is the tiled kernel's work list
+    (``paged_prefill.query_tiles`` with ``block_m`` tokens per tile, default
+    ``paged_prefill.prefill_tile_m``); None: built from ``query_start_loc`` with one host read.
+    ``tiled=False`` runs the per-token reference kernel instead (no host read)."""
     _check_cache(kv_cache)
     _check_rows(q, "q", kv_cache)
     dev = kv_cache.device
@@ -231,6 +246,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     if decode_only:
         return paged_decode(q, kv_cache, block_tables, seq_lens, scale, window=window,
                             sinks=sinks, block_n=block_n)
+    if tiled:
+        if tiles is not None:
+            _check_index(tiles.seq, "tiles.seq", 1, dev)
+            _check_index(tiles.start, "tiles.start", 1, dev)
+        if block_m is not None and block_m < 1:
+            raise ValueError(f"triton paged_attention: block_m={block_m} must be >= 1")
+        return paged_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                             window=window, sinks=sinks, tiles=tiles, block_m=block_m,
+                             block_n=block_n)
     block_n = block_n_for(D) if block_n is None else block_n
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=dev)
     if T == 0:

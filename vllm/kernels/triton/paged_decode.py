@@ -58,6 +58,40 @@ def _sequence_chunk(n, base):
 
 
 @triton.jit
+def kv_tile(k_cache_ptr, v_cache_ptr, table, j, j_in, d, d_in, head_off,
+            BLOCK_SIZE: tl.constexpr, ROW_STRIDE: tl.constexpr, DOT_F32: tl.constexpr):
+    """Keys and values [BLOCK_N, BLOCK_D] of one kv head (at ``head_off`` in a cache row of
+    ``ROW_STRIDE`` elements) at key positions j [BLOCK_N], read through the block table ``table``
+    (rows where j_in is False are zeros); widened to f32 under DOT_F32."""
+    block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
+    off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * ROW_STRIDE + head_off
+    kv_mask = j_in[:, None] & d_in[None, :]
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(s, v, v_cache_ptr, m, s_sum, acc, DOT_F32: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """One block of keys into the running (max m [R], sum s_sum [R], acc [R, BLOCK_D]): scores
+    s [R, BLOCK_N] in log2 units, -inf where masked; values v [BLOCK_N, BLOCK_D]. P is cast to
+    the cache's dtype for the PV dot. A row with no key so far keeps p = alpha = 0 (no NaN)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    pv = p.to(v_cache_ptr.dtype.element_ty)                          # the dot's operand
+    if DOT_F32:
+        pv = pv.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+    return m_new, s_sum * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _decode_partial_kernel(
         m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         scale_log2, window, base, num_chunks, stride_qt, stride_qh, stride_bt,
@@ -95,25 +129,12 @@ def _decode_partial_kernel(
     for start in range(c_lo, c_hi, KEYS):
         j = start + jj                                               # [BLOCK_N] key positions
         j_in = (jj < KEYS) & (j < c_hi)
-        block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
-        off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + head_off
-        kv_mask = j_in[:, None] & d_in[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
+        k, v = kv_tile(k_cache_ptr, v_cache_ptr, table, j, j_in, d, d_in, head_off, BLOCK_SIZE,
+                       NUM_KV_HEADS * HEAD_DIM, DOT_F32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(j_in[None, :], s, float("-inf"))                # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))                     # finite: j_in[0] holds
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        pv = p.to(v_cache_ptr.dtype.element_ty)                      # the dot's operand
-        if DOT_F32:
-            pv = pv.to(tl.float32)
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, s_sum, acc = online_softmax_step(s, v, v_cache_ptr, m, s_sum, acc, DOT_F32,
+                                            PRECISION)
     row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [GROUP_PAD] scratch rows
     tl.store(m_ptr + row, m, mask=r_in)
     tl.store(l_ptr + row, s_sum, mask=r_in)

@@ -2,7 +2,9 @@
 one launch writes the step's keys (and values) into the paged cache, skipping PAD_SLOT_ID rows;
 one launch attends every query token of the step, decodes and prefill chunks alike, reading the
 cache in place through the block table (GQA, sliding window, sinks and a one-plane
-``kv_shared`` cache all in the kernel).
+``kv_shared`` cache all in the kernel). A step with prefill tokens runs the query-tiled kernel
+(``paged_prefill.py``) over a work list built on the host from the metadata's ``query_lens_cpu``
+once per step (``AttentionMetadata.per_step``, shared by every layer).
 
 CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (how it is tested without a GPU); NOT YET RUN ON
 A GPU. ``cuda_graph_safe``: a decode-only step launches the same two kernels with the same grid
@@ -26,13 +28,22 @@ class TritonPagedAttention(AttentionImpl):
         super().__init__(num_heads, head_dim, num_kv_heads, scale, prefix, options)
         # Imported here: triton is optional, and the registry refuses this backend without it.
         from vllm.kernels.triton import paged_attention
-        self._ops = paged_attention
+        from vllm.kernels.triton import paged_prefill
+        self._ops, self._prefill = paged_attention, paged_prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 kv_cache: torch.Tensor, md: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._ops.write_kv_cache(k, v, md.slot_mapping, kv_cache)
+        decode_only = md.num_decodes == q.shape[0]
+        tiles = None
+        if not decode_only:                   # the tiled kernel's work list, once per step
+            tile_m = self._prefill.prefill_tile_m(self.head_dim,
+                                                  self.num_heads // self.num_kv_heads,
+                                                  kv_cache.dtype)
+            tiles = md.per_step(("triton_query_tiles", tile_m), lambda: self._prefill.query_tiles(
+                md.query_lens_cpu, tile_m, md.query_start_loc.device))
         return self._ops.paged_attention(
             q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale,
-            decode_only=md.num_decodes == q.shape[0], window=self.options.sliding_window,
-            sinks=sinks)
+            decode_only=decode_only, window=self.options.sliding_window, sinks=sinks,
+            tiles=tiles)

@@ -1,0 +1,65 @@
+"""The query-tiled prefill kernel (``vllm/kernels/triton/paged_prefill.py``) compiles for SM90 and
+SM120 without a GPU at its default tile shapes (``prefill_config``): D = 64, 128 and 256 in
+bf16, fp16 and fp32, GQA 1:1, 3:1 (padded rows), 4:1 and 8:1, with and without a sliding window
+and sinks, and MLA's one-plane D = 576 (16:1) in bf16 / fp16; within the target's shared memory,
+16-bit caches on the tensor cores, fp32 ones without TF32. Compiling is not running: nothing
+here says the kernel is right or fast on a GPU (tests/kernels/triton/test_triton_paged_prefill.py
+checks results under the interpreter).
+"""
+from __future__ import annotations
+
+import pytest
+from triton_compile import SHARED_LIMIT, compile_in_subprocess
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+CASES = [(64, 1, 8, "bf16", False), (64, 4, 2, "fp16", True), (64, 8, 1, "fp32", True),
+         (128, 8, 1, "bf16", True), (128, 3, 2, "fp16", True), (128, 1, 8, "fp32", False),
+         (128, 4, 2, "fp32", True), (256, 4, 2, "bf16", True), (256, 1, 8, "fp16", False),
+         (256, 8, 1, "fp32", True), (576, 16, 1, "bf16", True), (576, 16, 1, "fp16", False)]
+"""(D, GROUP, Hkv, dtype, window and sinks): every D in every dtype, GQA 1:1, 3:1 (rows
+padded), 4:1, 8:1 and MLA-like 16:1; the tile shapes (hence shared memory) are the defaults."""
+
+# The body of a script run by compile_in_subprocess (tests/triton_compile.py).
+SCRIPT = r"""
+from vllm.kernels.triton import paged_prefill as pp
+
+SCALARS = {"scale_log2": "fp32", "window": "i32"}
+INDEX = {"block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "tile_seq_ptr", "tile_start_ptr"}
+
+
+def compile_prefill(dtype, cc, d, group, hkv, extras):
+    f32 = dtype == "fp32"
+    config = pp.prefill_config(d, group, f32)
+    consts = pp.prefill_consts(group, hkv, d, 16, tile_m=config["TILE_M"], keys=config["KEYS"],
+                               f32_cache=f32, has_window=extras, has_sinks=extras)
+    fn = pp._prefill_kernel
+    sig = kernel_signature(fn, consts, dtype, SCALARS, INDEX)
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    return compile_kernel(fn, sig, consts, cc, options)
+
+
+for cc in (90, 120):
+    for d, group, hkv, dtype, extras in CASES:
+        out[f"{cc}/{d}/{group}/{dtype}/{extras}"] = compile_prefill(dtype, cc, d, group, hkv,
+                                                                     extras)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return compile_in_subprocess(f"CASES = {CASES!r}\n" + SCRIPT)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cc", [90, 120])
+@pytest.mark.parametrize("d,group,hkv,dtype,extras", CASES)
+def test_paged_prefill_compiles(compiled, cc, d, group, hkv, dtype, extras):
+    k = compiled[f"{cc}/{d}/{group}/{dtype}/{extras}"]
+    assert k["cubin"] > 0 and f".target sm_{cc}a" in k["ptx"]
+    assert 0 < k["shared"] <= SHARED_LIMIT[cc], f"{k['shared']} bytes of shared memory"
+    assert "ex2.approx" in k["ptx"]                      # the softmax's exp2
+    if dtype != "fp32":
+        assert "mma" in k["ptx"]
+    else:
+        assert "tf32" not in k["ptx"]

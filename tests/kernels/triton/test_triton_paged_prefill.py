@@ -1,0 +1,147 @@
+"""The query-tiled prefill kernel (``vllm/kernels/triton/paged_prefill.py``) against the float64
+torch reference of test_triton_paged_attention.py (``Case``: per sequence the dense [Lq, ctx]
+score matrix with the causal / window mask and the sink column; shuffled cache blocks, history
+written, then the step's KV write), under Triton's interpreter.
+
+fp16 and fp32 only: the interpreter's ``tl.dot`` is wrong on bf16 tiles (the kernel widens them
+there; test_triton_paged_attention.py's bf16 cases run that path). Small ``block_m`` (tokens per
+tile) and ``block_n`` (keys per step; 8 = a 16-key tile half masked) make short sequences span
+several tiles and contexts cross several key steps; block size 4 or 16 spreads them over many
+shuffled blocks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
+
+from test_triton_paged_attention import DEVICE, Case                           # noqa: E402
+
+from vllm.kernels.triton import paged_prefill as pp                           # noqa: E402
+from vllm.model_executor.forward_context import AttentionMetadata             # noqa: E402
+
+MIXED = ([(20, 1), (5, 1), (3, 3), (17, 17), (90, 70), (40, 17)], 2)
+"""(context incl. new tokens, new tokens), decodes first: prompts of 3 and 17 tokens, a chunk of
+70 whose history (20) precedes it, a chunk of 17 starting at position 23."""
+SMALL = ([(12, 1), (3, 3), (30, 13)], 1)
+"""A decode, a 3-token prompt, a 13-token chunk at position 17."""
+DTYPES = {"f32": torch.float32, "f16": torch.float16}
+HEADS = {"gqa1": (2, 2), "gqa4": (8, 2), "gqa8": (8, 1)}
+OPTIONS = {"window5": dict(window=5), "window15": dict(window=15), "sinks": dict(use_sinks=True),
+           "window3_sinks": dict(window=3, use_sinks=True), "window1": dict(window=1),
+           "shared_sinks": dict(shared=True, use_sinks=True),
+           "shared_window9": dict(shared=True, window=9)}
+
+
+def make(seqs=MIXED, **kw) -> Case:
+    return Case(*seqs, **kw).to(DEVICE)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_mixed_step_gqa(dtype, heads):
+    """Decodes then prefills at D = 64; 16 tokens per tile (the 70-token chunk in 5 tiles, the
+    last one partial) and 16 keys per step (90 keys in 6 steps)."""
+    hq, hkv = HEADS[heads]
+    case = make(hq=hq, hkv=hkv, d=64, dtype=DTYPES[dtype], seed=hq + hkv)
+    case.check(case.run(block_m=16, block_n=16))
+
+
+@pytest.mark.parametrize("opts", list(OPTIONS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_window_sinks_and_kv_shared(dtype, opts):
+    """Windows narrower than a tile and wider (the tile's key loop starts at its first token's
+    lo), sinks, one plane read as keys and values; GQA 6:2 (rows padded), D = 24 (masked to 32);
+    5 tokens per tile (a tile of 15 rows in 16), 8 keys per step."""
+    case = make(SMALL, hq=6, hkv=2, d=24, dtype=DTYPES[dtype], seed=len(opts), **OPTIONS[opts])
+    case.check(case.run(block_m=5, block_n=8))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_window_shorter_than_the_tile(dtype):
+    """A 16-token tile with a window of 2 and 8 keys per step, no sinks: the tile's later rows
+    see no key in its first steps (their running max stays -inf there) and must not turn NaN."""
+    case = make(SMALL, hq=4, hkv=2, d=16, dtype=DTYPES[dtype], window=2, seed=9)
+    out = case.run(block_m=16, block_n=8)
+    assert torch.isfinite(out).all()
+    case.check(out)
+
+
+@pytest.mark.parametrize("d", [80, 64])
+def test_default_tiles_block_size_16_and_head_dims(d):
+    """The defaults (``prefill_config``) at block size 16: contexts of 13 and 17 blocks, a 150-
+    token chunk over several default tiles (fp32 MQA 4:1 at D = 64: 16 tokens per tile), D = 80
+    padded to 128 (masked lanes) with a window and sinks."""
+    case = make(([(7, 1), (200, 150), (260, 9)], 1), hq=4, hkv=1, d=d, bs=16,
+                window=None if d == 64 else 50, use_sinks=d == 80, seed=d)
+    assert pp.prefill_tile_m(64, 4, torch.float32) == 16
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("block_m", [1, 3, 64])
+def test_tiled_equals_per_token_kernel(block_m):
+    """The tiled kernel and the per-token kernel (``tiled=False``) within fp32 tolerance, for one
+    token per tile, a non-power-of-two tile and a tile longer than every sequence."""
+    case = make(SMALL, hq=4, hkv=2, d=16, window=20, use_sinks=True, seed=block_m)
+    tiled = case.run(block_m=block_m, block_n=16)
+    per_token = case.run(tiled=False, block_n=8)
+    case.check(tiled)
+    case.check(per_token)
+    torch.testing.assert_close(tiled, per_token, atol=1e-5, rtol=1e-5)
+
+
+def test_work_list_from_host_lists_and_from_the_device():
+    """Tiles of up to tile_m tokens of one sequence (written out here by hand); a sequence with
+    no query token gets none; building from query_start_loc (padded with T) gives the same."""
+    tiles = pp.query_tiles([1, 0, 5, 3], 2, DEVICE)
+    assert tiles.seq.tolist() == [0, 2, 2, 2, 3, 3]
+    assert tiles.start.tolist() == [0, 1, 3, 5, 6, 8]
+    assert tiles.seq.dtype == tiles.start.dtype == torch.int64 and tiles.tile_m == 2
+    qsl = torch.tensor([0, 1, 1, 6, 9, 9, 9], device=DEVICE)
+    again = pp.query_tiles_from_device(qsl, 9, 2)
+    assert torch.equal(again.seq, tiles.seq) and torch.equal(again.start, tiles.start)
+    assert pp.query_tiles([], 4, DEVICE).seq.numel() == 0
+
+
+def test_given_work_list_and_empty_sequences():
+    """A precomputed work list is used as given (same bits as the one built from the device, and
+    in reverse order: a tile writes its own tokens only, not the padded rows' next tokens), a
+    sequence with no query token in the middle writes nothing, and a mismatched tile size is
+    refused. GQA 4:2 with 4 tokens per tile: 8 rows padded to 16."""
+    case = make(([(6, 1), (9, 0), (30, 12)], 1), seed=3, use_sinks=True)
+    tiles = pp.query_tiles([1, 0, 12], 4, DEVICE)
+    out = case.run(tiles=tiles, block_m=4, block_n=8)
+    case.check(out)
+    assert torch.equal(out, case.run(block_m=4, block_n=8))
+    flip = torch.arange(tiles.seq.numel() - 1, -1, -1, device=DEVICE)
+    backwards = pp.QueryTiles(tiles.seq[flip], tiles.start[flip], 4)
+    assert torch.equal(out, case.run(tiles=backwards, block_m=4, block_n=8))
+    with pytest.raises(ValueError, match=r"tiles built for tile_m=4, the kernel runs tile_m=5"):
+        case.run(tiles=tiles, block_m=5)
+
+
+def test_backend_builds_the_work_list_once_per_step(monkeypatch):
+    """``triton_paged`` passes the metadata's work list (built from query_lens_cpu for the
+    default tile size, cached on the metadata: every layer gets the same tensors); a
+    decode-only step builds none."""
+    from vllm.model_executor.layers.attention.triton_paged import TritonPagedAttention
+    import vllm.kernels.triton.paged_attention as pa
+    seen = []
+    real = pa.paged_attention
+    monkeypatch.setattr(pa, "paged_attention", lambda *a, **kw: seen.append(kw.get("tiles"))
+                        or real(*a, **kw))
+    for seqs, decodes in (MIXED, ([(9, 1), (3, 1)], 2)):
+        case = make((seqs, decodes), hq=4, hkv=2, d=16, seed=5)
+        md = AttentionMetadata(case.slots, case.block_tables, case.seq_lens, case.query_start_loc,
+                               [c for c, _ in seqs], [n for _, n in seqs], decodes, 4)
+        impl = TritonPagedAttention(4, 16, 2, case.scale)
+        for _ in range(2):                                               # two layers
+            case.check(impl.forward(case.q, case.k, case.v, case.cache, md))
+    mixed_tiles, again, none, none_again = seen
+    assert none is None and none_again is None and again is mixed_tiles
+    # fp32, D = 16, GQA 2:1: 64 rows, 32 tokens per tile; query lengths 1, 1, 3, 17, 70, 17.
+    assert mixed_tiles.tile_m == pp.prefill_tile_m(16, 2, torch.float32) == 32
+    assert mixed_tiles.seq.tolist() == [0, 1, 2, 3, 4, 4, 4, 5]
+    assert mixed_tiles.start.tolist() == [0, 1, 2, 5, 22, 54, 86, 92]

@@ -1,0 +1,226 @@
+"""Prefill / mixed-step attention over the paged cache as one query-tiled Triton kernel (CUDA),
+FlashAttention-2 style: one program per (query tile, kv head) for all the query heads of the kv
+head, QK^T and PV on ``tl.dot``, keys read in place through the block table.
+
+NOT YET RUN ON A GPU: checked under Triton's interpreter against a float64 torch reference
+(tests/kernels/triton/test_triton_paged_prefill.py) and compiled for SM90 and SM120
+(tests/build/test_triton_compile_paged_prefill.py), never executed on a device.
+
+Layouts and semantics are ``paged_attention``'s non-decode case (paged_attention.py): token t of
+sequence b sits at position p = seq_lens[b] - (query_start_loc[b + 1] - t) and attends keys
+[lo, p], lo = 0, or max(p + 1 - W, 0) with a sliding window W; sinks join the denominator with
+no value; a row with no key (and no sink) writes zeros.
+
+- The work list (``query_tiles``, built on the host: prefill and mixed steps are never captured
+  in CUDA graphs): tile i covers tokens [start[i], min(start[i] + tile_m, query_start_loc[b + 1]))
+  of sequence b = seq[i], int64 [n_tiles] device tensors; a sequence of L query tokens has
+  cdiv(L, tile_m) tiles (none when L = 0), a decode one tile of one token.
+- ``_prefill_kernel``, grid (n_tiles, Hkv): program (i, g) holds ROWS = max(16, next power of
+  two of TILE_M * GROUP) rows, row r = query token r // GROUP of the tile, query head
+  g * GROUP + r % GROUP (rows past TILE_M * GROUP or past the sequence masked). It walks keys
+  [k_lo, k_hi), k_lo = the first token's lo (the smallest in the tile), k_hi = the last token's
+  p + 1 (the largest), KEYS keys per step in a tile of BLOCK_N = max(16, KEYS) rows; per row the
+  causal / window mask, online softmax in fp32, base 2 (f32 scores times scale * log2(e), as
+  paged_decode.py); with sinks the running (max, sum) start at (sink_h, 1).
+
+Dot precision, as paged_decode.py: q is cast to the cache's dtype; 16-bit caches multiply on the
+tensor cores with f32 accumulation (p cast to the cache's dtype for PV); fp32 caches use
+``input_precision="ieee"`` (not TF32, tl.dot's fp32 default on GPUs: fp32 stays fp32-accurate).
+Under the interpreter ``tl.dot`` reads bfloat16 tiles as their uint16 storage: there (only)
+bf16 operands are widened to f32 before the dot.
+
+Block sizes (``prefill_config``; not tuned, no GPU run yet): ROWS (TILE_M * GROUP, padded)
+about 128 for BLOCK_D <= 128, 64 at 256 (fp32: half), 16 above (MLA's D = 576); KEYS 64 up to
+BLOCK_D = 128, 32 at 256, 16 above (fp32: 64 up to 64, 32 at 128, 16 at 256); 8 warps when the
+[ROWS, BLOCK_D] f32 accumulator passes 8K elements, else 4; num_stages 2. TILE_M = target rows
+// the next power of two of GROUP, at least 1 (a GROUP over the target gets one token per tile
+and ROWS = GROUP padded). Shared memory at these shapes (Triton 3.9, GQA 4:1, SM120 / SM90):
+16-bit 24 KiB at D = 64, 48 at 128, 52 / 48 at 256, 64.5 at 576; fp32 64 KiB at 64, 72 at 128,
+66 at 256; all within SM120's 99 KiB: D = 64, 128 and 256 compile for SM90 and SM120 in fp16,
+bf16 and fp32, D = 576 in 16-bit (tests/build/test_triton_compile_paged_prefill.py); fp32 at
+D = 576 is not compiled there. SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton import interpreting
+from vllm.kernels.triton.paged_decode import kv_tile, online_softmax_step
+
+LOG2E = 1.4426950408889634
+
+
+class QueryTiles(NamedTuple):
+    """The kernel's work list: tile i = up to ``tile_m`` tokens of sequence seq[i] from token
+    start[i]; seq and start int64 [n_tiles] on the cache's device."""
+    seq: torch.Tensor
+    start: torch.Tensor
+    tile_m: int
+
+
+def query_tiles(query_lens: list[int], tile_m: int, device: torch.device | str) -> QueryTiles:
+    """Tiles of up to ``tile_m`` consecutive query tokens of one sequence, from the host list of
+    query lengths per sequence (tokens of a sequence contiguous, in sequence order)."""
+    if tile_m < 1:
+        raise ValueError(f"triton paged_prefill: tile_m={tile_m} must be >= 1")
+    seq: list[int] = []
+    start: list[int] = []
+    first = 0
+    for b, n in enumerate(query_lens):
+        tiles = range(first, first + n, tile_m)
+        seq += [b] * len(tiles)
+        start += tiles
+        first += n
+    return QueryTiles(torch.tensor(seq, dtype=torch.int64, device=device),
+                      torch.tensor(start, dtype=torch.int64, device=device), tile_m)
+
+
+def query_tiles_from_device(query_start_loc: torch.Tensor, num_tokens: int,
+                            tile_m: int) -> QueryTiles:
+    """``query_tiles`` from the device's query_start_loc [B + 1]: ONE host read (a sync). Entries
+    past the real sequences (>= T, a padded buffer) are clamped to T: no tiles."""
+    starts = query_start_loc.clamp(max=num_tokens).tolist()
+    lens = [max(e - s, 0) for s, e in zip(starts[:-1], starts[1:])]
+    return query_tiles(lens, tile_m, query_start_loc.device)
+
+
+def prefill_config(head_dim: int, group: int, f32_cache: bool) -> dict:
+    """Default tile shape and launch options for D = ``head_dim``, GROUP query heads per kv head
+    (module docstring): TILE_M tokens per tile, ROWS, KEYS per step, num_warps, num_stages."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = 128 if block_d <= 128 else 64 if block_d <= 256 else 16
+    if f32_cache and block_d <= 256:                  # f32 Q/K/V tiles: half the rows
+        rows //= 2
+    tile_m = max(1, rows // triton.next_power_of_2(group))
+    rows = max(16, triton.next_power_of_2(tile_m * group))
+    if f32_cache:                                     # f32 K/V tiles: half the keys per step
+        keys = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
+    else:
+        keys = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
+    return dict(TILE_M=tile_m, ROWS=rows, KEYS=keys,
+                num_warps=8 if rows * block_d > 8192 else 4, num_stages=2)
+
+
+def prefill_tile_m(head_dim: int, group: int, dtype: torch.dtype) -> int:
+    """Tokens per tile of the default config: what ``query_tiles`` must be built with."""
+    return prefill_config(head_dim, group, dtype == torch.float32)["TILE_M"]
+
+
+@triton.jit
+def _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr, seq_lens_ptr, window, g,
+               GROUP: tl.constexpr, TILE_M: tl.constexpr, ROWS: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    """Tile program_id(0): its sequence b; per row [ROWS] the token t, query head h, whether the
+    row is real (r_in) and its keys [lo, n) (n = 0 for a padded row); the tile's keys
+    [k_lo, k_hi), k_lo = its first token's lo (the smallest), k_hi = its last token's n."""
+    b = tl.load(tile_seq_ptr + tl.program_id(0))
+    t0 = tl.load(tile_start_ptr + tl.program_id(0))                 # int64: the first token
+    q_end = tl.load(qsl_ptr + b + 1)                                  # one past b's last token
+    ctx = tl.load(seq_lens_ptr + b)
+    r = tl.arange(0, ROWS)
+    t = t0 + r // GROUP                                               # [ROWS] tokens
+    h = g * GROUP + r % GROUP                                         # [ROWS] query heads < Hq
+    r_in = (r < TILE_M * GROUP) & (t < q_end)
+    n = tl.where(r_in, ctx - (q_end - t) + 1, 0)                      # position + 1
+    k_hi = ctx - (q_end - tl.minimum(t0 + TILE_M, q_end))
+    lo = n * 0
+    k_lo = ctx * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(n - window, 0)
+        k_lo = tl.maximum(ctx - (q_end - t0) + 1 - window, 0)
+    return b, t, h, r_in, lo, n, k_lo, k_hi
+
+
+@triton.jit
+def _prefill_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+        tile_seq_ptr, tile_start_ptr, sinks_ptr, scale_log2, window, stride_qt, stride_qh,
+        stride_bt, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_M: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_F32: tl.constexpr,
+        PRECISION: tl.constexpr):
+    """Program (i, g): out rows of tile i's tokens x query heads of kv head g (module docstring)."""
+    g = tl.program_id(1)
+    b, t, h, r_in, lo, n, k_lo, k_hi = _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr,
+                                                  seq_lens_ptr, window, g, GROUP, TILE_M, ROWS,
+                                                  HAS_WINDOW)
+    d = tl.arange(0, BLOCK_D)
+    d_in = d < HEAD_DIM
+    rd_in = r_in[:, None] & d_in[None, :]
+    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=rd_in, other=0.0).to(k_cache_ptr.dtype.element_ty)   # [ROWS, BLOCK_D]
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        s_sum = m * 0.0 + 1.0                                         # exp2(sink - m) = 1
+    else:
+        m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        s_sum = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    head_off = g * HEAD_DIM
+    jj = tl.arange(0, BLOCK_N)                                        # BLOCK_N >= KEYS
+    for start in range(k_lo, k_hi, KEYS):
+        j = start + jj                                                # [BLOCK_N] key positions
+        j_in = (jj < KEYS) & (j < k_hi)
+        k, v = kv_tile(k_cache_ptr, v_cache_ptr, table, j, j_in, d, d_in, head_off, BLOCK_SIZE,
+                       NUM_KV_HEADS * HEAD_DIM, DOT_F32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        keep = j_in[None, :] & (j[None, :] >= lo[:, None]) & (j[None, :] < n[:, None])
+        s = tl.where(keep, s, float("-inf"))                          # [ROWS, BLOCK_N]
+        m, s_sum, acc = online_softmax_step(s, v, v_cache_ptr, m, s_sum, acc, DOT_F32,
+                                            PRECISION)
+    out = tl.where(s_sum[:, None] > 0, acc / tl.maximum(s_sum, 1e-30)[:, None], 0.0)
+    tl.store(out_ptr + (t[:, None] * (NUM_KV_HEADS * GROUP) + h[:, None]) * HEAD_DIM + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rd_in)
+
+
+def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, *,
+                   tile_m: int, keys: int, f32_cache: bool, has_window: bool, has_sinks: bool,
+                   dot_f32: bool = False) -> dict:
+    """``_prefill_kernel``'s constexprs (also what the compile test builds)."""
+    return dict(GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), TILE_M=tile_m,
+                ROWS=max(16, triton.next_power_of_2(tile_m * group)), BLOCK_N=max(16, keys),
+                KEYS=keys, HAS_WINDOW=has_window, HAS_SINKS=has_sinks, DOT_F32=dot_f32,
+                PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                  window: int | None = None, sinks: torch.Tensor | None = None,
+                  tiles: QueryTiles | None = None, block_m: int | None = None,
+                  block_n: int | None = None) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D] (q's dtype), arguments as checked by ``paged_attention``
+    (which calls this for non-decode steps). ``tiles``: the work list, built with ``block_m``
+    tokens per tile (default ``prefill_tile_m``); None builds it from ``query_start_loc`` with
+    one host read. ``block_n``: keys per step, a power of two (default ``prefill_config``)."""
+    T, Hq, D = q.shape
+    Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    f32 = kv_cache.dtype == torch.float32
+    config = prefill_config(D, Hq // Hkv, f32)
+    tile_m = config["TILE_M"] if block_m is None else block_m
+    if tiles is None:
+        tiles = query_tiles_from_device(query_start_loc, T, tile_m)
+    if tiles.tile_m != tile_m or tile_m < 1:
+        raise ValueError(f"triton paged_prefill: tiles built for tile_m={tiles.tile_m}, the "
+                         f"kernel runs tile_m={tile_m}")
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if T == 0 or tiles.seq.numel() == 0:
+        return out.zero_()
+    consts = prefill_consts(Hq // Hkv, Hkv, D, block_size, tile_m=tile_m,
+                            keys=config["KEYS"] if block_n is None else block_n, f32_cache=f32,
+                            has_window=window is not None, has_sinks=sinks is not None,
+                            dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting())
+    _prefill_kernel[(tiles.seq.numel(), Hkv)](
+        out, q, kv_cache[0], kv_cache[-1], block_tables, seq_lens, query_start_loc, tiles.seq,
+        tiles.start, sinks if sinks is not None else q, scale * LOG2E, window or 0,
+        q.stride(0), q.stride(1), block_tables.stride(0), **consts,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out
