@@ -1,0 +1,64 @@
+"""What a missing expert costs on this CPU: the inputs of ``moe_expert_cpu_compute='auto'``.
+
+``measure_cost_model`` (``expert_cache/host_compute.py``) on random bf16 experts of a shape:
+the CPU's time for an expert's 1 and 8 tokens from host memory (the torch loop, as on a GPU
+machine), and its copy into a host "slot" (a RAM-to-RAM copy here: the link's time on a GPU
+machine is what the engine measures there). The break-even link bandwidth is the expert's bytes
+over the CPU's 1-token time: on links slower than that, ``auto`` rents a 1-token miss at first
+(ski rental: until the CPU has spent one copy's time on the expert).
+
+    python benchmarks/benchmark_cpu_miss_cost.py --shape probe-4.8g dsv2-lite --threads 1 2 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import measure_cost_model
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
+from vllm.model_executor.layers.fused_moe.registry import TorchExperts
+
+SHAPES = {"probe-4.8g": (2048, 768), "dsv2-lite": (2048, 1408), "tiny": (64, 32)}
+"""name -> (hidden, moe_intermediate), as benchmark_decode's presets."""
+
+
+def measure(hidden: int, inter: int, threads: int, repeats: int, experts: int = 8) -> dict:
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    store = {"w13_weight": (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
+                            ).to(torch.bfloat16),
+             "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
+                           ).to(torch.bfloat16)}
+    slots = {n: torch.empty_like(t[:2]) for n, t in store.items()}
+    runs = [measure_cost_model(store, slots, TorchExperts(MoEActivation.of("silu")), hidden,
+                               torch.bfloat16) for _ in range(repeats)]
+    expert_bytes = 3 * hidden * inter * 2
+    cpu_1 = statistics.median(r.cpu_fixed + r.cpu_per_token for r in runs)
+    return {"hidden": hidden, "moe_intermediate": inter, "threads": threads,
+            "expert_bytes": expert_bytes, "repeats": repeats,
+            "cpu_1_token_ms": cpu_1 * 1e3,
+            "cpu_per_token_ms": statistics.median(r.cpu_per_token for r in runs) * 1e3,
+            "ram_copy_ms": statistics.median(r.copy_seconds for r in runs) * 1e3,
+            "break_even_gbps": expert_bytes / cpu_1 / 1e9}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="+", default=["probe-4.8g"], choices=sorted(SHAPES))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=5, help="cost models measured per row")
+    ap.add_argument("--json", action="store_true", help="print one JSON list")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or any(t < 1 for t in args.threads):
+        ap.error(f"--repeats {args.repeats} and --threads {args.threads} must be >= 1")
+    rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats)}
+            for s in args.shape for t in args.threads]
+    print(json.dumps(rows) if args.json else "\n".join(map(str, rows)))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

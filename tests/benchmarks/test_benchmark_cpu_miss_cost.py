@@ -1,0 +1,30 @@
+"""benchmarks/benchmark_cpu_miss_cost.py: its rows (not their timings)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_cpu_miss_cost.py"
+spec = importlib.util.spec_from_file_location("benchmark_cpu_miss_cost", PATH)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_rows_per_shape_and_thread_count(capsys):
+    rows = bench.main(["--shape", "tiny", "--threads", "1", "2", "--repeats", "2", "--json"])
+    assert json.loads(capsys.readouterr().out) == rows
+    assert [(r["shape"], r["threads"]) for r in rows] == [("tiny", 1), ("tiny", 2)]
+    for r in rows:
+        assert r["expert_bytes"] == 3 * 64 * 32 * 2          # bf16 gate, up and down
+        assert r["cpu_1_token_ms"] > 0 and r["ram_copy_ms"] > 0 and r["cpu_per_token_ms"] >= 0
+        assert r["break_even_gbps"] == pytest.approx(
+            r["expert_bytes"] / (r["cpu_1_token_ms"] / 1e3) / 1e9)
+
+
+def test_bad_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--repeats", "0"])
+    assert "--repeats 0" in capsys.readouterr().err
