@@ -21,6 +21,10 @@ _CACHE_COUNTERS = (("hits", "expert lookups served from a device slot"),
                    ("misses", "expert lookups that needed a host-to-device copy"),
                    ("evictions", "resident experts replaced by another"),
                    ("bytes_copied", "bytes of expert weights copied host-to-device"))
+_CPU_COUNTERS = (("cpu_pairs", "(token, expert) pairs of missing experts computed on the CPU "
+                  "(moe_expert_cpu_compute)"),
+                 ("cpu_expert_calls", "(step, expert) calls computed on the CPU instead of a "
+                  "copy"))
 
 
 def engine_snapshot(engine: LLMEngine) -> dict:
@@ -61,7 +65,8 @@ class _EngineCollector(Collector):
         if moe is None:
             return
         per_layer = moe["per_layer"]
-        for field, doc in _CACHE_COUNTERS:
+        cpu = _CPU_COUNTERS if "cpu_pairs" in per_layer else ()
+        for field, doc in _CACHE_COUNTERS + cpu:
             c = CounterMetricFamily(f"vllm:moe_expert_cache_{field}", f"Expert cache: {doc}.",
                                     labels=labels + ["layer"])
             for i, v in enumerate(per_layer[field]):
