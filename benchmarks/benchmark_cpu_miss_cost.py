@@ -26,7 +26,16 @@ SHAPES = {"probe-4.8g": (2048, 768), "dsv2-lite": (2048, 1408), "tiny": (64, 32)
 
 
 def measure(hidden: int, inter: int, threads: int, repeats: int, experts: int = 8) -> dict:
+    """One row at ``threads`` intra-op threads (the process's count is restored after)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _measure(hidden, inter, threads, repeats, experts)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(hidden: int, inter: int, threads: int, repeats: int, experts: int) -> dict:
     g = torch.Generator().manual_seed(0)
     store = {"w13_weight": (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
                             ).to(torch.bfloat16),

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_cpu_miss_cost.py"
 spec = importlib.util.spec_from_file_location("benchmark_cpu_miss_cost", PATH)
@@ -14,7 +15,13 @@ spec.loader.exec_module(bench)
 
 
 def test_rows_per_shape_and_thread_count(capsys):
-    rows = bench.main(["--shape", "tiny", "--threads", "1", "2", "--repeats", "2", "--json"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = bench.main(["--shape", "tiny", "--threads", "1", "2", "--repeats", "2", "--json"])
+        assert torch.get_num_threads() == 1       # restored: other tests' bits depend on it
+    finally:
+        torch.set_num_threads(threads)
     assert json.loads(capsys.readouterr().out) == rows
     assert [(r["shape"], r["threads"]) for r in rows] == [("tiny", 1), ("tiny", 2)]
     for r in rows:
