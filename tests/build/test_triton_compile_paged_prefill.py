@@ -30,7 +30,7 @@ INDEX = {"block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "tile_seq_ptr", "tile_st
 
 def compile_prefill(dtype, cc, d, group, hkv, extras):
     f32 = dtype == "fp32"
-    config = pp.prefill_config(d, group, f32)
+    config = pp.prefill_config(d, group, f32, cc)
     consts = pp.prefill_consts(group, hkv, d, 16, tile_m=config["TILE_M"], keys=config["KEYS"],
                                f32_cache=f32, has_window=extras, has_sinks=extras)
     fn = pp._prefill_kernel

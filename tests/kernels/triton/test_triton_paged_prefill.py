@@ -1,7 +1,7 @@
 """The query-tiled prefill kernel (``vllm/kernels/triton/paged_prefill.py``) against the float64
 torch reference of test_triton_paged_attention.py (``Case``: per sequence the dense [Lq, ctx]
 score matrix with the causal / window mask and the sink column; shuffled cache blocks, history
-written, then the step's KV write), under Triton's interpreter.
+written, then the step's KV write): under Triton's interpreter on CPU, compiled where a GPU is.
 
 fp16 and fp32 only: the interpreter's ``tl.dot`` is wrong on bf16 tiles (the kernel widens them
 there; test_triton_paged_attention.py's bf16 cases run that path). Small ``block_m`` (tokens per
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
+pytestmark = pytest.mark.triton
+# No interpreter fixture: on a GPU machine (DEVICE "cuda") these run the compiled kernel.
 
 from test_triton_paged_attention import DEVICE, Case                           # noqa: E402
 
@@ -72,11 +73,11 @@ def test_window_shorter_than_the_tile(dtype):
 @pytest.mark.parametrize("d", [80, 64])
 def test_default_tiles_block_size_16_and_head_dims(d):
     """The defaults (``prefill_config``) at block size 16: contexts of 13 and 17 blocks, a 150-
-    token chunk over several default tiles (fp32 MQA 4:1 at D = 64: 16 tokens per tile), D = 80
+    token chunk over several default tiles (fp32 GQA 4:1 at D = 64: 8 tokens per tile), D = 80
     padded to 128 (masked lanes) with a window and sinks."""
     case = make(([(7, 1), (200, 150), (260, 9)], 1), hq=4, hkv=1, d=d, bs=16,
                 window=None if d == 64 else 50, use_sinks=d == 80, seed=d)
-    assert pp.prefill_tile_m(64, 4, torch.float32) == 16
+    assert pp.prefill_tile_m(64, 4, torch.float32) == 8
     case.check(case.run())
 
 
@@ -103,6 +104,10 @@ def test_work_list_from_host_lists_and_from_the_device():
     again = pp.query_tiles_from_device(qsl, 9, 2)
     assert torch.equal(again.seq, tiles.seq) and torch.equal(again.start, tiles.start)
     assert pp.query_tiles([], 4, DEVICE).seq.numel() == 0
+    skipped = pp.query_tiles([1, 0, 5, 3], 2, DEVICE, skip=1)     # sequence 0 runs elsewhere
+    assert skipped.seq.tolist() == [2, 2, 2, 3, 3] and skipped.start.tolist() == [1, 3, 5, 6, 8]
+    again = pp.query_tiles_from_device(qsl, 9, 2, skip=1)
+    assert torch.equal(again.seq, skipped.seq) and torch.equal(again.start, skipped.start)
 
 
 def test_given_work_list_and_empty_sequences():
@@ -141,7 +146,48 @@ def test_backend_builds_the_work_list_once_per_step(monkeypatch):
             case.check(impl.forward(case.q, case.k, case.v, case.cache, md))
     mixed_tiles, again, none, none_again = seen
     assert none is None and none_again is None and again is mixed_tiles
-    # fp32, D = 16, GQA 2:1: 64 rows, 32 tokens per tile; query lengths 1, 1, 3, 17, 70, 17.
-    assert mixed_tiles.tile_m == pp.prefill_tile_m(16, 2, torch.float32) == 32
-    assert mixed_tiles.seq.tolist() == [0, 1, 2, 3, 4, 4, 4, 5]
-    assert mixed_tiles.start.tolist() == [0, 1, 2, 5, 22, 54, 86, 92]
+    # fp32, D = 16, GQA 2:1: 32 rows, 16 tokens per tile; query lengths 1, 1, 3, 17, 70, 17
+    # from token 0, 1, 2, 5, 22, 92, of which the two decodes run the decode kernels (no tiles).
+    assert mixed_tiles.tile_m == pp.prefill_tile_m(16, 2, torch.float32) == 16
+    assert mixed_tiles.seq.tolist() == [2, 3, 3, 4, 4, 4, 4, 4, 5, 5]
+    assert mixed_tiles.start.tolist() == [2, 5, 21, 22, 38, 54, 70, 86, 92, 108]
+
+
+@pytest.mark.parametrize("opts", ["window5", "sinks"])
+def test_decodes_of_a_mixed_step_run_the_decode_kernels(opts):
+    """With ``num_decodes`` the step's decodes take the split-context decode kernels: their rows
+    are bit for bit those of a decode-only step of the same sequences, the rest is the tiled
+    kernel's, and both match the reference."""
+    case = make(MIXED, hq=8, hkv=2, d=16, seed=7, **OPTIONS[opts])
+    out = case.run(num_decodes=2, block_n=8)
+    case.check(out)
+    from vllm.kernels.triton.paged_attention import paged_attention
+    alone = paged_attention(case.q[:2], case.cache, case.block_tables[:2], case.seq_lens[:2],
+                            case.query_start_loc[:3], case.scale, decode_only=True,
+                            window=case.window, sinks=case.sinks, block_n=8)
+    assert torch.equal(out[:2], alone)
+    assert torch.equal(out[2:], case.run(block_n=8)[2:])
+
+
+def test_bad_work_lists_and_decode_counts_are_refused():
+    case = make(SMALL, seed=1)
+    tiles = pp.query_tiles([1, 3, 13], 4, DEVICE)
+    short = pp.QueryTiles(tiles.seq, tiles.start[:-1], 4)
+    with pytest.raises(ValueError, match=r"tiles.seq \(6,\) and tiles.start \(5,\) must have one"):
+        case.run(tiles=short, block_m=4)
+    with pytest.raises(ValueError, match=r"num_decodes=4 must be in \[0, 3\]"):
+        case.run(num_decodes=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "f16", "f32"])
+def test_on_cuda_at_model_shapes(dtype):
+    """Compiled, at a model's shape: GQA 32:8 (eight kv heads: every program id 1) at D = 128,
+    block 16; a long decode, prompts of 257 and 7 tokens after history, a 300-token chunk;
+    decodes through the decode kernels and through tiles; window and sinks."""
+    seqs = ([(3000, 1), (40, 1), (700, 300), (257, 257), (90, 7)], 2)
+    for opts in ({}, dict(window=100, use_sinks=True)):
+        case = Case(*seqs, hq=32, hkv=8, d=128, bs=16, dtype=dtype, **opts).to("cuda")
+        case.check(case.run(num_decodes=2))
+        case.check(case.run())

@@ -118,7 +118,7 @@ def _paged_attention_kernel(
     head_off = (h // GROUP) * HEAD_DIM
     if HAS_SINKS:
         m = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
-        s_sum = m * 0.0 + 1.0                                      # exp2(sink - m) = 1
+        s_sum = scale_log2 * 0.0 + 1.0                             # exp2(sink - m) = 1
     else:
         m = scale_log2 * 0.0 - float("inf")
         s_sum = scale_log2 * 0.0
@@ -201,12 +201,39 @@ def block_n_for(head_dim: int) -> int:
     return min(64, max(8, 8192 // triton.next_power_of_2(head_dim)))
 
 
+def _tiled_step(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, sinks,
+                tiles: QueryTiles | None, block_m: int | None, block_n: int | None,
+                num_decodes: int) -> torch.Tensor:
+    """A mixed or prefill step: its decodes on the split-context decode kernels (one tile of one
+    token each would walk a long context alone), the rest on the tiled kernel."""
+    dev, nd = kv_cache.device, num_decodes
+    if tiles is not None:
+        _check_index(tiles.seq, "tiles.seq", 1, dev)
+        _check_index(tiles.start, "tiles.start", 1, dev)
+        if tiles.seq.shape != tiles.start.shape:
+            raise ValueError(f"triton paged_attention: tiles.seq {tuple(tiles.seq.shape)} and "
+                             f"tiles.start {tuple(tiles.start.shape)} must have one entry each "
+                             "per tile")
+    if block_m is not None and block_m < 1:
+        raise ValueError(f"triton paged_attention: block_m={block_m} must be >= 1")
+    if not 0 <= nd <= min(q.shape[0], query_start_loc.shape[0] - 1):
+        raise ValueError(f"triton paged_attention: num_decodes={nd} must be in [0, "
+                         f"{min(q.shape[0], query_start_loc.shape[0] - 1)}]")
+    out = paged_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                        window=window, sinks=sinks, tiles=tiles, block_m=block_m,
+                        block_n=block_n, skip=nd)
+    if nd:
+        out[:nd] = paged_decode(q[:nd], kv_cache, block_tables[:nd], seq_lens[:nd], scale,
+                                window=window, sinks=sinks, block_n=block_n)
+    return out
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                     decode_only: bool, window: int | None = None,
                     sinks: torch.Tensor | None = None, block_n: int | None = None,
                     tiles: QueryTiles | None = None, block_m: int | None = None,
-                    tiled: bool = True) -> torch.Tensor:
+                    tiled: bool = True, num_decodes: int = 0) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (q's dtype) over the paged cache (module docstring).
 
     block_tables [B, max_blocks], seq_lens [B], query_start_loc [B + 1]: int64 device tensors
@@ -219,7 +246,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     CUDA graph. Otherwise ``tiles`` is the tiled kernel's work list
     (``paged_prefill.query_tiles`` with ``block_m`` tokens per tile, default
     ``paged_prefill.prefill_tile_m``); None: built from ``query_start_loc`` with one host read.
-    ``tiled=False`` runs the per-token reference kernel instead (no host read)."""
+    ``num_decodes``: the first sequences are that many one-token decodes (tokens 0..nd-1): they
+    run the split-context decode kernels, as in a decode-only step, and ``tiles`` need not cover
+    them. ``tiled=False`` runs the per-token reference kernel instead (no host read)."""
     _check_cache(kv_cache)
     _check_rows(q, "q", kv_cache)
     dev = kv_cache.device
@@ -247,14 +276,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         return paged_decode(q, kv_cache, block_tables, seq_lens, scale, window=window,
                             sinks=sinks, block_n=block_n)
     if tiled:
-        if tiles is not None:
-            _check_index(tiles.seq, "tiles.seq", 1, dev)
-            _check_index(tiles.start, "tiles.start", 1, dev)
-        if block_m is not None and block_m < 1:
-            raise ValueError(f"triton paged_attention: block_m={block_m} must be >= 1")
-        return paged_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                             window=window, sinks=sinks, tiles=tiles, block_m=block_m,
-                             block_n=block_n)
+        return _tiled_step(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window,
+                           sinks, tiles, block_m, block_n, num_decodes)
     block_n = block_n_for(D) if block_n is None else block_n
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=dev)
     if T == 0:

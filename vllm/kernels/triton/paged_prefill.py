@@ -29,16 +29,20 @@ tensor cores with f32 accumulation (p cast to the cache's dtype for PV); fp32 ca
 Under the interpreter ``tl.dot`` reads bfloat16 tiles as their uint16 storage: there (only)
 bf16 operands are widened to f32 before the dot.
 
-Block sizes (``prefill_config``; not tuned, no GPU run yet): ROWS (TILE_M * GROUP, padded)
-about 128 for BLOCK_D <= 128, 64 at 256 (fp32: half), 16 above (MLA's D = 576); KEYS 64 up to
-BLOCK_D = 128, 32 at 256, 16 above (fp32: 64 up to 64, 32 at 128, 16 at 256); 8 warps when the
-[ROWS, BLOCK_D] f32 accumulator passes 8K elements, else 4; num_stages 2. TILE_M = target rows
-// the next power of two of GROUP, at least 1 (a GROUP over the target gets one token per tile
-and ROWS = GROUP padded). Shared memory at these shapes (Triton 3.9, GQA 4:1, SM120 / SM90):
-16-bit 24 KiB at D = 64, 48 at 128, 52 / 48 at 256, 64.5 at 576; fp32 64 KiB at 64, 72 at 128,
-66 at 256; all within SM120's 99 KiB: D = 64, 128 and 256 compile for SM90 and SM120 in fp16,
-bf16 and fp32, D = 576 in 16-bit (tests/build/test_triton_compile_paged_prefill.py); fp32 at
-D = 576 is not compiled there. SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
+Block sizes (``prefill_config``; not tuned, no GPU run yet; chosen by the register use
+ptxas/cuobjdump report for the compiled kernels here, Triton 3.9, window and sinks on: no
+spills at GQA 4:1 and 8:1 in bf16 and fp32 on SM90 and SM120 at D = 64 / 128 / 256 (fp32 at
+256 on SM90: 32 B) and at D = 576; MHA (1:1) and 2:1 keep 8-224 B of spills, most at D = 128 on
+SM90). 16-bit caches ROWS (TILE_M * GROUP, padded) 128
+for BLOCK_D <= 64, and at 128 on SM90 (64 on SM120, which spills at 128), 64 at 256, 16 above
+(MLA's D = 576), KEYS 64 up to BLOCK_D = 128, 32 at 256, 16 above, 8 warps when the
+[ROWS, BLOCK_D] f32 accumulator holds 8K elements or more, else 4; fp32 caches ROWS 32 up to
+BLOCK_D = 128 (16 above), KEYS 64 / 32 / 16 at 64 / 128 / 256, 8 warps at BLOCK_D <= 64;
+num_stages 2. TILE_M = target rows // the next power of two of GROUP, at least 1 (a GROUP over
+the target gets one token per tile and ROWS = GROUP padded). All within SM120's 99 KiB of
+shared memory: D = 64, 128 and 256 compile for SM90 and SM120 in fp16, bf16 and fp32, D = 576
+in 16-bit (tests/build/test_triton_compile_paged_prefill.py); fp32 at D = 576 is not compiled
+there. SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
 """
 from __future__ import annotations
 
@@ -62,52 +66,77 @@ class QueryTiles(NamedTuple):
     tile_m: int
 
 
-def query_tiles(query_lens: list[int], tile_m: int, device: torch.device | str) -> QueryTiles:
+def query_tiles(query_lens: list[int], tile_m: int, device: torch.device | str,
+                skip: int = 0) -> QueryTiles:
     """Tiles of up to ``tile_m`` consecutive query tokens of one sequence, from the host list of
-    query lengths per sequence (tokens of a sequence contiguous, in sequence order)."""
+    query lengths per sequence (tokens of a sequence contiguous, in sequence order, the first
+    at token 0); the first ``skip`` sequences (decodes run elsewhere) get none."""
     if tile_m < 1:
         raise ValueError(f"triton paged_prefill: tile_m={tile_m} must be >= 1")
     seq: list[int] = []
     start: list[int] = []
-    first = 0
-    for b, n in enumerate(query_lens):
+    first = sum(query_lens[:skip])
+    for b, n in enumerate(query_lens[skip:], start=skip):
         tiles = range(first, first + n, tile_m)
         seq += [b] * len(tiles)
         start += tiles
         first += n
-    return QueryTiles(torch.tensor(seq, dtype=torch.int64, device=device),
-                      torch.tensor(start, dtype=torch.int64, device=device), tile_m)
+    return QueryTiles(_upload(seq, device), _upload(start, device), tile_m)
+
+
+def _upload(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """int64 [n] on ``device``; to a GPU through pinned memory without blocking (a plain copy of
+    a host list would drain the stream in the middle of the step's layers)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def query_tiles_from_device(query_start_loc: torch.Tensor, num_tokens: int,
-                            tile_m: int) -> QueryTiles:
+                            tile_m: int, skip: int = 0) -> QueryTiles:
     """``query_tiles`` from the device's query_start_loc [B + 1]: ONE host read (a sync). Entries
-    past the real sequences (>= T, a padded buffer) are clamped to T: no tiles."""
+    past the real sequences (>= T, a padded buffer) are clamped to T: no tiles; nor do the first
+    ``skip`` sequences get any (decodes the caller runs elsewhere)."""
     starts = query_start_loc.clamp(max=num_tokens).tolist()
     lens = [max(e - s, 0) for s, e in zip(starts[:-1], starts[1:])]
-    return query_tiles(lens, tile_m, query_start_loc.device)
+    return query_tiles(lens, tile_m, query_start_loc.device, skip)
 
 
-def prefill_config(head_dim: int, group: int, f32_cache: bool) -> dict:
-    """Default tile shape and launch options for D = ``head_dim``, GROUP query heads per kv head
-    (module docstring): TILE_M tokens per tile, ROWS, KEYS per step, num_warps, num_stages."""
+def prefill_config(head_dim: int, group: int, f32_cache: bool, sm: int = 90) -> dict:
+    """Default tile shape and launch options for D = ``head_dim``, GROUP query heads per kv head,
+    compute capability ``sm`` (90, 120; module docstring): TILE_M tokens per tile, ROWS, KEYS
+    per step, num_warps, num_stages. Chosen so ptxas spills no registers at GQA 1:1 to 8:1."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    rows = 128 if block_d <= 128 else 64 if block_d <= 256 else 16
-    if f32_cache and block_d <= 256:                  # f32 Q/K/V tiles: half the rows
-        rows //= 2
+    if f32_cache:                                     # f32 Q/K/V tiles: fewer rows and keys
+        rows = 32 if block_d <= 128 else 16
+        keys = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
+        warps = 8 if block_d <= 64 else 4
+    else:
+        # SM120 (64K registers per SM, no wgmma) spills at 128 rows x 128 dims.
+        rows = 128 if block_d <= 64 or (block_d <= 128 and sm < 100) else \
+            64 if block_d <= 256 else 16
+        keys = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
+        warps = 8 if rows * block_d >= 8192 else 4
     tile_m = max(1, rows // triton.next_power_of_2(group))
     rows = max(16, triton.next_power_of_2(tile_m * group))
-    if f32_cache:                                     # f32 K/V tiles: half the keys per step
-        keys = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
-    else:
-        keys = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
-    return dict(TILE_M=tile_m, ROWS=rows, KEYS=keys,
-                num_warps=8 if rows * block_d > 8192 else 4, num_stages=2)
+    return dict(TILE_M=tile_m, ROWS=rows, KEYS=keys, num_warps=warps, num_stages=2)
 
 
-def prefill_tile_m(head_dim: int, group: int, dtype: torch.dtype) -> int:
-    """Tokens per tile of the default config: what ``query_tiles`` must be built with."""
-    return prefill_config(head_dim, group, dtype == torch.float32)["TILE_M"]
+def _sm(device: torch.device) -> int:
+    """The device's compute capability as 90, 120, ...; 90 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def prefill_tile_m(head_dim: int, group: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> int:
+    """Tokens per tile of the default config on ``device``: what ``query_tiles`` must be built
+    with."""
+    return prefill_config(head_dim, group, dtype == torch.float32,
+                          _sm(torch.device(device)))["TILE_M"]
 
 
 @triton.jit
@@ -158,7 +187,7 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     if HAS_SINKS:
         m = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
-        s_sum = m * 0.0 + 1.0                                         # exp2(sink - m) = 1
+        s_sum = tl.full([ROWS], 1.0, dtype=tl.float32)               # exp2(sink - m) = 1
     else:
         m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         s_sum = tl.zeros([ROWS], dtype=tl.float32)
@@ -196,18 +225,20 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   window: int | None = None, sinks: torch.Tensor | None = None,
                   tiles: QueryTiles | None = None, block_m: int | None = None,
-                  block_n: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, skip: int = 0) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (q's dtype), arguments as checked by ``paged_attention``
     (which calls this for non-decode steps). ``tiles``: the work list, built with ``block_m``
     tokens per tile (default ``prefill_tile_m``); None builds it from ``query_start_loc`` with
-    one host read. ``block_n``: keys per step, a power of two (default ``prefill_config``)."""
+    one host read, without tiles for the first ``skip`` sequences (their rows of the result are
+    then left unwritten). ``block_n``: keys per step, a power of two (default
+    ``prefill_config``)."""
     T, Hq, D = q.shape
     Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     f32 = kv_cache.dtype == torch.float32
-    config = prefill_config(D, Hq // Hkv, f32)
+    config = prefill_config(D, Hq // Hkv, f32, _sm(q.device))
     tile_m = config["TILE_M"] if block_m is None else block_m
     if tiles is None:
-        tiles = query_tiles_from_device(query_start_loc, T, tile_m)
+        tiles = query_tiles_from_device(query_start_loc, T, tile_m, skip)
     if tiles.tile_m != tile_m or tile_m < 1:
         raise ValueError(f"triton paged_prefill: tiles built for tile_m={tiles.tile_m}, the "
                          f"kernel runs tile_m={tile_m}")

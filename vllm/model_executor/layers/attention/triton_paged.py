@@ -4,7 +4,8 @@ one launch attends every query token of the step, decodes and prefill chunks ali
 cache in place through the block table (GQA, sliding window, sinks and a one-plane
 ``kv_shared`` cache all in the kernel). A step with prefill tokens runs the query-tiled kernel
 (``paged_prefill.py``) over a work list built on the host from the metadata's ``query_lens_cpu``
-once per step (``AttentionMetadata.per_step``, shared by every layer).
+once per step (``AttentionMetadata.per_step``, shared by every layer), and its decodes the
+decode-only steps' split-context kernels.
 
 CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (how it is tested without a GPU); NOT YET RUN ON
 A GPU. ``cuda_graph_safe``: a decode-only step launches the same two kernels with the same grid
@@ -35,15 +36,15 @@ class TritonPagedAttention(AttentionImpl):
                 kv_cache: torch.Tensor, md: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._ops.write_kv_cache(k, v, md.slot_mapping, kv_cache)
-        decode_only = md.num_decodes == q.shape[0]
+        nd = md.num_decodes
+        decode_only = nd == q.shape[0]
         tiles = None
-        if not decode_only:                   # the tiled kernel's work list, once per step
-            tile_m = self._prefill.prefill_tile_m(self.head_dim,
-                                                  self.num_heads // self.num_kv_heads,
-                                                  kv_cache.dtype)
+        if not decode_only:  # the tiled kernel's work list (decodes run apart), once per step
+            tile_m = self._prefill.prefill_tile_m(q.shape[2], q.shape[1] // kv_cache.shape[3],
+                                                  kv_cache.dtype, q.device)
             tiles = md.per_step(("triton_query_tiles", tile_m), lambda: self._prefill.query_tiles(
-                md.query_lens_cpu, tile_m, md.query_start_loc.device))
+                md.query_lens_cpu, tile_m, md.query_start_loc.device, skip=nd))
         return self._ops.paged_attention(
             q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale,
             decode_only=decode_only, window=self.options.sliding_window, sinks=sinks,
-            tiles=tiles)
+            tiles=tiles, num_decodes=0 if decode_only else nd)
