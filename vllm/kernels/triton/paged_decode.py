@@ -58,37 +58,45 @@ def _sequence_chunk(n, base):
 
 
 @triton.jit
-def kv_tile(k_cache_ptr, v_cache_ptr, table, j, j_in, d, d_in, head_off,
-            BLOCK_SIZE: tl.constexpr, ROW_STRIDE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Keys and values [BLOCK_N, BLOCK_D] of one kv head (at ``head_off`` in a cache row of
-    ``ROW_STRIDE`` elements) at key positions j [BLOCK_N], read through the block table ``table``
-    (rows where j_in is False are zeros); widened to f32 under DOT_F32."""
-    block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
-    off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * ROW_STRIDE + head_off
-    kv_mask = j_in[:, None] & d_in[None, :]
-    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v
-
-
-@triton.jit
-def online_softmax_step(s, v, v_cache_ptr, m, s_sum, acc, DOT_F32: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    """One block of keys into the running (max m [R], sum s_sum [R], acc [R, BLOCK_D]): scores
-    s [R, BLOCK_N] in log2 units, -inf where masked; values v [BLOCK_N, BLOCK_D]. P is cast to
-    the cache's dtype for the PV dot. A row with no key so far keeps p = alpha = 0 (no NaN)."""
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    pv = p.to(v_cache_ptr.dtype.element_ty)                          # the dot's operand
-    if DOT_F32:
-        pv = pv.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-    return m_new, s_sum * alpha + tl.sum(p, axis=1), acc
+def attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi, lo, n, d, d_in,
+                head_off, scale_log2, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, ROW_STRIDE: tl.constexpr, ROW_MASK: tl.constexpr,
+                DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """The online softmax of q [R, BLOCK_D] (in the cache's dtype) over keys [k_lo, k_hi) of one
+    kv head (at ``head_off`` in a cache row of ROW_STRIDE elements), read through the block
+    table ``table``, KEYS keys per step in tiles of BLOCK_N >= KEYS rows, folded into the
+    running (max m [R], sum s_sum [R], acc [R, BLOCK_D]) -> the new three. ROW_MASK: row i keeps
+    only keys [lo[i], n[i]) too (a prefill tile's causal / window mask). Scores in log2 units
+    (f32 scores x scale_log2); P cast to the cache's dtype for the PV dot; under DOT_F32 the
+    K/V/P operands widened to f32. A row with no key so far keeps p = alpha = 0 (no NaN)."""
+    jj = tl.arange(0, BLOCK_N)
+    for start in range(k_lo, k_hi, KEYS):
+        j = start + jj                                               # [BLOCK_N] key positions
+        j_in = (jj < KEYS) & (j < k_hi)
+        block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
+        off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * ROW_STRIDE + head_off
+        kv_mask = j_in[:, None] & d_in[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        keep = j_in[None, :]
+        if ROW_MASK:
+            keep = keep & (j[None, :] >= lo[:, None]) & (j[None, :] < n[:, None])
+        s = tl.where(keep, s, float("-inf"))                         # [R, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        pv = p.to(v_cache_ptr.dtype.element_ty)                      # the dot's operand
+        if DOT_F32:
+            pv = pv.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        s_sum = s_sum * alpha + tl.sum(p, axis=1)
+        m = m_new
+    return m, s_sum, acc
 
 
 @triton.jit
@@ -125,16 +133,9 @@ def _decode_partial_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     s_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    jj = tl.arange(0, BLOCK_N)                                       # BLOCK_N >= KEYS
-    for start in range(c_lo, c_hi, KEYS):
-        j = start + jj                                               # [BLOCK_N] key positions
-        j_in = (jj < KEYS) & (j < c_hi)
-        k, v = kv_tile(k_cache_ptr, v_cache_ptr, table, j, j_in, d, d_in, head_off, BLOCK_SIZE,
-                       NUM_KV_HEADS * HEAD_DIM, DOT_F32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(j_in[None, :], s, float("-inf"))                # [GROUP_PAD, BLOCK_N]
-        m, s_sum, acc = online_softmax_step(s, v, v_cache_ptr, m, s_sum, acc, DOT_F32,
-                                            PRECISION)
+    m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, c_lo, c_hi,
+                                c_lo, c_hi, d, d_in, head_off, scale_log2, BLOCK_N, KEYS,
+                                BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM, False, DOT_F32, PRECISION)
     row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [GROUP_PAD] scratch rows
     tl.store(m_ptr + row, m, mask=r_in)
     tl.store(l_ptr + row, s_sum, mask=r_in)

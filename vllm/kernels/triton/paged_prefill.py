@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
-from vllm.kernels.triton.paged_decode import kv_tile, online_softmax_step
+from vllm.kernels.triton.paged_decode import attend_keys
 
 LOG2E = 1.4426950408889634
 
@@ -194,17 +194,9 @@ def _prefill_kernel(
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b * stride_bt
     head_off = g * HEAD_DIM
-    jj = tl.arange(0, BLOCK_N)                                        # BLOCK_N >= KEYS
-    for start in range(k_lo, k_hi, KEYS):
-        j = start + jj                                                # [BLOCK_N] key positions
-        j_in = (jj < KEYS) & (j < k_hi)
-        k, v = kv_tile(k_cache_ptr, v_cache_ptr, table, j, j_in, d, d_in, head_off, BLOCK_SIZE,
-                       NUM_KV_HEADS * HEAD_DIM, DOT_F32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        keep = j_in[None, :] & (j[None, :] >= lo[:, None]) & (j[None, :] < n[:, None])
-        s = tl.where(keep, s, float("-inf"))                          # [ROWS, BLOCK_N]
-        m, s_sum, acc = online_softmax_step(s, v, v_cache_ptr, m, s_sum, acc, DOT_F32,
-                                            PRECISION)
+    m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi,
+                                lo, n, d, d_in, head_off, scale_log2, BLOCK_N, KEYS, BLOCK_SIZE,
+                                NUM_KV_HEADS * HEAD_DIM, True, DOT_F32, PRECISION)
     out = tl.where(s_sum[:, None] > 0, acc / tl.maximum(s_sum, 1e-30)[:, None], 0.0)
     tl.store(out_ptr + (t[:, None] * (NUM_KV_HEADS * GROUP) + h[:, None]) * HEAD_DIM + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rd_in)
