@@ -208,3 +208,15 @@ def test_decode_only_dispatch(monkeypatch):
     mixed = Case([(9, 1), (12, 4)], 1, seed=8).to(DEVICE)
     mixed.check(mixed.run(block_n=8))
     assert len(calls) == 1
+
+
+def test_writes_into_a_given_output():
+    """``out``: the result lands there (the bits of a fresh output) and is returned; a buffer of
+    another shape, dtype or layout is refused."""
+    case = make(hq=4, hkv=2, d=16, seed=2)
+    want = decode(case)
+    out = torch.full_like(want, float("nan"))
+    assert decode(case, out=out) is out and torch.equal(out, want)
+    for bad in (out[:-1], out.double(), out.transpose(0, 1).contiguous().transpose(0, 1)):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            decode(case, out=bad)

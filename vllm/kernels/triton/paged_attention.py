@@ -223,8 +223,8 @@ def _tiled_step(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, win
                         window=window, sinks=sinks, tiles=tiles, block_m=block_m,
                         block_n=block_n, skip=nd)
     if nd:
-        out[:nd] = paged_decode(q[:nd], kv_cache, block_tables[:nd], seq_lens[:nd], scale,
-                                window=window, sinks=sinks, block_n=block_n)
+        paged_decode(q[:nd], kv_cache, block_tables[:nd], seq_lens[:nd], scale, window=window,
+                     sinks=sinks, block_n=block_n, out=out[:nd])
     return out
 
 

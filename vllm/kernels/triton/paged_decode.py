@@ -219,11 +219,13 @@ def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, *, window: int | None = None,
                  sinks: torch.Tensor | None = None, block_n: int | None = None,
-                 min_chunk: int = MIN_CHUNK) -> torch.Tensor:
+                 min_chunk: int = MIN_CHUNK, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (q's dtype): token t attends row t of ``block_tables`` and
     ``seq_lens`` (module docstring). Arguments as checked by ``paged_attention`` (which calls
-    this with ``decode_only``); ``block_n`` keys per step (default ``decode_block_n(D)``),
-    ``min_chunk`` the smallest chunk (tests pass small ones). No host read: graph-safe."""
+    this with ``decode_only``, and for a mixed step's decodes); ``block_n`` keys per step
+    (default ``decode_block_n(D)``), ``min_chunk`` the smallest chunk (tests pass small ones);
+    ``out``: a contiguous [T, Hq, D] tensor to write (e.g. the decodes' rows of a mixed step's
+    result), else a new one. No host read: graph-safe."""
     T, Hq, D = q.shape
     Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if Hq % Hkv:
@@ -231,7 +233,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                          f"cache's {Hkv} kv heads")
     block_n = decode_block_n(D) if block_n is None else block_n
     num_chunks, base = decode_chunks(block_tables.shape[1] * block_size, block_n, min_chunk)
-    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"triton paged_decode: out must be a contiguous {q.dtype} "
+                         f"{tuple(q.shape)} tensor, got {out.dtype} {tuple(out.shape)}")
     if T == 0:
         return out
     dev = kv_cache.device
