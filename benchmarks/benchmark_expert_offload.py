@@ -44,6 +44,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -135,8 +136,8 @@ class Setup:
         platform = platform_for(self.device)
         self.store = HostStore.from_experts(
             {"w13_weight": w13.to(dtype), "w2_weight": w2.to(dtype)}, self.qm.prepare_expert,
-            pin=platform.is_pin_memory_available(),
-            empty_pinned=lambda shape, dt: platform.empty_pinned(shape, dt, self.device))
+            partial(platform.empty_pinned, device=self.device)
+            if platform.is_pin_memory_available() else None)
         del w13, w2
         self.ids = torch.from_numpy(trace.experts.astype(np.int64))      # [T, L, K]
         self.topk_weights = torch.full((K,), 1.0 / K, dtype=dtype, device=self.device)

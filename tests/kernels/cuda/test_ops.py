@@ -50,7 +50,7 @@ def test_cpu_platform_copies_with_its_c_kernel():
 def _store_slots_plan():
     weights = {"w13_weight": torch.arange(4 * 6.).view(4, 2, 3),
                "w13_scale": torch.arange(4.).view(4, 1)}
-    store = HostStore.from_experts(weights, lambda t: t, pin=False)
+    store = HostStore.from_experts(weights, lambda t: t, None)
     slots = {n: torch.zeros(2, *t.shape[1:]) for n, t in weights.items()}
     plan = LoadPlan(slots=torch.tensor([1, 0]), experts=torch.tensor([3, -1]),
                     valid=torch.tensor([True, False]))

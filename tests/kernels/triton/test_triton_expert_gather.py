@@ -253,7 +253,7 @@ def _provider():
     from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
     weights = {"w13_weight": torch.arange(6 * 8.).view(6, 2, 4),
                "w13_scale": torch.arange(6.).view(6, 1).to(torch.float8_e4m3fn)}
-    store = HostStore.from_experts(weights, lambda t: t, pin=False)
+    store = HostStore.from_experts(weights, lambda t: t, None)
     slots = {n: torch.zeros(3, *t.shape[1:], dtype=t.dtype) for n, t in weights.items()}
     return CachedWeightProvider(store, slots, Residency(6, 3, get_policy("lru")), "lru")
 

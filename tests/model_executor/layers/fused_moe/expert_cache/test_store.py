@@ -82,7 +82,7 @@ def test_store_holds_every_declared_tensor_processed_per_expert_on_host():
     layer = make_layer(method)
     loaded = {n: getattr(layer, n).clone() for n in method.expert_tensor_names()}
     store = HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
-                                   method.process_expert, pin=False)
+                                   method.process_expert, None)
     assert list(store.tensors) == list(method.expert_tensor_names())
     assert "input_scale" not in store.tensors
     assert len(method.processed) == E                       # once per expert, never batched
@@ -103,7 +103,7 @@ def test_slots_take_the_declared_names_and_kinds():
     method = Int8ScaledMethod()
     layer = make_layer(method)
     store = HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
-                                   method.process_expert, pin=False)
+                                   method.process_expert, None)
     slots = allocate_slots(store, 3, torch.device("cpu"))
     assert list(slots) == list(method.expert_tensor_names())
     for n, t in slots.items():
@@ -125,7 +125,7 @@ def test_slot_count_out_of_range_is_rejected(bad):
     method = Int8ScaledMethod()
     layer = make_layer(method)
     store = HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
-                                   method.process_expert, pin=False)
+                                   method.process_expert, None)
     with pytest.raises(ValueError, match=f"moe_expert_cache_size={bad}"):
         allocate_slots(store, bad, torch.device("cpu"))
 
@@ -135,18 +135,18 @@ def test_bad_process_expert_is_rejected():
     layer = make_layer(method)
     experts = experts_of(layer, method.expert_tensor_names())
     with pytest.raises(ValueError, match="exactly the declared names"):
-        HostStore.from_experts(experts, lambda t: {"w13_qweight": t["w13_qweight"]}, pin=False)
+        HostStore.from_experts(experts, lambda t: {"w13_qweight": t["w13_qweight"]}, None)
     calls = []
 
     def ragged(t):  # expert-dependent shape: not storable as one [E, ...] tensor
         calls.append(1)
         return {**t, "perm": t["perm"][: len(calls)]}
     with pytest.raises(ValueError, match="same for all"):
-        HostStore.from_experts(experts, ragged, pin=False)
+        HostStore.from_experts(experts, ragged, None)
     with pytest.raises(ValueError, match="declares no expert-indexed tensors"):
-        HostStore.from_experts({}, method.process_expert, pin=False)
+        HostStore.from_experts({}, method.process_expert, None)
     with pytest.raises(ValueError, match="is not a tensor"):
-        HostStore.from_experts({"nope": None}, method.process_expert, pin=False)
+        HostStore.from_experts({"nope": None}, method.process_expert, None)
 
 
 def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log):
@@ -158,13 +158,13 @@ def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log):
     method = Int8ScaledMethod()
     names = method.expert_tensor_names()
     layers = [make_layer(method, s) for s in range(3)]
-    stores = [HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=True,
-                                     empty_pinned=fail) for layer in layers]
+    stores = [HostStore.from_experts(experts_of(layer, names), method.process_expert, fail)
+              for layer in layers]
     assert len(calls) == 3 and not any(s.pinned for s in stores)
     warnings = [r for r in vllm_log.records if r.getMessage() == PIN_FAILED_MSG]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     for layer, store in zip(layers, stores):  # the pageable store holds the same experts
-        ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=False)
+        ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, None)
         assert all(torch.equal(store.tensors[n], ref.tensors[n]) for n in names)
 
 
@@ -180,9 +180,9 @@ def test_a_pinned_store_is_allocated_once_at_its_size_and_filled_in_place():
     method = Int8ScaledMethod()
     names = method.expert_tensor_names()
     layer = make_layer(method)
-    store = HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=True,
-                                   empty_pinned=fake_empty_pinned)
-    ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, pin=False)
+    store = HostStore.from_experts(experts_of(layer, names), method.process_expert,
+                                   fake_empty_pinned)
+    ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, None)
     assert store.pinned and not ref.pinned
     assert [t.data_ptr() for t in made] == [store.tensors[n].data_ptr() for n in names]
     for n in names:

@@ -233,9 +233,9 @@ class CachedWeightProvider(WeightProvider):
         if platform.device_type == "cpu":
             log_once(logger, logging.INFO, CPU_NO_SAVING_MSG)
         pin = platform.is_pin_memory_available() if pin is None else pin
-        store = HostStore.from_experts(weights, prepare_expert, pin=pin, name=name,
-                                       empty_pinned=partial(platform.empty_pinned,
-                                                            device=device))
+        store = HostStore.from_experts(
+            weights, prepare_expert, partial(platform.empty_pinned, device=device) if pin else None,
+            name=name)
         slots = allocate_slots(store, config.cache_size, device)
         policy_name = resolve_policy_name(config.policy)
         residency = Residency(store.num_experts, config.cache_size, get_policy(policy_name),

@@ -45,13 +45,11 @@ class HostStore:
 
     @classmethod
     def from_experts(cls, weights: dict[str, torch.Tensor], process_expert: ProcessExpert,
-                     pin: bool, name: str = "",
-                     empty_pinned: EmptyPinned | None = None) -> "HostStore":
+                     empty_pinned: EmptyPinned | None, name: str = "") -> "HostStore":
         """Build the store from a layer's loaded expert tensors (name -> [E, ...], ideally in host
-        memory), processing one expert at a time straight into it. ``pin``: allocate it
-        page-locked with ``empty_pinned`` (the platform's; default torch's, which rounds each
-        tensor up to a power of two of bytes), pageable if that raises. ``name`` (the layer's)
-        prefixes errors."""
+        memory), processing one expert at a time straight into it. ``empty_pinned`` (the
+        platform's, ``Platform.empty_pinned``): allocate it page-locked, pageable if that raises;
+        None: pageable. ``name`` (the layer's) prefixes errors."""
         if not weights:
             raise ValueError(f"{name}: quant method declares no expert-indexed tensors "
                              "(expert_tensor_names() is empty)")
@@ -61,7 +59,7 @@ class HostStore:
         one = process_expert({n: t[0] for n, t in loaded.items()})
         _check_processed(one, names, {}, 0)
         # Allocated once at its final size (and pinned there): no pageable copy to pin after.
-        tensors, pinned = _allocate(num_experts, one, pin, empty_pinned or torch_empty_pinned)
+        tensors, pinned = _allocate(num_experts, one, empty_pinned)
         for e in range(num_experts):
             if e:
                 one = process_expert({n: t[e] for n, t in loaded.items()})
@@ -69,10 +67,6 @@ class HostStore:
             for n in names:
                 tensors[n][e].copy_(one[n])
         return cls(tensors, pinned)
-
-
-def torch_empty_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
 
 def _host_tensor(t: torch.Tensor, tensor_name: str, layer_name: str) -> torch.Tensor:
@@ -107,12 +101,12 @@ def _check_processed(one: dict[str, torch.Tensor], names: tuple[str, ...],
                              f"{expert}, but {want} for expert 0; it must be the same for all")
 
 
-def _allocate(num_experts: int, first: dict[str, torch.Tensor], pin: bool,
-              empty_pinned: EmptyPinned) -> tuple[dict[str, torch.Tensor], bool]:
+def _allocate(num_experts: int, first: dict[str, torch.Tensor],
+              empty_pinned: EmptyPinned | None) -> tuple[dict[str, torch.Tensor], bool]:
     """name -> uninitialised [E, *first[name].shape] host tensor (explicitly host memory, even
     under a ``with torch.device(...)`` context), and whether all of them are page-locked."""
     shapes = {n: ((num_experts, *t.shape), t.dtype) for n, t in first.items()}
-    if pin:
+    if empty_pinned is not None:
         try:
             return {n: empty_pinned(shape, dtype) for n, (shape, dtype) in shapes.items()}, True
         except RuntimeError:
