@@ -141,6 +141,22 @@ def test_the_measured_cost_model_is_finite_and_non_negative():
     assert all(math.isfinite(v) and v >= 0 for v in values) and cost.copy_seconds > 0
 
 
+def test_layers_of_one_layout_share_one_measurement(monkeypatch):
+    """'auto' measures the cost model once per store layout (not once per layer): the layers of
+    a model get the same numbers; another dtype is measured again."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    calls = []
+    real = host_compute.measure_cost_model
+    monkeypatch.setattr(host_compute, "_COST_MODELS", {})
+    monkeypatch.setattr(host_compute, "measure_cost_model",
+                        lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    layers = [build(2, cpu_compute="auto") for _ in range(3)]
+    costs = {layer.expert_cache.host_compute.cost for layer in layers}
+    assert calls == [torch.float32] and len(costs) == 1
+    build(2, torch.bfloat16, cpu_compute="auto")
+    assert calls == [torch.float32, torch.bfloat16]
+
+
 def test_auto_measures_its_cost_model_only_while_the_slots_are_empty():
     layer = build(2)
     x, logits = torch.randn(3, H), torch.randn(3, E)

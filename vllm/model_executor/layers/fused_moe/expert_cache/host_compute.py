@@ -31,6 +31,7 @@ from vllm.config import MOE_CPU_COMPUTE_MODES
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 
+
 @dataclass(frozen=True)
 class HostCostModel:
     """Seconds to serve one missing expert: copy it (``copy_seconds``), or run its ``t`` tokens
@@ -97,6 +98,24 @@ def measure_cost_model(store_tensors: dict[str, torch.Tensor], slots: dict[str, 
     one, many = _best_seconds(cpu(1, 3)), _best_seconds(cpu(probe_tokens, 6))
     per_token = max(0.0, (many - one) / (probe_tokens - 1))
     return HostCostModel(copy_seconds, max(0.0, one - per_token), per_token)
+
+
+_COST_MODELS: dict[tuple, HostCostModel] = {}
+"""``cost_model_for``'s measurements, by (device, store layout, CPU kernel, hidden, dtype)."""
+
+
+def cost_model_for(store_tensors: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
+                   experts: MoEExperts, hidden_size: int, dtype: torch.dtype) -> HostCostModel:
+    """``measure_cost_model`` once per process for each device, store layout (names, per-expert
+    shapes and dtypes), CPU kernel, hidden size and dtype: a model's cached layers share one
+    measurement (taken by the first, while its slots are empty), so loading does not repeat it
+    per layer and their decisions rest on the same numbers."""
+    device = next(iter(slots.values())).device
+    key = (str(device), tuple((n, tuple(t.shape[1:]), t.dtype) for n, t in store_tensors.items()),
+           type(experts), hidden_size, dtype)
+    if key not in _COST_MODELS:
+        _COST_MODELS[key] = measure_cost_model(store_tensors, slots, experts, hidden_size, dtype)
+    return _COST_MODELS[key]
 
 
 def host_experts(quant_method, device: torch.device) -> MoEExperts:

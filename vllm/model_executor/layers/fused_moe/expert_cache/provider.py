@@ -47,7 +47,7 @@ from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
-    HostCostModel, HostMissCompute, HostSplit, host_experts, measure_cost_model)
+    HostCostModel, HostMissCompute, HostSplit, cost_model_for, host_experts)
 from vllm.model_executor.layers.fused_moe.expert_cache.overlap import overlapped_wave
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
@@ -274,10 +274,10 @@ class CachedWeightProvider(WeightProvider):
             if bool((self.residency.expert_of_slot >= 0).any()):
                 raise ValueError("moe_expert_cpu_compute='auto' measures its cost model in an "
                                  "empty slot: enable it before the first step")
-            cost = measure_cost_model(self.store.tensors, self.slots, experts, hidden_size, dtype)
-            log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (first "
-                     "cached layer; a missing expert goes to the CPU when its tokens cost less "
-                     "there than its copy)")
+            cost = cost_model_for(self.store.tensors, self.slots, experts, hidden_size, dtype)
+            log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (a missing "
+                     "expert runs on the CPU until the CPU has spent one copy's time on it, "
+                     "then it is copied)")
         self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
 
     def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
