@@ -38,8 +38,8 @@ kernel (``tiled=False``) finds each token's sequence on the device by counting t
 query_start_loc[1:] entries <= t, with no host read. A row of length 0 writes zeros (no NaN).
 
 Softmax: online, in fp32, base 2 (here q is pre-scaled by scale * log2(e); the decode and
-prefill kernels scale the f32 scores); with sinks the running max and sum start at (sink_h, 1), i.e.
-exp(sink_h) joins the denominator with no value.
+prefill kernels scale the f32 scores); with sinks the running max and sum start at (sink_h, 1),
+i.e. exp(sink_h) joins the denominator with no value.
 """
 from __future__ import annotations
 

@@ -206,14 +206,21 @@ def decode_launch(head_dim: int, f32_cache: bool) -> dict:
     return dict(num_warps=8 if wide else 4, num_stages=1 if wide and f32_cache else 3)
 
 
+def key_loop_consts(head_dim: int, keys: int, f32_cache: bool, dot_f32: bool) -> dict:
+    """The constexprs ``attend_keys`` takes from its kernel (decode and prefill alike): the
+    padded head dim, keys per step in a tile of at least 16 rows, and the dot's precision
+    (fp32 caches IEEE, not TF32)."""
+    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_N=max(16, keys), KEYS=keys, DOT_F32=dot_f32,
+                PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
+
+
 def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, block_n: int,
                    *, f32_cache: bool, has_window: bool, dot_f32: bool = False) -> dict:
     """``_decode_partial_kernel``'s constexprs (also what the compile test builds)."""
     return dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, block_n),
-                KEYS=block_n, HAS_WINDOW=has_window, DOT_F32=dot_f32,
-                PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
+                NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
+                **key_loop_consts(head_dim, block_n, f32_cache, dot_f32))
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

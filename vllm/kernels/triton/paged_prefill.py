@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
-from vllm.kernels.triton.paged_decode import attend_keys
+from vllm.kernels.triton.paged_decode import attend_keys, key_loop_consts
 
 LOG2E = 1.4426950408889634
 
@@ -206,11 +206,9 @@ def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int
                    tile_m: int, keys: int, f32_cache: bool, has_window: bool, has_sinks: bool,
                    dot_f32: bool = False) -> dict:
     """``_prefill_kernel``'s constexprs (also what the compile test builds)."""
-    return dict(GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                BLOCK_D=max(16, triton.next_power_of_2(head_dim)), TILE_M=tile_m,
-                ROWS=max(16, triton.next_power_of_2(tile_m * group)), BLOCK_N=max(16, keys),
-                KEYS=keys, HAS_WINDOW=has_window, HAS_SINKS=has_sinks, DOT_F32=dot_f32,
-                PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
+    return dict(GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, TILE_M=tile_m,
+                ROWS=max(16, triton.next_power_of_2(tile_m * group)), HAS_WINDOW=has_window,
+                HAS_SINKS=has_sinks, **key_loop_consts(head_dim, keys, f32_cache, dot_f32))
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
