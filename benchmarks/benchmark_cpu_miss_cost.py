@@ -16,13 +16,15 @@ import json
 import statistics
 
 import torch
+from benchmark_decode import PRESETS
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import measure_cost_model
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 
-SHAPES = {"probe-4.8g": (2048, 768), "dsv2-lite": (2048, 1408), "tiny": (64, 32)}
-"""name -> (hidden, moe_intermediate), as benchmark_decode's presets."""
+SHAPES = {name: (cfg["hidden_size"], cfg["moe_intermediate_size"])
+          for name, (_, cfg) in PRESETS.items()}
+"""name -> (hidden, moe_intermediate) of benchmark_decode's presets."""
 
 
 def measure(hidden: int, inter: int, threads: int, repeats: int, experts: int = 8) -> dict:

@@ -1,17 +1,15 @@
 """benchmarks/benchmark_cpu_miss_cost.py: its rows (not their timings)."""
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "benchmark_cpu_miss_cost.py"
-spec = importlib.util.spec_from_file_location("benchmark_cpu_miss_cost", PATH)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import benchmark_cpu_miss_cost as bench  # noqa: E402
 
 
 def test_rows_per_shape_and_thread_count(capsys):
