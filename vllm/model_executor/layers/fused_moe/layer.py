@@ -181,7 +181,7 @@ class FusedMoE(nn.Module):
         host_pairs = None
         if split is not None:  # moe_expert_cpu_compute: the CPU computes the pairs it names
             topk_ids = split.device_ids
-            host_pairs = partial(provider.host_compute.compute, split, hidden_states.device)
+            host_pairs = partial(provider.host_compute.compute, split)
         waves = provider.prepare(topk_ids, row_slots)
         return self.quant_method.apply(provider.slot_weights(), hidden_states, topk_weights,
                                        waves, host_pairs=host_pairs)

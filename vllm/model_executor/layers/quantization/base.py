@@ -126,17 +126,17 @@ class FusedMoEMethodBase:
 
     def apply(self, weights: dict[str, torch.Tensor], x: torch.Tensor,
               topk_weights: torch.Tensor, waves: Iterable[torch.Tensor],
-              host_pairs: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+              host_pairs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. ``waves``: the ids [T, top_k] of each wave (one wave of expert ids
         without a cache); every pair is computed in exactly one wave, then all are reduced over
         top_k in k order, the same reduction however the step was split. ``host_pairs``: called
-        after the waves are enqueued (so the CPU works while the device does), gives
-        [T, top_k, H] pairs computed elsewhere, zero where a wave computes the pair (and the
-        waves skip its pairs), so adding them is exact."""
+        after the waves are enqueued (so the CPU works while the device does) with the
+        [T, top_k, H] pairs, it writes the pairs computed elsewhere, which the waves skip (ids
+        -1) and so left 0."""
         # [T, top_k, H] pairs, skipped ones 0; dead after the combine, so a reused buffer.
         out = scratch("moe.pairs", (*topk_weights.shape, x.shape[-1]), x.dtype, x.device).zero_()
         for ids in waves:
             self.apply_pairs(weights, x, topk_weights, ids, out)
         if host_pairs is not None:
-            out.add_(host_pairs())
+            host_pairs(out)
         return combine_pairs(out)

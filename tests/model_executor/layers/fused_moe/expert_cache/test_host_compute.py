@@ -49,19 +49,36 @@ def _split(hc, ids):
 
 def test_split_sends_missing_experts_pairs_to_the_cpu():
     hc = HostMissCompute("always", experts=None, store_tensors={}, cost=None)
-    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5], [8, 3]])
+    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5], [8, 3]], dtype=torch.int32)
     split = _split(hc, ids)
     # Resident 1, 3, 6, the skipped pair and an id past E stay on the device (the residency step
-    # routes the last nowhere); 0, 2, 5 go to the CPU.
+    # routes the last nowhere); 0, 2, 5 go to the CPU: pairs 1, 3, 6, 7 of rows 0, 1, 3.
     assert split.device_ids.tolist() == [[1, -1], [3, -1], [-1, 6], [-1, -1], [8, 3]]
-    assert split.host_ids.tolist() == [[-1, 0], [-1, 2], [-1, -1], [0, 5], [-1, -1]]
-    assert split.x.device.type == "cpu" and split.x[:, 0].tolist() == [0, 1, 2, 3, 4]
-    assert split.topk_weights.dtype == torch.float32 and split.topk_weights.shape == (5, 2)
+    assert split.device_ids.dtype == torch.int32
+    assert split.pair_index.tolist() == [1, 3, 6, 7]
+    assert split.host_ids.tolist() == [[-1, 0], [-1, 2], [0, 5]]
+    assert split.x.device.type == "cpu" and split.x[:, 0].tolist() == [0, 1, 3]
+    assert split.x.shape == (3, H) and split.x.is_contiguous()
+    assert split.topk_weights.tolist() == [[0.5, 0.5]] * 3
     assert hc.stats() == {"cpu_pairs": 4, "cpu_expert_calls": 3}
     assert _split(hc, torch.tensor([[1, 3], [6, -1]])) is None    # all hits
     assert hc.stats()["cpu_pairs"] == 4
     hc.reset_stats()
     assert hc.stats() == {"cpu_pairs": 0, "cpu_expert_calls": 0}
+
+
+def test_compute_writes_only_the_cpus_pairs():
+    class Doubler:       # stands in for a kernel: out[t, k] = 2 * x[t] * w[t, k] where ids >= 0
+        def apply_pairs(self, weights, x, w, ids, out):
+            assert set(ids[ids >= 0].tolist()) == {0, 2, 5}
+            out[ids >= 0] = (2 * x[:, None, :] * w[..., None]).expand_as(out)[ids >= 0]
+
+    hc = HostMissCompute("always", experts=Doubler(), store_tensors={}, cost=None)
+    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5], [8, 3]])
+    out = torch.full((5, 2, H), 7.0)          # what the waves left: the CPU's pairs are 0 there
+    hc.compute(_split(hc, ids), out)
+    rows = out[:, :, 0]
+    assert rows.tolist() == [[7, 0], [7, 1], [7, 7], [3, 3], [7, 7]]      # 2 * row * 0.5
 
 
 def test_rent_or_buy_is_ski_rental():
@@ -98,6 +115,21 @@ def test_auto_rents_each_missing_expert_until_a_copy_would_have_been_cheaper():
             assert (split.device_ids[ids == 1] == 1).all()
     assert on_cpu == [[2, 4], [4], [2, 4], []]
     assert hc.stats() == {"cpu_pairs": 5 + 1 + 5, "cpu_expert_calls": 5}
+
+
+def test_auto_starts_renting_afresh_once_an_expert_was_resident():
+    # Expert 0 is rented (0.3 of a 1.0 s copy spent), then arrives by prefetch and is evicted
+    # again: its next misses rent from 0, three of them before it is copied.
+    cost = HostCostModel(copy_seconds=1.0, cpu_fixed=0.1, cpu_per_token=0.2)
+    hc = HostMissCompute("auto", experts=None, store_tensors={}, cost=cost)
+    ids = torch.tensor([[0, 1]])
+    assert hc.host_pairs(ids, RESIDENT)[1].tolist() == [[True, False]]
+    assert hc.spent[0].item() == pytest.approx(0.3)
+    resident0 = RESIDENT.clone()
+    resident0[0] = 3
+    assert hc.host_pairs(ids, resident0)[1].tolist() == [[False, False]]
+    rented = [hc.host_pairs(ids, RESIDENT)[1][0, 0].item() for _ in range(4)]
+    assert rented == [True, True, True, False]
 
 
 def test_modes_are_checked():
@@ -214,8 +246,10 @@ def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, 
     want = torch.zeros(T, K, cached.hidden_size)
     twin.quant_method.apply_pairs(twin.weight_provider.slot_weights(), x, w, ids, want)
     split = hc.split(ids, empty, x, w)
-    assert torch.equal(split.host_ids, ids)
-    assert torch.equal(hc.compute(split, torch.device("cpu")), want)
+    assert torch.equal(split.host_ids, ids)                  # every row has a CPU pair
+    got = torch.zeros(T, K, cached.hidden_size)
+    hc.compute(split, got)
+    assert torch.equal(got, want)
 
 
 def _outputs(llm, prompts, params):

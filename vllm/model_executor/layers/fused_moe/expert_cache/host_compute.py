@@ -12,10 +12,10 @@ Per step and cached layer, with a mode other than "off":
   3. its pairs leave the device's ids (-1), so the residency step, the copies and the policy
      see only the rest: a miss computed on the CPU is not loaded, and the cache's contents
      change only through the misses that are copied (and prefetch);
-  4. the step's inputs go to the host while the device is idle, the device's waves are
-     enqueued, and the CPU computes its pairs into their own [T, top_k, H] meanwhile
-     (``compute``); the layer adds the two before its k-order combine: each pair has exactly
-     one non-zero side, so the sum is that side's value.
+  4. the rows of the step's inputs that have a CPU pair go to the host while the device is
+     idle, the device's waves are enqueued, and the CPU computes its pairs meanwhile
+     (``compute``); only those pairs come back, written into the layer's [T, top_k, H] pairs
+     (where the waves, which skip them, left zeros) before its k-order combine.
 On the device the pairs come from another kernel than the CPU's, so outputs may differ by
 rounding; where both sides run the same kernel (CPU device: the layer's own) they are bitwise
 equal to the uncached layer's.
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm.config import MOE_CPU_COMPUTE_MODES
+from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 
@@ -71,19 +73,31 @@ def _best_seconds(fn, repeats: int = 3) -> float:
 
 def measure_cost_model(store_tensors: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
                        experts: MoEExperts, hidden_size: int, dtype: torch.dtype,
-                       probe_tokens: int = 8) -> HostCostModel:
+                       probe_tokens: int = 8, copy: CopyMisses | None = None) -> HostCostModel:
     """Times one expert's copy into slot 0 (waiting for the device) and the CPU on 1 and
-    ``probe_tokens`` tokens of an expert, the best of 3 experts each. Overwrites slot 0: call
-    only while every slot is empty (``CachedWeightProvider.enable_host_compute`` checks)."""
+    ``probe_tokens`` tokens of an expert, the best of 3 experts each. ``copy``: the layer's copy
+    engine, so the time is that of the path misses take (else a ``copy_`` per tensor).
+    Overwrites slot 0: call only while every slot is empty (``CachedWeightProvider.
+    enable_host_compute`` checks)."""
     device = next(iter(slots.values())).device
     num_experts = next(iter(store_tensors.values())).shape[0]
+    plans = [LoadPlan(torch.zeros(1, dtype=torch.int64, device=device),
+                      torch.full((1,), r % num_experts, dtype=torch.int64, device=device),
+                      torch.ones(1, dtype=torch.bool, device=device)) for r in range(3)]
 
-    def copy_one(r: int):
-        for n, t in store_tensors.items():
-            slots[n][0].copy_(t[r % num_experts], non_blocking=True)
+    def wait():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def copy_one(r: int):
+        if copy is not None:
+            copy(slots, plans[r])
+        else:
+            for n, t in store_tensors.items():
+                slots[n][0].copy_(t[r % num_experts], non_blocking=True)
+        wait()
+
+    wait()   # the clock starts on an idle device, not behind the slots' zero fills
     def cpu(tokens: int, first: int):
         x = torch.randn(tokens, hidden_size, device="cpu").to(dtype)
         w = torch.ones(tokens, 1, dtype=dtype, device="cpu")
@@ -105,7 +119,8 @@ _COST_MODELS: dict[tuple, HostCostModel] = {}
 
 
 def cost_model_for(store_tensors: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
-                   experts: MoEExperts, hidden_size: int, dtype: torch.dtype) -> HostCostModel:
+                   experts: MoEExperts, hidden_size: int, dtype: torch.dtype,
+                   copy: CopyMisses | None = None) -> HostCostModel:
     """``measure_cost_model`` once per process for each device, store layout (names, per-expert
     shapes and dtypes), CPU kernel, hidden size and dtype: a model's cached layers share one
     measurement (taken by the first, while its slots are empty), so loading does not repeat it
@@ -114,7 +129,8 @@ def cost_model_for(store_tensors: dict[str, torch.Tensor], slots: dict[str, torc
     key = (str(device), tuple((n, tuple(t.shape[1:]), t.dtype) for n, t in store_tensors.items()),
            type(experts), hidden_size, dtype)
     if key not in _COST_MODELS:
-        _COST_MODELS[key] = measure_cost_model(store_tensors, slots, experts, hidden_size, dtype)
+        _COST_MODELS[key] = measure_cost_model(store_tensors, slots, experts, hidden_size, dtype,
+                                               copy=copy)
     return _COST_MODELS[key]
 
 
@@ -136,11 +152,13 @@ def host_experts(quant_method, device: torch.device) -> MoEExperts:
 
 @dataclass
 class HostSplit:
-    """One step's split: ``device_ids`` [T, top_k] on the device (the CPU's pairs -1); on the
-    host, ``host_ids`` [T, top_k] (global expert ids, -1 where the device computes) and the
-    step's inputs ``x`` [T, H] and ``topk_weights`` [T, top_k] (in x's dtype), copied while the
-    device was idle, so ``compute`` never waits for the device."""
+    """One step's split: ``device_ids`` [T, top_k] on the device (the CPU's pairs -1) and
+    ``pair_index`` [P] on the device (the CPU's pairs as flat indices t * top_k + k, ascending);
+    on the host, for the R rows that have a CPU pair (ascending), ``host_ids`` [R, top_k] (global
+    expert ids, -1 where the device computes), ``x`` [R, H] and ``topk_weights`` [R, top_k] (in
+    x's dtype), copied while the device was idle, so ``compute`` never waits for the device."""
     device_ids: torch.Tensor
+    pair_index: torch.Tensor
     host_ids: torch.Tensor
     x: torch.Tensor
     topk_weights: torch.Tensor
@@ -150,13 +168,16 @@ class HostMissCompute:
     """The CPU side of one cached layer: decides the split, computes its pairs, counts them."""
 
     def __init__(self, mode: str, experts: MoEExperts, store_tensors: dict[str, torch.Tensor],
-                 cost: HostCostModel | None):
+                 cost: HostCostModel | None, pin: bool = False):
         if mode not in MOE_CPU_COMPUTE_MODES[1:]:
             raise ValueError(f"moe_expert_cpu_compute={mode!r} is invalid here: must be one of "
                              f"{list(MOE_CPU_COMPUTE_MODES[1:])}")
         if mode == "auto" and cost is None:
             raise ValueError("moe_expert_cpu_compute='auto' needs a cost model")
         self.mode, self.experts, self.store_tensors, self.cost = mode, experts, store_tensors, cost
+        self.pin = pin
+        """Whether uploads go through page-locked memory, without blocking (the platform's
+        ``is_pin_memory_available`` for the device: not under WSL)."""
         self.pairs = 0
         """Pairs computed on the CPU so far."""
         self.expert_calls = 0
@@ -175,41 +196,63 @@ class HostMissCompute:
         num_experts = resident.shape[0]
         known = (ids >= 0) & (ids < num_experts)             # others route nowhere, as the steps
         miss = known & ~resident[ids.clamp(0, num_experts - 1)]
-        if self.mode == "auto" and bool(miss.any()):
-            tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per miss
+        if self.mode == "auto":
             if self.spent is None:
                 self.spent = torch.zeros(num_experts, dtype=torch.float64)
+            # A resident expert was copied since it last ran on the CPU (as a miss or by
+            # prefetch): its next rental starts from nothing.
+            self.spent.masked_fill_(resident, 0.0)
+        if self.mode == "auto" and bool(miss.any()):
+            tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per miss
             rent, self.spent = rent_or_buy(self.spent, self.cost.cpu_seconds(tokens), tokens,
                                            self.cost.copy_seconds)
             miss &= rent[ids.clamp(0, num_experts - 1)]
         return ids, miss
 
+    def _upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # A pinned source freed right after its non-blocking copy is safe: the caching host
+        # allocator records the copy's event and reuses the block only after it.
+        if self.pin:
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
     def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
               topk_weights: torch.Tensor) -> HostSplit | None:
         """The step's split (``host_pairs``), or None when the device computes every pair.
         x [T, H] and topk_weights [T, top_k] are the device's; eager steps only (no padding rows:
-        graphs refuse this mode)."""
+        graphs refuse this mode). Two reads of the device (the routing, then the CPU's rows of
+        the inputs) and one upload (the device's ids and the CPU's rows and pairs)."""
         ids, miss = self.host_pairs(topk_ids, slot_of_expert)
         if not bool(miss.any()):
             return None
-        host_ids = torch.where(miss, ids, -1)
+        T, K = ids.shape
         self.pairs += int(miss.sum())
         self.expert_calls += int(torch.unique(ids[miss]).numel())
-        device_ids = torch.where(miss.to(topk_ids.device), -1, topk_ids)
-        # The device is idle here (the router's ids were just read), so these copies wait for
-        # nothing; the device's waves are enqueued after them.
-        return HostSplit(device_ids, host_ids, x.to("cpu"), topk_weights.to("cpu", x.dtype))
+        rows = miss.any(1).nonzero().squeeze(1)                       # [R] ascending
+        pair_index = miss.reshape(-1).nonzero().squeeze(1)            # [P] ascending
+        up = self._upload(torch.cat([torch.where(miss, -1, ids).reshape(-1), rows, pair_index]),
+                          topk_ids.device)
+        device_ids = up[:T * K].view(T, K).to(topk_ids.dtype)
+        rows_dev, R = up[T * K:T * K + rows.numel()], rows.numel()
+        # The device is idle here (the router's ids were just read), so this read waits only
+        # for the gather; the device's waves are enqueued after it.
+        inputs = torch.cat([x.index_select(0, rows_dev),
+                            topk_weights.index_select(0, rows_dev).to(x.dtype)], 1).to("cpu")
+        H = x.shape[-1]
+        return HostSplit(device_ids, up[T * K + R:], torch.where(miss[rows], ids[rows], -1),
+                         inputs[:, :H].contiguous(), inputs[:, H:].contiguous())
 
-    def compute(self, split: HostSplit, device: torch.device) -> torch.Tensor:
-        """-> [T, top_k, H] on ``device``: the pairs ``split.host_ids`` names, computed on the CPU
-        from the host store while the device runs its waves; zeros elsewhere. The copy back is
-        asynchronous from pinned memory where the device has it."""
-        x = split.x
-        pin = device.type == "cuda"
-        out = torch.zeros(*split.host_ids.shape, x.shape[-1], dtype=x.dtype, device="cpu",
-                          pin_memory=pin)
-        self.experts.apply_pairs(self.store_tensors, x, split.topk_weights, split.host_ids, out)
-        return out.to(device, non_blocking=pin)
+    def compute(self, split: HostSplit, out: torch.Tensor) -> None:
+        """Writes the pairs ``split`` gives the CPU into out [T, top_k, H] (the device's, where
+        the waves left them 0): computed from the host store while the device runs its waves,
+        then only those P rows go back, asynchronously through pinned memory where allowed."""
+        R, K = split.host_ids.shape
+        rows = torch.zeros(R, K, split.x.shape[-1], dtype=split.x.dtype, device="cpu")
+        self.experts.apply_pairs(self.store_tensors, split.x, split.topk_weights,
+                                 split.host_ids, rows)
+        pairs = rows[split.host_ids >= 0]                              # [P, H], ascending
+        out.view(-1, out.shape[-1]).index_copy_(0, split.pair_index,
+                                                self._upload(pairs, out.device))
 
     def stats(self) -> dict[str, int]:
         return {"cpu_pairs": self.pairs, "cpu_expert_calls": self.expert_calls}

@@ -274,11 +274,13 @@ class CachedWeightProvider(WeightProvider):
             if bool((self.residency.expert_of_slot >= 0).any()):
                 raise ValueError("moe_expert_cpu_compute='auto' measures its cost model in an "
                                  "empty slot: enable it before the first step")
-            cost = cost_model_for(self.store.tensors, self.slots, experts, hidden_size, dtype)
+            cost = cost_model_for(self.store.tensors, self.slots, experts, hidden_size, dtype,
+                                  copy=self.copy)
             log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (a missing "
                      "expert runs on the CPU until the CPU has spent one copy's time on it, "
                      "then it is copied)")
-        self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
+        pin = self.device.type != "cpu" and platform_for(self.device).is_pin_memory_available()
+        self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost, pin=pin)
 
     def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
                        topk_weights: torch.Tensor) -> HostSplit | None:
