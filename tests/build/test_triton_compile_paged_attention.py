@@ -62,7 +62,7 @@ from vllm.kernels.triton import paged_decode as pd
 
 for cc in (90, 120):
     for dtype in ("bf16", "fp16", "fp32"):
-        for group, hkv, d in ((1, 8, 128), (8, 1, 128), (16, 1, 576)):
+        for group, hkv, d in ((1, 8, 128), (8, 1, 128), (16, 1, 576), (128, 1, 576)):
             if (cc, dtype, d) == (120, "fp32", 576):
                 continue                                   # over SM120's shared memory
             consts = pd.partial_consts(group, hkv, d, 16, pd.decode_block_n(d),
@@ -105,11 +105,13 @@ def test_write_kv_cache_compiles(compiled, cc, dtype, d):
 @pytest.mark.triton
 @pytest.mark.parametrize("cc,dtype,group,d", [
     (cc, dtype, group, d) for cc in (90, 120) for dtype in ("bf16", "fp16", "fp32")
-    for group, d in ((1, 128), (8, 128), (16, 576)) if (cc, dtype, d) != (120, "fp32", 576)])
+    for group, d in ((1, 128), (8, 128), (16, 576), (128, 576))
+    if (cc, dtype, d) != (120, "fp32", 576)])
 def test_paged_decode_compiles(compiled, cc, dtype, group, d):
     """The split-context decode kernels (paged_decode.py): GQA 1:1 (16 padded rows) and 8:1 with
-    a window and sinks at D = 128, MLA-like 16:1 at D = 576 (not fp32 on SM120: 132 KB of shared
-    memory, over its limit); 16-bit caches on the tensor cores, fp32 ones with no TF32."""
+    a window and sinks at D = 128, MLA-like 16:1 and DeepSeek-V2's 128:1 (split over 8
+    programs of 16 heads) at D = 576 (not fp32 on SM120: 132 KB of shared memory, over its
+    limit); 16-bit caches on the tensor cores, fp32 ones with no TF32."""
     for name in ("decode", "reduce"):
         k = compiled[f"{name}/{cc}/{dtype}/{group}/{d}"]
         assert k["cubin"] > 0 and f".target sm_{cc}a" in k["ptx"]

@@ -1,7 +1,8 @@
 """The query-tiled prefill kernel (``vllm/kernels/triton/paged_prefill.py``) compiles for SM90 and
 SM120 without a GPU at its default tile shapes (``prefill_config``): D = 64, 128 and 256 in
 bf16, fp16 and fp32, GQA 1:1, 3:1 (padded rows), 4:1 and 8:1, with and without a sliding window
-and sinks, and MLA's one-plane D = 576 (16:1) in bf16 / fp16; within the target's shared memory,
+and sinks, and MLA's one-plane D = 576 (16:1, and 64:1 and 128:1 with the query heads split
+over programs) in bf16 / fp16; within the target's shared memory,
 16-bit caches on the tensor cores, fp32 ones without TF32. Compiling is not running: nothing
 here says the kernel is right or fast on a GPU (tests/kernels/triton/test_triton_paged_prefill.py
 checks results under the interpreter).
@@ -16,9 +17,11 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 CASES = [(64, 1, 8, "bf16", False), (64, 4, 2, "fp16", True), (64, 8, 1, "fp32", True),
          (128, 8, 1, "bf16", True), (128, 3, 2, "fp16", True), (128, 1, 8, "fp32", False),
          (128, 4, 2, "fp32", True), (256, 4, 2, "bf16", True), (256, 1, 8, "fp16", False),
-         (256, 8, 1, "fp32", True), (576, 16, 1, "bf16", True), (576, 16, 1, "fp16", False)]
+         (256, 8, 1, "fp32", True), (576, 16, 1, "bf16", True), (576, 16, 1, "fp16", False),
+         (576, 128, 1, "bf16", True), (576, 64, 1, "fp16", False)]
 """(D, GROUP, Hkv, dtype, window and sinks): every D in every dtype, GQA 1:1, 3:1 (rows
-padded), 4:1, 8:1 and MLA-like 16:1; the tile shapes (hence shared memory) are the defaults."""
+padded), 4:1, 8:1, MLA-like 16:1, and DeepSeek-V2's 128:1 and 64:1 at D = 576, whose heads
+are split over programs; the tile shapes (hence shared memory) are the defaults."""
 
 # The body of a script run by compile_in_subprocess (tests/triton_compile.py).
 SCRIPT = r"""
@@ -32,7 +35,8 @@ def compile_prefill(dtype, cc, d, group, hkv, extras):
     f32 = dtype == "fp32"
     config = pp.prefill_config(d, group, f32, cc)
     consts = pp.prefill_consts(group, hkv, d, 16, tile_m=config["TILE_M"], keys=config["KEYS"],
-                               f32_cache=f32, has_window=extras, has_sinks=extras)
+                               f32_cache=f32, has_window=extras, has_sinks=extras,
+                               heads=config["HEADS"])
     fn = pp._prefill_kernel
     sig = kernel_signature(fn, consts, dtype, SCALARS, INDEX)
     options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}

@@ -54,6 +54,27 @@ def test_gqa_groups_and_head_dims(dtype, group, d):
     case.check(decode(case, block_n=16, min_chunk=32))
 
 
+@pytest.mark.parametrize("heads", [1, 4, 6])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_query_heads_split_over_programs(dtype, heads):
+    """A kv head's GROUP = 6 query heads over cdiv(6, heads) programs (4: the second program's
+    rows past the group masked), with sinks and a window, 3 kv heads: the last kv head's
+    padding rows must not read or write past Hq."""
+    case = make(hq=18, hkv=3, d=32, dtype=DTYPES[dtype], seed=heads, window=40, use_sinks=True)
+    case.check(decode(case, block_n=16, min_chunk=32, heads=heads))
+
+
+def test_decode_heads_rule():
+    """All of a group in one program unless its rows pass the target: DeepSeek-V2's 128 heads at
+    D = 576 in 8 programs of 16; the shipped GQA shapes unsplit."""
+    assert pd.decode_heads(128, 576, False) == 16 and pd.decode_heads(16, 576, False) == 16
+    assert pd.decode_heads(8, 128, False) == 8 and pd.decode_heads(128, 128, False) == 128
+    assert pd.decode_heads(100, 256, False) == 64 and pd.decode_heads(6, 576, True) == 6
+    assert pd.decode_heads(64, 128, True) == 32
+    with pytest.raises(ValueError, match=r"heads=7 per program must be in \[1, 6\]"):
+        pd.partial_consts(6, 1, 64, 16, 16, f32_cache=False, has_window=False, heads=7)
+
+
 @pytest.mark.parametrize("opts", list(OPTIONS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_window_sinks_and_kv_shared(dtype, opts):

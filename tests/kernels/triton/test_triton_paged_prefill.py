@@ -21,6 +21,7 @@ pytestmark = pytest.mark.triton
 from test_triton_paged_attention import DEVICE, Case                           # noqa: E402
 
 from vllm.kernels.triton import paged_prefill as pp                           # noqa: E402
+from vllm.kernels.triton.paged_attention import write_kv_cache               # noqa: E402
 from vllm.model_executor.forward_context import AttentionMetadata             # noqa: E402
 
 MIXED = ([(20, 1), (5, 1), (3, 3), (17, 17), (90, 70), (40, 17)], 2)
@@ -79,6 +80,30 @@ def test_default_tiles_block_size_16_and_head_dims(d):
                 window=None if d == 64 else 50, use_sinks=d == 80, seed=d)
     assert pp.prefill_tile_m(64, 4, torch.float32) == 8
     case.check(case.run())
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_query_heads_split_over_programs(dtype, heads):
+    """GROUP = 6 query heads over cdiv(6, heads) programs (4: rows past the group masked), 3
+    tokens per tile (rows = tokens x heads), with sinks and a window, 2 kv heads: the last kv
+    head's padding rows must not read or write past Hq."""
+    case = make(SMALL, hq=12, hkv=2, d=16, dtype=DTYPES[dtype], window=9, use_sinks=True,
+                seed=heads)
+    write_kv_cache(case.k, case.v, case.slots, case.cache)
+    case.check(pp.paged_prefill(case.q, case.cache, case.block_tables, case.seq_lens,
+                                case.query_start_loc, case.scale, window=case.window,
+                                sinks=case.sinks, block_m=3, block_n=8, heads=heads))
+
+
+def test_prefill_config_splits_only_groups_over_the_rows_target():
+    """DeepSeek-V2's 128 heads of one kv head at D = 576: one token per tile and 16 heads per
+    program, on SM90 and SM120; the GQA shapes keep their whole group."""
+    for sm in (90, 120):
+        c = pp.prefill_config(576, 128, False, sm)
+        assert (c["TILE_M"], c["HEADS"], c["ROWS"]) == (1, 16, 16)
+    c = pp.prefill_config(128, 8, False, 90)
+    assert (c["TILE_M"], c["HEADS"], c["ROWS"]) == (16, 8, 128)
 
 
 @pytest.mark.parametrize("block_m", [1, 3, 64])

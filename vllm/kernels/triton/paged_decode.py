@@ -10,8 +10,10 @@ Layouts and semantics are ``paged_attention``'s decode case (paged_attention.py)
 sequence t and attends keys [lo, n), n = seq_lens[t], lo = max(n - W, 0) with a window W; a
 row with n = 0 (and no sink) writes zeros.
 
-- ``_decode_partial_kernel``, grid (T, Hkv, num_chunks): program (t, g, c) runs the GROUP =
-  Hq / Hkv query heads of kv head g (rows padded to GROUP_PAD >= 16 for ``tl.dot``) over keys
+- ``_decode_partial_kernel``, grid (T, Hkv * S, num_chunks): program (t, g * S + s, c) runs
+  HEADS of the GROUP = Hq / Hkv query heads of kv head g, heads [s * HEADS, (s + 1) * HEADS)
+  (``decode_heads``: all GROUP, S = 1, unless their rows would pass the shared memory: MLA's
+  128 heads of one kv head at D = 576; rows padded to ROWS >= 16 for ``tl.dot``) over keys
   [c * chunk_t, (c + 1) * chunk_t) & [lo, n), ``block_n`` keys per step (a tile of max(16,
   block_n) rows), q cast to the cache's dtype for the dot, online softmax in base 2 from the
   f32 scores times scale * log2(e); it writes the chunk's running max m, sum l and acc [D]
@@ -29,7 +31,8 @@ size, the other rows, nor the table's width (an eager step's tables are as wide 
 sequence, a graph's as max_model_len).
 
 Limits: an fp32 cache at D > 512 needs 132 KB of shared memory in the partial kernel (its f32
-dot operands), within SM90's 227 KiB, over SM120's 99 KiB: it does not fit SM120.
+dot operands), within SM90's 227 KiB, over SM120's 99 KiB: it does not fit SM120, where the
+registry refuses the backend (``triton_paged.shared_memory_refusal``).
 
 Under the interpreter ``tl.dot`` reads bfloat16 tiles as their uint16 storage: there (only)
 bf16 operands are widened to f32 before the dot, exact for the products as on the tensor cores.
@@ -55,6 +58,21 @@ def _sequence_chunk(n, base):
     for _ in tl.static_range(40):
         p = tl.where(base * p * MAX_CHUNKS_C < n, p * 2, p)
     return base * p
+
+
+@triton.jit
+def head_rows(pid, GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
+              TILE_M: tl.constexpr):
+    """Program ``pid`` of axis 1 = g * S + s, S = cdiv(GROUP, HEADS): kv head g and, per row r of
+    ROWS, whether it is real (token r // HEADS < TILE_M of the tile, head j = s * HEADS +
+    r % HEADS < GROUP) and its query head g * GROUP + j (clamped into kv head g's heads, so
+    padding rows address a real head: their loads stay in bounds, their stores are masked)."""
+    split = (GROUP + HEADS - 1) // HEADS
+    g = pid // split
+    r = tl.arange(0, ROWS)
+    j = (pid % split) * HEADS + r % HEADS
+    r_in = (r < TILE_M * HEADS) & (j < GROUP)
+    return g, r, r_in, g * GROUP + tl.minimum(j, GROUP - 1)
 
 
 @triton.jit
@@ -99,17 +117,21 @@ def attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi, l
     return m, s_sum, acc
 
 
-@triton.jit
+# stride_bt (an eager step's table width) and num_chunks vary from step to step: specialising
+# on their values (1, multiples of 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["num_chunks", "stride_bt"])
 def _decode_partial_kernel(
         m_ptr, l_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         scale_log2, window, base, num_chunks, stride_qt, stride_qh, stride_bt,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
+        NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
         DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (t, g, c): (m, l, acc) of query heads g*GROUP.. over chunk c's keys of row t."""
+    """Program (t, g * S + s, c): (m, l, acc) of query heads g * GROUP + s * HEADS.. over chunk
+    c's keys of row t."""
     t = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+    g, r, r_in, h = head_rows(tl.program_id(1), GROUP, HEADS, ROWS, 1)
     c = tl.program_id(2)
     n = tl.load(seq_lens_ptr + t)
     lo = n * 0
@@ -118,31 +140,28 @@ def _decode_partial_kernel(
     chunk = _sequence_chunk(n, base)
     c_lo = tl.maximum(lo, c.to(tl.int64) * chunk)                   # keys [c_lo, c_hi)
     c_hi = tl.minimum(n, (c + 1).to(tl.int64) * chunk)
-    r = tl.arange(0, GROUP_PAD)
-    r_in = r < GROUP
-    h = g * GROUP + r                                                # [GROUP_PAD] query heads
     d = tl.arange(0, BLOCK_D)
     d_in = d < HEAD_DIM
     rd_in = r_in[:, None] & d_in[None, :]
     q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=rd_in,
-                other=0.0).to(k_cache_ptr.dtype.element_ty)          # [GROUP_PAD, BLOCK_D]
+                other=0.0).to(k_cache_ptr.dtype.element_ty)          # [ROWS, BLOCK_D]
     if DOT_F32:
         q = q.to(tl.float32)
     head_off = g * HEAD_DIM
     table = block_tables_ptr + t * stride_bt
-    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    s_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    s_sum = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, c_lo, c_hi,
                                 c_lo, c_hi, d, d_in, head_off, scale_log2, BLOCK_N, KEYS,
                                 BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM, False, DOT_F32, PRECISION)
-    row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [GROUP_PAD] scratch rows
+    row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [ROWS] scratch rows
     tl.store(m_ptr + row, m, mask=r_in)
     tl.store(l_ptr + row, s_sum, mask=r_in)
     tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=rd_in)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, sinks_ptr, num_chunks,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                           HAS_SINKS: tl.constexpr):
@@ -199,7 +218,7 @@ def sequence_chunk(n: int, base: int) -> int:
 
 
 def decode_launch(head_dim: int, f32_cache: bool) -> dict:
-    """Launch options: 4 warps up to D = 128, 8 above (the [GROUP_PAD, BLOCK_D] f32
+    """Launch options: 4 warps up to D = 128, 8 above (the [ROWS, BLOCK_D] f32
     accumulator); f32 caches above D = 128 unpipelined (1 stage: their cp.async K/V stages
     would pass SM120's 99 KiB of shared memory), else Triton's 3 stages."""
     wide = triton.next_power_of_2(head_dim) > 128
@@ -215,10 +234,35 @@ def key_loop_consts(head_dim: int, keys: int, f32_cache: bool, dot_f32: bool) ->
                 PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
 
 
+def heads_per_program(group: int, rows: int) -> int:
+    """Query heads of one kv head per program: all ``group`` where their rows (padded to a power
+    of two) fit the target ``rows``, else ``rows`` (a power of two: the group is split over
+    cdiv(group, rows) programs, each reading the kv head's keys)."""
+    return group if triton.next_power_of_2(group) <= rows else rows
+
+
+def decode_heads(group: int, head_dim: int, f32_cache: bool) -> int:
+    """``heads_per_program`` for the partial kernel: rows of [ROWS, BLOCK_D] q and accumulator
+    tiles up to 128 at BLOCK_D <= 128, 64 at 256, 16 above (MLA's D = 576 pads to 1024: 128
+    heads there need 320 KiB of shared memory, over SM90's 227); fp32 caches 32, 16 above 128."""
+    block_d = triton.next_power_of_2(head_dim)
+    if f32_cache:
+        rows = 32 if block_d <= 128 else 16
+    else:
+        rows = 128 if block_d <= 128 else 64 if block_d <= 256 else 16
+    return heads_per_program(group, rows)
+
+
 def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, block_n: int,
-                   *, f32_cache: bool, has_window: bool, dot_f32: bool = False) -> dict:
-    """``_decode_partial_kernel``'s constexprs (also what the compile test builds)."""
-    return dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                   *, f32_cache: bool, has_window: bool, dot_f32: bool = False,
+                   heads: int | None = None) -> dict:
+    """``_decode_partial_kernel``'s constexprs (also what the compile test builds); ``heads``
+    per program, default ``decode_heads``."""
+    heads = decode_heads(group, head_dim, f32_cache) if heads is None else heads
+    if not 1 <= heads <= group:
+        raise ValueError(f"triton paged_decode: heads={heads} per program must be in "
+                         f"[1, {group}] (the query heads per kv head)")
+    return dict(GROUP=group, HEADS=heads, ROWS=max(16, triton.next_power_of_2(heads)),
                 NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
                 **key_loop_consts(head_dim, block_n, f32_cache, dot_f32))
 
@@ -226,13 +270,15 @@ def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, *, window: int | None = None,
                  sinks: torch.Tensor | None = None, block_n: int | None = None,
-                 min_chunk: int = MIN_CHUNK, out: torch.Tensor | None = None) -> torch.Tensor:
+                 min_chunk: int = MIN_CHUNK, out: torch.Tensor | None = None,
+                 heads: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (q's dtype): token t attends row t of ``block_tables`` and
     ``seq_lens`` (module docstring). Arguments as checked by ``paged_attention`` (which calls
     this with ``decode_only``, and for a mixed step's decodes); ``block_n`` keys per step
     (default ``decode_block_n(D)``), ``min_chunk`` the smallest chunk (tests pass small ones);
     ``out``: a contiguous [T, Hq, D] tensor to write (e.g. the decodes' rows of a mixed step's
-    result), else a new one. No host read: graph-safe."""
+    result), else a new one; ``heads``: query heads per program (default ``decode_heads``).
+    No host read: graph-safe."""
     T, Hq, D = q.shape
     Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if Hq % Hkv:
@@ -254,9 +300,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     consts = partial_consts(Hq // Hkv, Hkv, D, block_size, block_n,
                             f32_cache=kv_cache.dtype == torch.float32,
                             has_window=window is not None,
-                            dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting())
+                            dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting(),
+                            heads=heads)
     launch = decode_launch(D, kv_cache.dtype == torch.float32)
-    _decode_partial_kernel[(T, Hkv, num_chunks)](
+    split = triton.cdiv(Hq // Hkv, consts["HEADS"])
+    _decode_partial_kernel[(T, Hkv * split, num_chunks)](
         m, s_sum, acc, q, kv_cache[0], kv_cache[-1], block_tables, seq_lens, scale * LOG2E,
         window or 0, base, num_chunks, q.stride(0), q.stride(1), block_tables.stride(0),
         **consts, **launch)

@@ -15,9 +15,12 @@ no value; a row with no key (and no sink) writes zeros.
   in CUDA graphs): tile i covers tokens [start[i], min(start[i] + tile_m, query_start_loc[b + 1]))
   of sequence b = seq[i], int64 [n_tiles] device tensors; a sequence of L query tokens has
   cdiv(L, tile_m) tiles (none when L = 0), a decode one tile of one token.
-- ``_prefill_kernel``, grid (n_tiles, Hkv): program (i, g) holds ROWS = max(16, next power of
-  two of TILE_M * GROUP) rows, row r = query token r // GROUP of the tile, query head
-  g * GROUP + r % GROUP (rows past TILE_M * GROUP or past the sequence masked). It walks keys
+- ``_prefill_kernel``, grid (n_tiles, Hkv * S): program (i, g * S + s) holds HEADS of the
+  GROUP query heads of kv head g, heads [s * HEADS, (s + 1) * HEADS) (all of them, S = 1,
+  unless one token's heads pass the rows target below: MLA's 128 heads of one kv head), in
+  ROWS = max(16, next power of two of TILE_M * HEADS) rows, row r = query token r // HEADS of
+  the tile, query head g * GROUP + s * HEADS + r % HEADS (rows past TILE_M * HEADS, past the
+  group or past the sequence masked). It walks keys
   [k_lo, k_hi), k_lo = the first token's lo (the smallest in the tile), k_hi = the last token's
   p + 1 (the largest), KEYS keys per step in a tile of BLOCK_N = max(16, KEYS) rows; per row the
   causal / window mask, online softmax in fp32, base 2 (f32 scores times scale * log2(e), as
@@ -38,8 +41,8 @@ for BLOCK_D <= 64, and at 128 on SM90 (64 on SM120, which spills at 128), 64 at 
 (MLA's D = 576), KEYS 64 up to BLOCK_D = 128, 32 at 256, 16 above, 8 warps when the
 [ROWS, BLOCK_D] f32 accumulator holds 8K elements or more, else 4; fp32 caches ROWS 32 up to
 BLOCK_D = 128 (16 above), KEYS 64 / 32 / 16 at 64 / 128 / 256, 8 warps at BLOCK_D <= 64;
-num_stages 2. TILE_M = target rows // the next power of two of GROUP, at least 1 (a GROUP over
-the target gets one token per tile and ROWS = GROUP padded). All within SM120's 99 KiB of
+num_stages 2. TILE_M = target rows // the next power of two of GROUP, at least 1; a GROUP
+over the target gets one token per tile and HEADS = the target (``heads_per_program``). All within SM120's 99 KiB of
 shared memory: D = 64, 128 and 256 compile for SM90 and SM120 in fp16, bf16 and fp32, D = 576
 in 16-bit (tests/build/test_triton_compile_paged_prefill.py); fp32 at D = 576 is not compiled
 there. SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
@@ -53,7 +56,8 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
-from vllm.kernels.triton.paged_decode import attend_keys, key_loop_consts
+from vllm.kernels.triton.paged_decode import (attend_keys, head_rows, heads_per_program,
+                                              key_loop_consts)
 
 LOG2E = 1.4426950408889634
 
@@ -105,8 +109,9 @@ def query_tiles_from_device(query_start_loc: torch.Tensor, num_tokens: int,
 
 def prefill_config(head_dim: int, group: int, f32_cache: bool, sm: int = 90) -> dict:
     """Default tile shape and launch options for D = ``head_dim``, GROUP query heads per kv head,
-    compute capability ``sm`` (90, 120; module docstring): TILE_M tokens per tile, ROWS, KEYS
-    per step, num_warps, num_stages. Chosen so ptxas spills no registers at GQA 1:1 to 8:1."""
+    compute capability ``sm`` (90, 120; module docstring): TILE_M tokens per tile, HEADS query
+    heads per program, ROWS, KEYS per step, num_warps, num_stages. Chosen so ptxas spills no
+    registers at GQA 1:1 to 8:1."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if f32_cache:                                     # f32 Q/K/V tiles: fewer rows and keys
         rows = 32 if block_d <= 128 else 16
@@ -118,9 +123,11 @@ def prefill_config(head_dim: int, group: int, f32_cache: bool, sm: int = 90) -> 
             64 if block_d <= 256 else 16
         keys = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
         warps = 8 if rows * block_d >= 8192 else 4
-    tile_m = max(1, rows // triton.next_power_of_2(group))
-    rows = max(16, triton.next_power_of_2(tile_m * group))
-    return dict(TILE_M=tile_m, ROWS=rows, KEYS=keys, num_warps=warps, num_stages=2)
+    heads = heads_per_program(group, rows)
+    tile_m = max(1, rows // triton.next_power_of_2(heads))
+    rows = max(16, triton.next_power_of_2(tile_m * heads))
+    return dict(TILE_M=tile_m, HEADS=heads, ROWS=rows, KEYS=keys, num_warps=warps,
+                num_stages=2)
 
 
 def _sm(device: torch.device) -> int:
@@ -140,20 +147,20 @@ def prefill_tile_m(head_dim: int, group: int, dtype: torch.dtype,
 
 
 @triton.jit
-def _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr, seq_lens_ptr, window, g,
-               GROUP: tl.constexpr, TILE_M: tl.constexpr, ROWS: tl.constexpr,
-               HAS_WINDOW: tl.constexpr):
-    """Tile program_id(0): its sequence b; per row [ROWS] the token t, query head h, whether the
-    row is real (r_in) and its keys [lo, n) (n = 0 for a padded row); the tile's keys
-    [k_lo, k_hi), k_lo = its first token's lo (the smallest), k_hi = its last token's n."""
+def _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr, seq_lens_ptr, window,
+               GROUP: tl.constexpr, HEADS: tl.constexpr, TILE_M: tl.constexpr,
+               ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Tile program_id(0), heads program_id(1): the kv head g, the sequence b; per row [ROWS]
+    the token t, query head h, whether the row is real (r_in) and its keys [lo, n) (n = 0 for a
+    padded row); the tile's keys [k_lo, k_hi), k_lo = its first token's lo (the smallest),
+    k_hi = its last token's n."""
     b = tl.load(tile_seq_ptr + tl.program_id(0))
     t0 = tl.load(tile_start_ptr + tl.program_id(0))                 # int64: the first token
     q_end = tl.load(qsl_ptr + b + 1)                                  # one past b's last token
     ctx = tl.load(seq_lens_ptr + b)
-    r = tl.arange(0, ROWS)
-    t = t0 + r // GROUP                                               # [ROWS] tokens
-    h = g * GROUP + r % GROUP                                         # [ROWS] query heads < Hq
-    r_in = (r < TILE_M * GROUP) & (t < q_end)
+    g, r, r_in, h = head_rows(tl.program_id(1), GROUP, HEADS, ROWS, TILE_M)   # h < Hq
+    t = t0 + r // HEADS                                               # [ROWS] tokens
+    r_in = r_in & (t < q_end)
     n = tl.where(r_in, ctx - (q_end - t) + 1, 0)                      # position + 1
     k_hi = ctx - (q_end - tl.minimum(t0 + TILE_M, q_end))
     lo = n * 0
@@ -161,23 +168,26 @@ def _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr, seq_lens_ptr, window, g,
     if HAS_WINDOW:
         lo = tl.maximum(n - window, 0)
         k_lo = tl.maximum(ctx - (q_end - t0) + 1 - window, 0)
-    return b, t, h, r_in, lo, n, k_lo, k_hi
+    return g, b, t, h, r_in, lo, n, k_lo, k_hi
 
 
-@triton.jit
+# stride_bt (the step's widest table) varies from step to step: specialising on its value
+# (1, multiples of 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         tile_seq_ptr, tile_start_ptr, sinks_ptr, scale_log2, window, stride_qt, stride_qh,
-        stride_bt, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        stride_bt, GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_M: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_F32: tl.constexpr,
         PRECISION: tl.constexpr):
-    """Program (i, g): out rows of tile i's tokens x query heads of kv head g (module docstring)."""
-    g = tl.program_id(1)
-    b, t, h, r_in, lo, n, k_lo, k_hi = _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr,
-                                                  seq_lens_ptr, window, g, GROUP, TILE_M, ROWS,
-                                                  HAS_WINDOW)
+    """Program (i, g * S + s): out rows of tile i's tokens x HEADS query heads of kv head g
+    (module docstring)."""
+    g, b, t, h, r_in, lo, n, k_lo, k_hi = _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr,
+                                                     seq_lens_ptr, window, GROUP, HEADS, TILE_M,
+                                                     ROWS, HAS_WINDOW)
     d = tl.arange(0, BLOCK_D)
     d_in = d < HEAD_DIM
     rd_in = r_in[:, None] & d_in[None, :]
@@ -204,24 +214,30 @@ def _prefill_kernel(
 
 def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, *,
                    tile_m: int, keys: int, f32_cache: bool, has_window: bool, has_sinks: bool,
-                   dot_f32: bool = False) -> dict:
-    """``_prefill_kernel``'s constexprs (also what the compile test builds)."""
-    return dict(GROUP=group, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, TILE_M=tile_m,
-                ROWS=max(16, triton.next_power_of_2(tile_m * group)), HAS_WINDOW=has_window,
-                HAS_SINKS=has_sinks, **key_loop_consts(head_dim, keys, f32_cache, dot_f32))
+                   dot_f32: bool = False, heads: int | None = None) -> dict:
+    """``_prefill_kernel``'s constexprs (also what the compile test builds); ``heads`` per
+    program, default all ``group``."""
+    heads = group if heads is None else heads
+    if not 1 <= heads <= group:
+        raise ValueError(f"triton paged_prefill: heads={heads} per program must be in "
+                         f"[1, {group}] (the query heads per kv head)")
+    return dict(GROUP=group, HEADS=heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
+                TILE_M=tile_m, ROWS=max(16, triton.next_power_of_2(tile_m * heads)),
+                HAS_WINDOW=has_window, HAS_SINKS=has_sinks, **key_loop_consts(head_dim, keys, f32_cache, dot_f32))
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
                   window: int | None = None, sinks: torch.Tensor | None = None,
                   tiles: QueryTiles | None = None, block_m: int | None = None,
-                  block_n: int | None = None, skip: int = 0) -> torch.Tensor:
+                  block_n: int | None = None, skip: int = 0,
+                  heads: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D] (q's dtype), arguments as checked by ``paged_attention``
     (which calls this for non-decode steps). ``tiles``: the work list, built with ``block_m``
     tokens per tile (default ``prefill_tile_m``); None builds it from ``query_start_loc`` with
     one host read, without tiles for the first ``skip`` sequences (their rows of the result are
-    then left unwritten). ``block_n``: keys per step, a power of two (default
-    ``prefill_config``)."""
+    then left unwritten). ``block_n``: keys per step, a power of two; ``heads``: query heads
+    per program (defaults: ``prefill_config``)."""
     T, Hq, D = q.shape
     Hkv, block_size = kv_cache.shape[3], kv_cache.shape[2]
     f32 = kv_cache.dtype == torch.float32
@@ -238,8 +254,10 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     consts = prefill_consts(Hq // Hkv, Hkv, D, block_size, tile_m=tile_m,
                             keys=config["KEYS"] if block_n is None else block_n, f32_cache=f32,
                             has_window=window is not None, has_sinks=sinks is not None,
-                            dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting())
-    _prefill_kernel[(tiles.seq.numel(), Hkv)](
+                            dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting(),
+                            heads=config["HEADS"] if heads is None else heads)
+    split = triton.cdiv(Hq // Hkv, consts["HEADS"])
+    _prefill_kernel[(tiles.seq.numel(), Hkv * split)](
         out, q, kv_cache[0], kv_cache[-1], block_tables, seq_lens, query_start_loc, tiles.seq,
         tiles.start, sinks if sinks is not None else q, scale * LOG2E, window or 0,
         q.stride(0), q.stride(1), block_tables.stride(0), **consts,

@@ -26,8 +26,9 @@ REFUSED_ON_CPU = (r"attention_backend='triton_paged' cannot run .*: Triton kerne
                   r"CUDA, or on CPU only under TRITON_INTERPRET=1; not on 'cpu'")
 
 
-def _query(dtype=torch.float16, contiguous=True, device="cpu", features=frozenset()):
-    return AttentionQuery(platform_for(device), dtype, 16, contiguous, features)
+def _query(dtype=torch.float16, contiguous=True, device="cpu", features=frozenset(),
+           head_dim=16):
+    return AttentionQuery(platform_for(device), dtype, head_dim, contiguous, features)
 
 
 @pytest.fixture
@@ -70,6 +71,30 @@ def test_auto_on_cuda_and_graph_safety():
     assert layer.impl.cuda_graph_safe is True
     assert AttentionImpl.cuda_graph_safe is False
     assert "backend=triton_paged" in repr(layer)
+
+
+def test_fp32_cache_past_head_dim_256_refused_on_sm120_only(monkeypatch):
+    """Its tiles need about 190 KB of shared memory: SM90 has 227 KiB, SM120 99 KiB; "auto"
+    then takes the next backend. Selection asks the device only for that case."""
+    asked = []
+
+    def capability(*a):
+        asked.append(a)
+        return cc
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    for cc, want in (((9, 0), "triton_paged"), ((12, 0), "torch_sdpa")):
+        assert select_attention_backend(_query(torch.float32, device="cuda", head_dim=576)
+                                        ).name == want
+    with pytest.raises(ValueError, match=r"an fp32 KV cache at head_dim=576 needs about 190 KB "
+                                         r"of shared memory per program, over the 99 KiB of "
+                                         r"SM120; use a 16-bit dtype"):
+        select_attention_backend(_query(torch.float32, device="cuda", head_dim=576),
+                                 "triton_paged")
+    n = len(asked)
+    for dtype, d in ((torch.bfloat16, 576), (torch.float32, 256)):
+        assert select_attention_backend(_query(dtype, device="cuda", head_dim=d),
+                                        "triton_paged").name == "triton_paged"
+    assert len(asked) == n
 
 
 @pytest.mark.parametrize("batch", ["mixed", "decodes", "chunks"])

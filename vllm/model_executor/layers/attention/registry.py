@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 
 from vllm.kernels.cpu.ops import KERNEL_DTYPES
-from vllm.kernels.triton import triton_refusal
 from vllm.model_executor.layers.attention.cpu_paged import CpuPagedAttention
 from vllm.model_executor.layers.attention.flashinfer_paged import (FLASHINFER_DTYPES,
                                                                    UNSUPPORTED,
@@ -33,7 +32,8 @@ from vllm.model_executor.layers.attention.flashinfer_paged import (FLASHINFER_DT
 from vllm.model_executor.layers.attention.interface import (ATTENTION_FEATURES, AttentionImpl,
                                                             AttentionOptions)
 from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
-from vllm.model_executor.layers.attention.triton_paged import TritonPagedAttention
+from vllm.model_executor.layers.attention.triton_paged import (TritonPagedAttention,
+                                                                triton_paged_refusal)
 from vllm.model_executor.layers.backend_registry import BackendRegistry
 from vllm.platforms import Platform
 
@@ -126,7 +126,7 @@ register_attention_backend(AttentionBackend(
 register_attention_backend(AttentionBackend(
     "triton_paged", TritonPagedAttention, dtypes=(torch.float16, torch.bfloat16, torch.float32),
     needs_contiguous_cache=True, features=ATTENTION_FEATURES,
-    check=lambda q: triton_refusal(q.platform.device_type)))
+    check=lambda q: triton_paged_refusal(q.platform.device_type, q.dtype, q.head_dim)))
 register_attention_backend(AttentionBackend("torch_sdpa", TorchSdpaAttention,
                                             features=ATTENTION_FEATURES))
 # Forced only (auto=False): never run on a GPU yet. ``make`` imports flashinfer; the registry

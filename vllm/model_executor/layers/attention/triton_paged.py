@@ -20,6 +20,27 @@ from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention.interface import AttentionImpl, AttentionOptions
 
 
+def shared_memory_refusal(dtype: torch.dtype, head_dim: int, sm: int) -> str | None:
+    """Why the kernels' tiles do not fit a device of compute capability ``sm`` (90, 120), or
+    None: fp32 caches past D = 256 (MLA's 576 pads to 1024) need about 190 KB of shared memory,
+    within SM90's (and SM100's) 227 KiB, over the 99 KiB of SM120 (RTX 50-series)."""
+    if dtype == torch.float32 and head_dim > 256 and sm >= 120:
+        return (f"an fp32 KV cache at head_dim={head_dim} needs about 190 KB of shared memory "
+                f"per program, over the 99 KiB of SM{sm}; use a 16-bit dtype")
+    return None
+
+
+def triton_paged_refusal(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """``triton_refusal`` (the package), then ``shared_memory_refusal`` on a CUDA device."""
+    from vllm.kernels.triton import triton_refusal
+    why = triton_refusal(device_type)
+    # The device is asked only where its size matters (selection touches no device otherwise).
+    if why is None and device_type == "cuda" and shared_memory_refusal(dtype, head_dim, 999):
+        major, minor = torch.cuda.get_device_capability()
+        why = shared_memory_refusal(dtype, head_dim, 10 * major + minor)
+    return why
+
+
 class TritonPagedAttention(AttentionImpl):
     name = "triton_paged"
     cuda_graph_safe = True
