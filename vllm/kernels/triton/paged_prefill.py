@@ -42,10 +42,11 @@ for BLOCK_D <= 64, and at 128 on SM90 (64 on SM120, which spills at 128), 64 at 
 [ROWS, BLOCK_D] f32 accumulator holds 8K elements or more, else 4; fp32 caches ROWS 32 up to
 BLOCK_D = 128 (16 above), KEYS 64 / 32 / 16 at 64 / 128 / 256, 8 warps at BLOCK_D <= 64;
 num_stages 2. TILE_M = target rows // the next power of two of GROUP, at least 1; a GROUP
-over the target gets one token per tile and HEADS = the target (``heads_per_program``). All within SM120's 99 KiB of
-shared memory: D = 64, 128 and 256 compile for SM90 and SM120 in fp16, bf16 and fp32, D = 576
-in 16-bit (tests/build/test_triton_compile_paged_prefill.py); fp32 at D = 576 is not compiled
-there. SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
+over the target gets one token per tile and HEADS = the target (``heads_per_program``). All
+within SM120's 99 KiB of shared memory: D = 64, 128 and 256 compile for SM90 and SM120 in fp16,
+bf16 and fp32, D = 576 in 16-bit at GQA 16:1, 64:1 and 128:1
+(tests/build/test_triton_compile_paged_prefill.py); fp32 at D = 576 is not compiled there (the
+registry refuses it on SM120). SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
 """
 from __future__ import annotations
 
@@ -223,7 +224,8 @@ def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int
                          f"[1, {group}] (the query heads per kv head)")
     return dict(GROUP=group, HEADS=heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
                 TILE_M=tile_m, ROWS=max(16, triton.next_power_of_2(tile_m * heads)),
-                HAS_WINDOW=has_window, HAS_SINKS=has_sinks, **key_loop_consts(head_dim, keys, f32_cache, dot_f32))
+                HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
+                **key_loop_consts(head_dim, keys, f32_cache, dot_f32))
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
