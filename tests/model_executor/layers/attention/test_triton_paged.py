@@ -15,6 +15,7 @@ import torch
 from vllm.model_executor.layers.attention import AttentionQuery, select_attention_backend
 from vllm.model_executor.layers.attention.interface import AttentionImpl
 from vllm.platforms import platform_for
+from vllm.platforms.interface import DeviceCapability
 
 from .test_attention_options import BATCHES, OPTIONS, make_layer, paged_case, run_paged
 
@@ -78,10 +79,10 @@ def test_fp32_cache_past_head_dim_256_refused_on_sm120_only(monkeypatch):
     then takes the next backend. Selection asks the device only for that case."""
     asked = []
 
-    def capability(*a):
-        asked.append(a)
-        return cc
-    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    def capability(self, device=None):
+        asked.append(device)
+        return DeviceCapability(*cc)
+    monkeypatch.setattr(type(platform_for("cuda")), "get_device_capability", capability)
     for cc, want in (((9, 0), "triton_paged"), ((12, 0), "torch_sdpa")):
         assert select_attention_backend(_query(torch.float32, device="cuda", head_dim=576)
                                         ).name == want

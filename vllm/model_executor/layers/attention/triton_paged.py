@@ -18,6 +18,7 @@ import torch
 
 from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention.interface import AttentionImpl, AttentionOptions
+from vllm.platforms import Platform
 
 
 def shared_memory_refusal(dtype: torch.dtype, head_dim: int, sm: int) -> str | None:
@@ -30,14 +31,15 @@ def shared_memory_refusal(dtype: torch.dtype, head_dim: int, sm: int) -> str | N
     return None
 
 
-def triton_paged_refusal(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+def triton_paged_refusal(platform: Platform, dtype: torch.dtype, head_dim: int) -> str | None:
     """``triton_refusal`` (the package), then ``shared_memory_refusal`` on a CUDA device."""
     from vllm.kernels.triton import triton_refusal
-    why = triton_refusal(device_type)
+    why = triton_refusal(platform.device_type)
     # The device is asked only where its size matters (selection touches no device otherwise).
-    if why is None and device_type == "cuda" and shared_memory_refusal(dtype, head_dim, 999):
-        major, minor = torch.cuda.get_device_capability()
-        why = shared_memory_refusal(dtype, head_dim, 10 * major + minor)
+    if why is None and platform.device_type == "cuda" and \
+            shared_memory_refusal(dtype, head_dim, 999):
+        cap = platform.get_device_capability()       # None without a device: nothing to size
+        why = None if cap is None else shared_memory_refusal(dtype, head_dim, cap.to_int())
     return why
 
 
