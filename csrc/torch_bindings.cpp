@@ -11,6 +11,8 @@
 #include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
+#include <memory>
+
 #include "memory/pinned_host.h"
 #include "moe/expert_gather.h"
 #ifdef VLLM_HAS_W4A16_MOE_MM
@@ -28,8 +30,10 @@ void expert_gather(const at::Tensor& src, at::Tensor& dst, const at::Tensor& exp
               "CUDA tensor, got ", dst.device(), dst.is_contiguous() ? "" : " (non-contiguous)");
   TORCH_CHECK(src.is_contiguous(), "expert_gather: src must be contiguous");
   const bool on_host = !src.is_cuda();
-  TORCH_CHECK(!on_host || src.is_pinned(), "expert_gather: a host src must be pinned "
-              "(page-locked), got an unpinned ", src.device(), " tensor");
+  // A zero-byte src (no experts, or empty rows) has nothing to read: torch may not report its
+  // null storage as pinned, and there is no copy to make (checked below, before any launch).
+  TORCH_CHECK(!on_host || src.nbytes() == 0 || src.is_pinned(), "expert_gather: a host src "
+              "must be pinned (page-locked), got an unpinned ", src.device(), " tensor");
   TORCH_CHECK(on_host || src.device() == dst.device(), "expert_gather: src on ", src.device(),
               " but dst on ", dst.device());
   TORCH_CHECK(src.dtype() == dst.dtype(), "expert_gather: src dtype ", src.dtype(),
@@ -51,6 +55,9 @@ void expert_gather(const at::Tensor& src, at::Tensor& dst, const at::Tensor& exp
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.device() == dst.device() &&
               valid.is_contiguous(), "expert_gather: valid must be a contiguous bool tensor "
               "on ", dst.device());
+  // No row to read (E == 0 or empty rows): nothing to copy, as the Triton twin; the kernel
+  // would only trap on a valid entry's expert id, none of which can be in range.
+  if (src.nbytes() == 0) return;
   const c10::DeviceGuard guard(dst.device());
   // The current stream of dst's device, as a cudaStream_t (stream capture records on it).
   void* stream = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA)
@@ -61,6 +68,45 @@ void expert_gather(const at::Tensor& src, at::Tensor& dst, const at::Tensor& exp
       slots.const_data_ptr<int64_t>(), valid.const_data_ptr<bool>(), n, src.size(0),
       dst.size(0), row_bytes, stream);
   TORCH_CHECK(rc == 0, "expert_gather: ", vllm::cuda_error_string(rc));
+}
+
+// One block of pinned_host_alloc and the device whose context made it: the tensor's deleter
+// context, so the block is freed under that device (see free_pinned_block).
+struct PinnedBlock {
+  void* ptr = nullptr;
+  int device = -1;
+};
+
+// The deleter of empty_pinned's tensors (and of a block not yet handed to one). Freeing selects
+// the allocating device: on a thread that never selected one, cudaFreeHost would otherwise
+// create a context on GPU 0. DeviceGuard restores the thread's device without creating a
+// context for it (torch's CUDA guard sets a device back only where its context exists).
+void free_pinned_block(void* ctx) noexcept {
+  const std::unique_ptr<PinnedBlock> block(static_cast<PinnedBlock*>(ctx));
+  if (block == nullptr || block->ptr == nullptr) return;
+  try {
+    const c10::DeviceGuard guard(
+        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(block->device)));
+    vllm::pinned_host_free(block->ptr);
+    return;
+  } catch (...) {
+    // No guard (e.g. at process exit, torch's CUDA state gone): free without one, not leak.
+  }
+  vllm::pinned_host_free(block->ptr);
+}
+
+using PinnedBlockPtr = std::unique_ptr<PinnedBlock, void (*)(void*) noexcept>;
+
+// pinned_host_alloc's failure as an error: out of lockable memory is torch.OutOfMemoryError in
+// Python (the expert store falls back to pageable memory on it, and only on it); anything else
+// is a CUDA fault (an earlier kernel's illegal address surfaces here too) and a plain error.
+void check_pinned_alloc(vllm::PinnedHostStatus status, int cuda_error, uint64_t bytes) {
+  using vllm::PinnedHostStatus;
+  TORCH_CHECK_WITH(OutOfMemoryError, status != PinnedHostStatus::kOutOfMemory,
+                   "empty_pinned: cannot page-lock ", bytes, " bytes of host memory: ",
+                   vllm::cuda_error_string(cuda_error));
+  TORCH_CHECK(status == PinnedHostStatus::kOk, "empty_pinned: cudaHostAlloc of ", bytes,
+              " bytes failed with a CUDA error: ", vllm::cuda_error_string(cuda_error));
 }
 
 // See memory/pinned_host.h. An uninitialised CPU tensor of exactly `size` in page-locked memory
@@ -74,12 +120,20 @@ at::Tensor empty_pinned(c10::IntArrayRef size, c10::ScalarType dtype) {
   }
   TORCH_CHECK(!c10::mul_overflows(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &bytes),
               "empty_pinned: ", size, " of ", dtype, " overflows");
-  void* ptr = nullptr;
-  const int rc = vllm::pinned_host_alloc(static_cast<size_t>(bytes), &ptr);
-  TORCH_CHECK(rc == 0, "empty_pinned: cannot page-lock ", bytes, " bytes of host memory: ",
-              vllm::cuda_error_string(rc));
-  return at::from_blob(ptr, size, [](void* p) { vllm::pinned_host_free(p); },
-                       at::TensorOptions().dtype(dtype).device(at::kCPU));
+  // Owned by this unique_ptr from allocation until the tensor maker takes it, so an exception
+  // in between frees the block instead of leaking locked memory.
+  PinnedBlockPtr block(new PinnedBlock(), &free_pinned_block);
+  int cuda_error = 0;
+  const vllm::PinnedHostStatus status = vllm::pinned_host_alloc(
+      static_cast<size_t>(bytes), &block->ptr, &block->device, &cuda_error);
+  check_pinned_alloc(status, cuda_error, bytes);
+  void* const data = block->ptr;
+  // for_blob and context() do not throw; from context() on, the maker (then the tensor's
+  // DataPtr) owns the block and frees it if make_tensor throws.
+  return at::for_blob(data, size)
+      .context(block.release(), &free_pinned_block)
+      .options(at::TensorOptions().dtype(dtype).device(at::kCPU))
+      .make_tensor();
 }
 
 #ifdef VLLM_HAS_W4A16_MOE_MM

@@ -13,22 +13,34 @@
 
 namespace vllm {
 
-int pinned_host_alloc(size_t bytes, void** ptr) {
+PinnedHostStatus pinned_host_alloc(size_t bytes, void** ptr, int* device, int* cuda_error) {
   *ptr = nullptr;
-  if (bytes == 0) return 0;
+  *device = -1;
+  *cuda_error = 0;
+  if (bytes == 0) return PinnedHostStatus::kOk;
+  // The runtime keeps one unread "last error" per thread. Only if none is pending now is the one
+  // a failure leaves behind ours to clear; an earlier call's must stay for torch to report.
+  const cudaError_t pending = cudaPeekAtLastError();
   const cudaError_t err = cudaHostAlloc(ptr, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
-  if (err != cudaSuccess) {
-    *ptr = nullptr;
-    // An allocation failure is not sticky, but it stays the runtime's "last error" until read:
-    // read it here, or the next kernel launch check in torch would raise it.
-    (void)cudaGetLastError();
+  if (err == cudaSuccess) {
+    if (cudaGetDevice(device) != cudaSuccess) *device = -1;  // cannot fail once allocated
+    return PinnedHostStatus::kOk;
   }
-  return static_cast<int>(err);
+  *ptr = nullptr;
+  *cuda_error = static_cast<int>(err);
+  // Not out of memory: a fault (sticky, or the driver's) that torch must see too; left as is.
+  if (err != cudaErrorMemoryAllocation) return PinnedHostStatus::kError;
+  // Out of lockable memory is not sticky, but it stays the thread's last error until read: read
+  // it, or torch's next launch check would raise it as its own.
+  if (pending == cudaSuccess) (void)cudaGetLastError();
+  return PinnedHostStatus::kOutOfMemory;
 }
 
 void pinned_host_free(void* ptr) {
   if (ptr == nullptr) return;
-  if (cudaFreeHost(ptr) != cudaSuccess) (void)cudaGetLastError();
+  // As above: clear only an error of our own, not one an earlier call left for torch to report.
+  const cudaError_t pending = cudaPeekAtLastError();
+  if (cudaFreeHost(ptr) != cudaSuccess && pending == cudaSuccess) (void)cudaGetLastError();
 }
 
 }  // namespace vllm

@@ -6,15 +6,28 @@
 
 namespace vllm {
 
+// How pinned_host_alloc ended. Only kOutOfMemory means "no page-locked memory to be had": the
+// caller may then fall back to pageable memory. The others are CUDA faults to report as such.
+enum class PinnedHostStatus {
+  kOk,
+  kOutOfMemory,  // cudaHostAlloc's cudaErrorMemoryAllocation
+  kError,        // cudaHostAlloc failed otherwise (no device or driver, an earlier kernel's fault)
+};
+
 // Page-locked host memory of `bytes` (the driver rounds to whole pages, nothing more), portable
 // to every context and mapped into the device address space (the expert gather kernel reads it
-// in place). *ptr = the memory, or nullptr when bytes == 0 or on failure. Returns 0 or the
-// cudaError_t of the failed call; a failure leaves no CUDA "last error" behind, so torch's
-// next launch check does not report it as its own.
-int pinned_host_alloc(size_t bytes, void** ptr);
+// in place), made in the current device's context. *ptr = the memory (nullptr when bytes == 0
+// or on failure); *device = the current device, to free it under (-1 when nothing was made);
+// *cuda_error = 0 or the cudaError_t behind a failure (cuda_error_string names it). The CUDA
+// "last error" is cleared only when it is this call's own out-of-memory (nothing was pending
+// before it), so torch's next launch check neither reports it as its own nor loses an earlier
+// call's unread error; any other error is left for torch to see as well.
+PinnedHostStatus pinned_host_alloc(size_t bytes, void** ptr, int* device, int* cuda_error);
 
-// Frees memory from pinned_host_alloc (nullptr: nothing). Never throws; errors (e.g. at process
-// exit, after the runtime unloaded) are dropped.
+// Frees memory from pinned_host_alloc (nullptr: nothing) in the current device's context: the
+// caller selects the allocating device first, or a thread that never selected one would create
+// a context on GPU 0. Never throws; errors (e.g. at process exit, after the runtime unloaded)
+// are dropped.
 void pinned_host_free(void* ptr);
 
 }  // namespace vllm

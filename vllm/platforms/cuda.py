@@ -22,9 +22,12 @@ from vllm.platforms.interface import DeviceCapability, ElementwiseOps, Platform
 logger = init_logger(__name__)
 
 PINNED_ROUNDING_MSG = (
-    "Expert cache: vllm._C is not built, so the host expert store is pinned with torch's "
-    "allocator, which rounds each tensor up to a power of two of bytes (up to 2x the locked "
-    "host memory); a CUDA build (docs/build.md) allocates exact sizes.")
+    "Expert cache: vllm._C's exact-size pinned allocator is unavailable ({reason}), so the "
+    "host expert store is pinned with torch's allocator, which rounds each tensor up to a power "
+    "of two of bytes (up to 2x the locked host memory); a CUDA build with it (docs/build.md) "
+    "allocates exact sizes.")
+"""Formatted with ``reason``: ``ops.empty_pinned_missing_reason()`` (VLLM_CUDA_OPS=0, no or a
+broken vllm._C, or a build older than the allocator)."""
 
 
 @functools.cache
@@ -124,7 +127,8 @@ class CudaPlatform(Platform):
                      device: torch.device | None = None) -> torch.Tensor:
         if cuda_ops.has_empty_pinned():
             return cuda_ops.empty_pinned(shape, dtype, device)
-        log_once(logger, logging.WARNING, PINNED_ROUNDING_MSG)
+        log_once(logger, logging.WARNING, PINNED_ROUNDING_MSG.format(
+            reason=cuda_ops.empty_pinned_missing_reason()))
         return super().empty_pinned(shape, dtype, device)
 
     def expert_copy_kernel(self) -> Callable[..., None] | None:

@@ -16,6 +16,27 @@ if TYPE_CHECKING:
     from vllm.kernels.cuda.ops import W4A16MoEOps
 
 
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+"""cudaErrorMemoryAllocation (and ROCm's hipErrorOutOfMemory): the ``error_code`` of the
+torch.AcceleratorError torch's pinned allocator raises when no memory is left to lock."""
+
+
+def _has_accelerator() -> bool:
+    acc = getattr(torch, "accelerator", None)          # torch >= 2.6
+    return acc.is_available() if acc is not None else torch.cuda.is_available()
+
+
+def _pin_failed_for_want_of_memory(e: RuntimeError) -> bool:
+    """Whether torch's pinned allocation failed for want of lockable memory (the store may go
+    pageable), not for a fault to report. torch raises no OutOfMemoryError of its own here: out
+    of memory is an AcceleratorError carrying the CUDA code (a plain "CUDA error: out of memory"
+    RuntimeError before torch 2.8), and a torch without an accelerator has no pinned allocator."""
+    code = getattr(e, "error_code", None)
+    if code is not None:
+        return code == CUDA_ERROR_MEMORY_ALLOCATION
+    return str(e).startswith("CUDA error: out of memory") or not _has_accelerator()
+
+
 @dataclass(frozen=True)
 class DeviceCapability:
     major: int
@@ -97,9 +118,20 @@ class Platform:
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device | None = None) -> torch.Tensor:
         """An uninitialised page-locked host tensor for asynchronous copies to ``device`` (the
-        expert cache's host store); RuntimeError where none can be made. torch's pinned
-        allocator here: it rounds each tensor up to a power of two of bytes."""
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        expert cache's host store). Raises torch.OutOfMemoryError where no page-locked memory
+        can be had (none left to lock, or none at all: a torch without an accelerator); any
+        other error (a CUDA fault) propagates as raised. torch's pinned allocator here: it
+        rounds each tensor up to a power of two of bytes."""
+        try:
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            if not _pin_failed_for_want_of_memory(e):
+                raise
+            raise torch.OutOfMemoryError(
+                f"cannot page-lock {tuple(shape)} of {dtype} with torch's pinned allocator: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
     def has_native_kernels(self, dtype: torch.dtype) -> bool:
         """Whether this platform's compiled kernels (on CPU: ``vllm/kernels/cpu``) are loaded and

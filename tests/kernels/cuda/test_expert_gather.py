@@ -98,6 +98,21 @@ def test_bad_arguments_name_the_problem(ops):
         ops.expert_gather(src.pin_memory(), dst, ids.int(), ids, ok)
 
 
+def test_a_zero_byte_src_needs_no_pinning_and_copies_nothing(ops):
+    """A store with no experts, or with empty rows, has no bytes to read: torch need not call its
+    storage pinned, and the call returns without a launch (bad plans still raise)."""
+    ids = torch.zeros(2, dtype=torch.long, device="cuda")
+    ok = torch.ones(2, dtype=torch.bool, device="cuda")
+    for src, dst in ((torch.empty(0, 8), torch.ones(2, 8, device="cuda")),
+                     (torch.empty(4, 0), torch.ones(2, 0, device="cuda"))):
+        before = dst.clone()
+        ops.expert_gather(src, dst, ids, ids, ok)
+        torch.cuda.synchronize()
+        assert torch.equal(dst, before)
+        with pytest.raises(RuntimeError, match="int64"):
+            ops.expert_gather(src, dst, ids.int(), ids, ok)
+
+
 def test_cuda_platform_hands_it_to_the_expert_cache(ops):
     """The CUDA platform hands the kernel to the expert cache's copy engine."""
     from vllm.platforms import platform_for

@@ -149,11 +149,12 @@ def test_cuda_store_pinning_uses_the_exact_size_op_when_built(monkeypatch, vllm_
 
 def test_cuda_store_pinning_without_the_op_is_torch_s_and_says_it_rounds(monkeypatch,
                                                                          vllm_log):
-    """Without vllm._C the store is pinned by torch (torch.empty(pin_memory=True): on a CPU build
-    of torch that raises, as the store expects of a failed pin) after one warning."""
+    """Without vllm._C the store is pinned by torch (torch.empty(pin_memory=True)) after one
+    warning that names why the exact-size allocator is not there."""
     from vllm.platforms.cuda import PINNED_ROUNDING_MSG
     monkeypatch.setattr(ops, "has_empty_pinned", lambda: False)
     monkeypatch.setattr(ops, "empty_pinned", None)
+    monkeypatch.setattr(ops, "empty_pinned_missing_reason", lambda: "REASON")
     requests = []
     real_empty = torch.empty
 
@@ -161,6 +162,66 @@ def test_cuda_store_pinning_without_the_op_is_torch_s_and_says_it_rounds(monkeyp
         requests.append(kw.get("pin_memory"))
         return real_empty(*shape, **{k: v for k, v in kw.items() if k != "pin_memory"})
     monkeypatch.setattr(torch, "empty", recording_empty)
-    platform_for("cuda").empty_pinned((2, 2), torch.float32)
-    assert requests == [True]
-    assert vllm_log.text.count(PINNED_ROUNDING_MSG) == 1
+    for _ in range(2):
+        platform_for("cuda").empty_pinned((2, 2), torch.float32)
+    assert requests == [True, True]
+    assert vllm_log.text.count(PINNED_ROUNDING_MSG.format(reason="REASON")) == 1
+
+
+def test_the_rounding_warning_names_each_cause(fresh_loader, monkeypatch):
+    """VLLM_CUDA_OPS=0, no vllm._C (or one that fails to load), and a build older than the
+    allocator are fixed differently, so the warning says which it is."""
+    monkeypatch.setenv("VLLM_CUDA_OPS", "0")
+    assert ops.empty_pinned_missing_reason() == "VLLM_CUDA_OPS=0 turns vllm._C's ops off"
+    monkeypatch.delenv("VLLM_CUDA_OPS")
+    monkeypatch.setattr(ops, "_load_failure", ["vllm._C failed to load (OSError: bad)"])
+    monkeypatch.setattr(ops, "load_cuda_ops", lambda: False)
+    assert ops.empty_pinned_missing_reason() == "vllm._C failed to load (OSError: bad)"
+    monkeypatch.setattr(ops, "load_cuda_ops", lambda: True)
+    assert "predates the exact-size allocator" in ops.empty_pinned_missing_reason()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm._C") is not None, reason="vllm._C is built")
+def test_without_a_cuda_build_the_reason_is_the_missing_module(fresh_loader):
+    assert ops.empty_pinned_missing_reason().startswith("vllm._C is not built (import failed: ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA torch can pin")
+def test_torch_s_pin_without_an_accelerator_is_out_of_memory_for_the_store():
+    """A CPU build of torch has no pinned allocator: that is "no lockable memory" to the store,
+    which then goes pageable (it falls back on torch.OutOfMemoryError only)."""
+    with pytest.raises(torch.OutOfMemoryError, match="cannot page-lock"):
+        platform_for("cuda").empty_pinned((2, 2), torch.float32)
+
+
+class _AcceleratorError(RuntimeError):
+    """torch.AcceleratorError as torch's pinned allocator raises it: the CUDA code attached."""
+
+    def __init__(self, msg, code):
+        super().__init__(msg)
+        self.error_code = code
+
+
+@pytest.mark.parametrize("error,oom", [
+    (_AcceleratorError("CUDA error: out of memory", 2), True),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors ..."), True),  # torch < 2.8
+    (_AcceleratorError("CUDA error: an illegal memory access was encountered", 700), False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+])
+def test_torch_s_pin_failure_is_out_of_memory_only_for_want_of_memory(monkeypatch, error, oom):
+    """The fallback pinning (torch's allocator) raises torch.OutOfMemoryError only when no
+    memory is left to lock; a CUDA fault propagates as raised, so the store does not hide it."""
+    from vllm.platforms import interface
+    monkeypatch.setattr(ops, "has_empty_pinned", lambda: False)
+    monkeypatch.setattr(interface, "_has_accelerator", lambda: True)
+
+    def failing_empty(*shape, **kw):
+        raise error
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError) as info:
+        platform_for("cuda").empty_pinned((2, 2), torch.float32)
+    if oom:
+        assert isinstance(info.value, torch.OutOfMemoryError)
+        assert info.value.__cause__ is error and "cannot page-lock (2, 2)" in str(info.value)
+    else:
+        assert info.value is error

@@ -351,3 +351,14 @@ def test_src_on_the_device_and_rows_past_2_gib(eg):
                      torch.tensor([True], device="cuda"))
     assert torch.equal(out[0, -(1 << 20):].cpu(), tail)
     assert torch.equal(out[0, :1 << 20].cpu(), tail.flip(0))
+
+
+@pytest.mark.gpu
+def test_a_zero_byte_src_needs_no_pinning_and_copies_nothing(eg):
+    """A store with no experts, or with empty rows: nothing to read, so an unpinned (empty) host
+    src is not refused and nothing is launched. NOT YET RUN ON A GPU."""
+    a = _args("cuda")
+    for src, dst in ((torch.empty(0, 8), torch.ones(2, 8, device="cuda")),
+                     (torch.empty(4, 0), torch.ones(2, 0, device="cuda"))):
+        eg.expert_gather(**dict(a, src=src, dst=dst))
+        assert torch.equal(dst.cpu(), torch.ones(dst.shape))

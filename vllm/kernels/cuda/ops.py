@@ -21,6 +21,10 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 
+_load_failure: list[str] = []
+"""Why ``vllm._C`` did not load, once ``load_cuda_ops()`` found it missing (for warnings)."""
+
+
 @functools.lru_cache(maxsize=None)
 def load_cuda_ops() -> bool:
     """Whether ``vllm._C`` is built and loaded (its import registers the ops)."""
@@ -30,10 +34,12 @@ def load_cuda_ops() -> bool:
         import vllm._C  # noqa: F401
     except ImportError as e:
         logger.debug("vllm._C is not available (%s): CUDA ops run their torch paths", e)
+        _load_failure.append(f"vllm._C is not built (import failed: {e})")
         return False
     except Exception as e:                     # noqa: BLE001 - a broken build must not crash
         logger.warning("vllm._C failed to load (%s: %s): CUDA ops run their torch paths",
                        type(e).__name__, e)
+        _load_failure.append(f"vllm._C failed to load ({type(e).__name__}: {e})")
         return False
     return True
 
@@ -54,6 +60,16 @@ def has_empty_pinned() -> bool:
     return load_cuda_ops() and hasattr(torch.ops._C, "empty_pinned")
 
 
+def empty_pinned_missing_reason() -> str:
+    """Why ``has_empty_pinned()`` is False, in words: each cause is fixed differently."""
+    if os.environ.get("VLLM_CUDA_OPS", "1") == "0":
+        return "VLLM_CUDA_OPS=0 turns vllm._C's ops off"
+    if not load_cuda_ops():
+        return _load_failure[-1] if _load_failure else "vllm._C is not built"
+    return ("this vllm._C build predates the exact-size allocator (no _C::empty_pinned): "
+            "rebuild it")
+
+
 def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device | None = None) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` in page-locked memory of exactly its bytes
@@ -61,8 +77,11 @@ def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype,
     freed with its last reference (which must come after the copies that read it). torch's
     pinned allocator rounds each block up to a power of two (a 738 MB tensor locks 1 GiB); this
     one does not. ``device``: the GPU the memory feeds (default the current one), whose context
-    makes the allocation, so no context is created on another GPU. Raises RuntimeError (naming
-    the size and the CUDA error) where the memory cannot be locked."""
+    makes the allocation, so no context is created on another GPU, and frees it under that
+    GPU's context from any thread. Raises torch.OutOfMemoryError (naming the size) where no
+    memory is left to lock, and a plain RuntimeError naming the CUDA error for any other
+    failure (e.g. an earlier kernel's fault surfacing here), so a fault is never mistaken for a
+    full machine."""
     # torch reports a pointer as pinned (is_pinned, the pinned check of captured copies) only
     # once it has initialised CUDA itself; the allocation alone does not count.
     torch.cuda.init()

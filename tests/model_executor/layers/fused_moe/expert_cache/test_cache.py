@@ -205,7 +205,7 @@ def test_pin_failure_falls_back_warns_once_and_stays_exact(vllm_log, monkeypatch
 
     def fail(self, shape, dtype, device=None):
         asked.append(device)
-        raise RuntimeError("simulated pin failure")
+        raise torch.OutOfMemoryError("simulated pin failure: no lockable memory left")
     monkeypatch.setattr(Platform, "empty_pinned", fail)
     w = weights(torch.float32, 4)
     ref = build(0, w)

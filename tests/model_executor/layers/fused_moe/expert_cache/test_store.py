@@ -154,7 +154,7 @@ def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log):
 
     def fail(shape, dtype):
         calls.append(shape)
-        raise RuntimeError("simulated: cannot pin (e.g. WSL)")
+        raise torch.OutOfMemoryError("simulated: cannot page-lock 4096 bytes of host memory")
     method = Int8ScaledMethod()
     names = method.expert_tensor_names()
     layers = [make_layer(method, s) for s in range(3)]
@@ -166,6 +166,30 @@ def test_pin_failure_falls_back_to_pageable_and_warns_once(vllm_log):
     for layer, store in zip(layers, stores):  # the pageable store holds the same experts
         ref = HostStore.from_experts(experts_of(layer, names), method.process_expert, None)
         assert all(torch.equal(store.tensors[n], ref.tensors[n]) for n in names)
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("empty_pinned: cudaHostAlloc of 4096 bytes failed with a CUDA error: an "
+                 "illegal memory access was encountered"),
+    RuntimeError("empty_pinned: an earlier CUDA call failed and its error is still pending"),
+])
+def test_a_pin_error_other_than_out_of_memory_propagates(vllm_log, error):
+    """A CUDA fault surfacing in the pinned allocation (an earlier kernel's illegal address) is
+    not a full machine: the store must not hide it behind a quiet pageable fallback."""
+    made = []
+
+    def fault_on_second(shape, dtype):
+        if made:
+            raise error
+        made.append(torch.empty(shape, dtype=dtype))
+        return made[-1]
+    method = Int8ScaledMethod()
+    layer = make_layer(method)
+    with pytest.raises(RuntimeError) as info:
+        HostStore.from_experts(experts_of(layer, method.expert_tensor_names()),
+                               method.process_expert, fault_on_second)
+    assert info.value is error and len(made) == 1
+    assert PIN_FAILED_MSG not in vllm_log.text
 
 
 def test_a_pinned_store_is_allocated_once_at_its_size_and_filled_in_place():

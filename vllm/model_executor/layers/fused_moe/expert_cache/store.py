@@ -22,9 +22,9 @@ ProcessExpert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 EmptyPinned = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """(shape, dtype) -> an uninitialised page-locked host tensor (``Platform.empty_pinned``)."""
 
-PIN_FAILED_MSG = ("Expert cache: could not page-lock the host expert store (the pinned "
-                  "allocation raised); falling back to pageable memory and synchronous expert "
-                  "copies, which are slower.")
+PIN_FAILED_MSG = ("Expert cache: could not page-lock the host expert store (out of lockable "
+                  "host memory, or none on this system); falling back to pageable memory and "
+                  "synchronous expert copies, which are slower.")
 
 
 @dataclass
@@ -48,8 +48,9 @@ class HostStore:
                      empty_pinned: EmptyPinned | None, name: str = "") -> "HostStore":
         """Build the store from a layer's loaded expert tensors (name -> [E, ...], ideally in host
         memory), processing one expert at a time straight into it. ``empty_pinned`` (the
-        platform's, ``Platform.empty_pinned``): allocate it page-locked, pageable if that raises;
-        None: pageable. ``name`` (the layer's) prefixes errors."""
+        platform's, ``Platform.empty_pinned``): allocate it page-locked, pageable if that raises
+        torch.OutOfMemoryError (any other error, a CUDA fault, propagates); None: pageable.
+        ``name`` (the layer's) prefixes errors."""
         if not weights:
             raise ValueError(f"{name}: quant method declares no expert-indexed tensors "
                              "(expert_tensor_names() is empty)")
@@ -109,8 +110,11 @@ def _allocate(num_experts: int, first: dict[str, torch.Tensor],
     if empty_pinned is not None:
         try:
             return {n: empty_pinned(shape, dtype) for n, (shape, dtype) in shapes.items()}, True
-        except RuntimeError:
+        except torch.OutOfMemoryError as e:
+            # Only a want of lockable memory falls back: another error is a CUDA fault (an
+            # earlier kernel's, surfacing here) that a quiet pageable store would hide.
             # Pinned tensors made before the failure are freed with the comprehension.
             log_once(logger, logging.WARNING, PIN_FAILED_MSG)
+            logger.debug("pinned allocation failed: %s", e)
     return {n: torch.empty(shape, dtype=dtype, device="cpu")
             for n, (shape, dtype) in shapes.items()}, False
