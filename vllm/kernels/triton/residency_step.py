@@ -76,8 +76,13 @@ def _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe_ptr, woe_ptr, cnt_ptr,
     n_res = tl.sum(need_res, axis=0)
     rank = tl.where(resident, tl.cumsum(need_res, axis=0) - 1,
                     n_res + tl.cumsum(need_miss, axis=0) - 1).to(tl.int64)
-    tl.store(woe_ptr + e, tl.where(needed, rank // N, -1), mask=in_e)
     n_needed = tl.sum(needed.to(tl.int64), axis=0)
+    # Every thread has read woe before any overwrites it: for BLOCK_E <= 32 the [BLOCK_E]
+    # values are replicated over the warps and only warp 0 stores, so without this a later
+    # warp could read the new ranks as "needed" flags (harmless only while its copies stay
+    # masked; the barrier makes it not depend on that).
+    tl.debug_barrier()
+    tl.store(woe_ptr + e, tl.where(needed, rank // N, -1), mask=in_e)
     tl.store(cnt_ptr + STEP_WAVES, (n_needed + N - 1) // N)
     tl.debug_barrier()
 
