@@ -86,12 +86,13 @@ def query_tiles(query_lens: list[int], tile_m: int, device: torch.device | str,
         seq += [b] * len(tiles)
         start += tiles
         first += n
-    return QueryTiles(_upload(seq, device), _upload(start, device), tile_m)
+    both = _upload([seq, start], device)                            # [2, n_tiles], one copy
+    return QueryTiles(both[0], both[1], tile_m)
 
 
-def _upload(values: list[int], device: torch.device | str) -> torch.Tensor:
-    """int64 [n] on ``device``; to a GPU through pinned memory without blocking (a plain copy of
-    a host list would drain the stream in the middle of the step's layers)."""
+def _upload(values: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    """int64 on ``device``; to a GPU through pinned memory without blocking (a plain copy of a
+    host list would drain the stream in the middle of the step's layers)."""
     t = torch.tensor(values, dtype=torch.int64)
     if torch.device(device).type != "cuda":
         return t.to(device)
