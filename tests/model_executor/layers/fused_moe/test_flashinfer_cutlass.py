@@ -269,6 +269,20 @@ def test_refusals_name_scheme_sm_and_what_is_allowed(installed, q, reason):
         select_moe_backend(q, "flashinfer_cutlass")
 
 
+def test_fp8_block_needs_cuda_12_8(installed, monkeypatch):
+    """FlashInfer's DeepSeek FP8 block-scale GEMM raises at the first forward under older CUDA:
+    the registry refuses it up front instead."""
+    q = query("fp8-block", platform=FakeCuda(90))
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    with pytest.raises(ValueError, match=r"fp8-block with a CUDA 12.8 or newer build of torch, "
+                                         r"not CUDA 12.6"):
+        select_moe_backend(q, "flashinfer_cutlass")
+    assert get_moe_backend("flashinfer_cutlass").refusal(query(platform=FakeCuda(90))) is None
+    for version in ("12.8", "13.0"):
+        monkeypatch.setattr(torch.version, "cuda", version)
+        assert get_moe_backend("flashinfer_cutlass").refusal(q) is None
+
+
 # ---- (d) the package --------------------------------------------------------------------------
 def test_missing_package_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)         # import and find_spec fail
@@ -333,6 +347,47 @@ def test_capture_warm_up_sizes_the_workspace_before_any_capture(monkeypatch):
     with pytest.raises(RuntimeError, match=r"capturing 18 pair rows, but the workspace was "
                                            r"sized for 16"):
         layer(*inputs(9, 2))
+
+
+def running_max_flashinfer():
+    """The stand-in with FlashInfer's FP8 block-scale state: one runner whose workspace need is
+    64 bytes x the most rows it has seen (size queries and runs alike), and runs that reject a
+    smaller given workspace ("workspace_buffer too small")."""
+    api, seen = fake_flashinfer(), [0]
+    size, run = api.cutlass_fused_moe_workspace_size, api.cutlass_fused_moe
+
+    def stateful_size(rows, *a, **kw):
+        seen[0] = max(seen[0], rows)
+        return size(seen[0], *a, **kw)
+
+    def stateful_run(input, *a, workspace_buffer=None, **kw):
+        seen[0] = max(seen[0], input.shape[0])
+        if workspace_buffer is not None and workspace_buffer.numel() < 64 * seen[0]:
+            raise RuntimeError("workspace_buffer too small")
+        return run(input, *a, workspace_buffer=workspace_buffer, **kw)
+    stateful_size.__signature__ = inspect.signature(size)
+    stateful_run.__signature__ = inspect.signature(run)
+    api.cutlass_fused_moe_workspace_size, api.cutlass_fused_moe = stateful_size, stateful_run
+    return api
+
+
+def test_fp8_block_workspace_follows_flashinfers_running_maximum(monkeypatch):
+    """A large eager prefill (FlashInfer allocating its own workspace) raises the FP8 runner's
+    need past the buffer the capture warm-up sized: later eager calls must not pass it, and
+    the next capture warm-up grows it."""
+    api = running_max_flashinfer()
+    layer = build("fp8-block", "torch", api=api, dtype=torch.bfloat16)
+    with capture_warm_up(8):
+        layer(*inputs(2, 0, torch.bfloat16))                         # 16 rows: 1 KiB
+    layer(*inputs(20, 1, torch.bfloat16))                            # 40 rows, eager
+    layer(*inputs(2, 2, torch.bfloat16))                             # needs 40 rows' worth
+    assert api.calls[-1][2]["workspace_buffer"] is None
+    with capture_warm_up(8):
+        layer(*inputs(2, 3, torch.bfloat16))
+    monkeypatch.setattr(fc, "_capturing", lambda x: True)
+    del api.calls[:]
+    layer(*inputs(8, 4, torch.bfloat16))
+    assert api.calls[-1][2]["workspace_buffer"].numel() >= 64 * 40
 
 
 def test_cuda_decode_graphs_warm_up_inside_the_seam():

@@ -97,6 +97,9 @@ MXFP4_API = ("interleave_moe_weights_for_sm90_mixed_gemm",
 _SCHEME_FLAGS = {"fp8-block": {"use_deepseek_fp8_block_scale": True},
                  "mxfp4": {"use_w4_group_scaling": True}}
 """Keywords of ``cutlass_fused_moe`` and its workspace size that pick the scheme's runner."""
+_STATEFUL_WORKSPACE = {"fp8-block"}
+"""Schemes whose workspace FlashInfer sizes from the most rows its runner has seen, not from
+the call's (the DeepSeek FP8 block-scale GEMM keeps a running maximum)."""
 _INNER_PER_ELEMENT = {"nvfp4": 16, "mxfp4": 2}
 """Inputs per element of fc2's last dim as passed (int64 of 16 FP4, uint8 of 2)."""
 _ACTIVATION_TYPES = {"silu": "Swiglu", "gelu": "Geglu", "swigluoai": "SwigluBias",
@@ -125,6 +128,9 @@ def flashinfer_cutlass_refusal(q: MoEKernelQuery) -> str | None:
 def _scheme_refusal(q: MoEKernelQuery) -> str | None:
     if q.scheme in BF16_ONLY and q.dtype != torch.bfloat16:
         return f"it runs {q.scheme} with bfloat16 activations only, not {q.dtype}"
+    if q.scheme == "fp8-block" and _cuda_version() < (12, 8):
+        return (f"it runs fp8-block with a CUDA 12.8 or newer build of torch, not CUDA "
+                f"{torch.version.cuda}")
     if q.scheme not in ("unquantized", "mxfp4") and q.has_bias:
         return f"it adds expert biases to unquantized and mxfp4 experts only, not {q.scheme}"
     if q.scheme == "mxfp4":
@@ -138,6 +144,13 @@ def _scheme_refusal(q: MoEKernelQuery) -> str | None:
         if v % align:
             return f"it runs {q.scheme} with {what} a multiple of {align}, not {v}"
     return None
+
+
+def _cuda_version() -> tuple[int, ...]:
+    """torch's CUDA runtime version, e.g. (12, 8); a build without CUDA (tests) passes."""
+    if torch.version.cuda is None:
+        return (999,)
+    return tuple(int(p) for p in torch.version.cuda.split(".")[:2])
 
 
 def import_flashinfer_moe() -> ModuleType:
@@ -278,7 +291,7 @@ class FlashInferCutlassExperts(MoEExperts):
         res = torch.empty(rows, Hp, dtype=x.dtype, device=x.device)
         kwargs = self._call_kwargs(weights, w2.shape[0], x.device)
         if self._has_workspace:
-            kwargs["workspace_buffer"] = self._workspace(x, rows)
+            kwargs["workspace_buffer"] = self._workspace(x, rows, w1, w2)
         self.api.cutlass_fused_moe(
             xr, ids.reshape(rows, 1).to(torch.int32),
             topk_weights.reshape(rows, 1).to(torch.float32), w1, w2, x.dtype, quant_scales,
@@ -329,31 +342,47 @@ class FlashInferCutlassExperts(MoEExperts):
         return self._act_params[key]
 
     # ---- capture ----------------------------------------------------------------------------
-    def _workspace(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """The shared workspace when sized for ``rows``; None (FlashInfer allocates) for a
-        larger eager call; a larger captured call raises: it would allocate inside the graph."""
-        if rows <= self._ws_rows:
-            return _WORKSPACE.buffers[x.device]
+    def _workspace(self, x: torch.Tensor, rows: int, w13: torch.Tensor, w2: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """The shared workspace where it holds what this call needs; else None (FlashInfer
+        allocates) for an eager call, and an error for a captured one (it would allocate inside
+        the graph). Rows bound the need, except for FP8 block scaling, whose size FlashInfer
+        takes from the most rows its shared runner has seen (an eager prefill raises it for
+        every later call): that need is asked for (host only) per call."""
+        buf = _WORKSPACE.buffers.get(x.device)
+        if self.kind in _STATEFUL_WORKSPACE:
+            fits = buf is not None and buf.numel() >= self._workspace_bytes(x, rows, w13, w2)
+        else:
+            fits = buf is not None and rows <= self._ws_rows
+        if fits:
+            return buf
         if _capturing(x):
             raise RuntimeError(f"flashinfer_cutlass: capturing {rows} pair rows, but the "
                                f"workspace was sized for {self._ws_rows} (the capture warm-up, "
                                "modular_kernel.capture_warm_up, did not cover this batch)")
         return None
 
+    def _workspace_bytes(self, x: torch.Tensor, rows: int, w13: torch.Tensor,
+                         w2: torch.Tensor) -> int:
+        G, Hp = w2.shape[0], w2.shape[1]                                  # padded: MXFP4
+        inter = w2.shape[-1] * _INNER_PER_ELEMENT.get(self.kind, 1)
+        return int(self.api.cutlass_fused_moe_workspace_size(
+            rows, Hp, inter, G, 1, x_dtype=x.dtype, weight_dtype=w13.dtype, output_dtype=x.dtype,
+            activation_type=self._act_type, use_fused_finalize=False, device=x.device,
+            **_SCHEME_FLAGS.get(self.kind, {})))
+
     def _warm_up(self, weights, x: torch.Tensor, max_tokens: int, K: int) -> None:
         """Before a capture: size the shared workspace for ``max_tokens`` * K pair rows and run
         the kernel once at that size on zeros (JIT build, runner and tactic lookup), eagerly."""
         rows = max_tokens * K
-        if rows <= self._ws_rows or not self._has_workspace:
+        if not self._has_workspace:
             return
         w13, w2, _ = self._operands(weights)
-        G, Hp = w2.shape[0], w2.shape[1]                                  # padded: MXFP4
-        inter = w2.shape[-1] * _INNER_PER_ELEMENT.get(self.kind, 1)
-        nbytes = self.api.cutlass_fused_moe_workspace_size(
-            rows, Hp, inter, G, 1, x_dtype=x.dtype, weight_dtype=w13.dtype, output_dtype=x.dtype,
-            activation_type=self._act_type, use_fused_finalize=False, device=x.device,
-            **_SCHEME_FLAGS.get(self.kind, {}))
-        _WORKSPACE.ensure(x.device, int(nbytes))
+        if rows <= self._ws_rows:
+            if self.kind in _STATEFUL_WORKSPACE:   # its need may have grown since
+                _WORKSPACE.ensure(x.device, self._workspace_bytes(x, rows, w13, w2))
+            return
+        _WORKSPACE.ensure(x.device, self._workspace_bytes(x, rows, w13, w2))
         self._ws_rows = rows
-        ids = (torch.arange(rows, device=x.device) % G).view(max_tokens, K)
+        ids = (torch.arange(rows, device=x.device) % w2.shape[0]).view(max_tokens, K)
         self._run(weights, x.new_zeros(max_tokens, x.shape[-1]), x.new_ones(max_tokens, K), ids)
