@@ -93,6 +93,7 @@ constexpr int kErrShape = -1;   // shapes outside the contract
 constexpr int kErrDevice = -2;  // not an SM 9.0 device
 constexpr int kErrCutlass = -3; // CUTLASS refused (can_implement / initialize / run)
 constexpr int kErrWorkspace = -4;
+constexpr int kErrSmCount = -5;
 
 // The per-group arrays CUTLASS reads, carved from the caller's workspace in this order, then
 // CUTLASS's own workspace.
@@ -233,7 +234,8 @@ int w4a16_moe_mm(const void* a, const void* w, const void* scales, void* d,
   }
   if (const int rc = check_device(device)) return rc;
   const int64_t need = w4a16_moe_mm_workspace_size(num_groups, device);
-  if (need < 0 || workspace_bytes < static_cast<size_t>(need) ||
+  if (need < 0) return kErrSmCount;
+  if (workspace_bytes < static_cast<size_t>(need) ||
       reinterpret_cast<uintptr_t>(workspace) % 256) {
     return kErrWorkspace;
   }
@@ -271,6 +273,8 @@ const char* w4a16_moe_mm_error(int code) {
     case kErrWorkspace:
       return "the workspace is smaller than w4a16_moe_mm_workspace_size or not 256-byte "
              "aligned";
+    case kErrSmCount:
+      return "the device's SM count could not be queried (cudaDeviceGetAttribute failed)";
     default:
       return cudaGetErrorString(static_cast<cudaError_t>(code));
   }

@@ -49,8 +49,10 @@ HEAD_DIMS = (64, 128, 256)
 UNSUPPORTED = {"sinks": "FlashInfer 0.7.2 takes sink logits only on its trtllm-gen, cuDNN and "
                         "cute-dsl routes, not the fa2 paged kernels this backend plans"}
 """Attention features this backend does not run, and why."""
-WORKSPACE_BYTES = 128 * 1024 * 1024
-"""FlashInfer's recommended float workspace (split-KV partial results), one per device."""
+WORKSPACE_BYTES = 256 * 1024 * 1024
+"""The float workspace (split-KV partial results), one per device: graph-mode decode always
+splits the KV and pads the batch, which at many heads x head dim 256 passes FlashInfer's
+suggested 128 MB (its plan then raises); vLLM uses 256 MB too."""
 BACKEND = "fa2"
 """Pinned so the features checked above (window_left, no sinks) are those of the kernel run."""
 

@@ -47,8 +47,10 @@ CUTLASS_W4A16_SM = 90
 ASYM_REASON = ("CUTLASS 4.2's grouped mixed-input GEMM does not set up its scale tensormap "
                "when zero points are given (its example 69: 'Zero-points ... not supported'); "
                "use 'triton' or 'torch'")
-BUILD_HINT = ("vllm._C was built without the CUTLASS W4A16 grouped GEMM (pip install "
-              "nvidia-cutlass, then rebuild: docs/build.md)")
+BUILD_HINT = ("vllm._C was built without the CUTLASS W4A16 grouped GEMM (it needs the "
+              "nvidia-cutlass headers and 9.0a among the CUDA architectures, e.g. "
+              "TORCH_CUDA_ARCH_LIST=9.0a: pip install nvidia-cutlass, then rebuild; "
+              "docs/build.md)")
 PACKED = {"q": "qweight", "s": "scales"}
 """Role of a packed tensor -> the GPTQ tensor name (w13_/w2_ prefixed) it is stored under."""
 
