@@ -291,15 +291,20 @@ def test_no_host_reads_of_device_data():
 
 
 def test_workspace_shared_and_never_grown_in_a_capture(monkeypatch):
-    ws = cw._SharedWorkspace()
+    from vllm.model_executor.layers.fused_moe import workspace
+    ws = workspace.SharedWorkspace("cutlass_w4a16")
     cpu = torch.device("cpu")
+    assert ws.current(cpu) is None
     first = ws.get(cpu, 100)
-    assert ws.get(cpu, 64) is first
-    monkeypatch.setattr(cw, "_capturing", lambda device: True)
+    assert ws.get(cpu, 64) is first and ws.current(cpu) is first
+    monkeypatch.setattr(workspace, "capturing", lambda device: True)
     assert ws.get(cpu, 100) is first
-    with pytest.raises(RuntimeError, match=r"capture needs a 1000-byte workspace on cpu, but "
-                                           r"100 bytes were allocated"):
+    with pytest.raises(RuntimeError, match=r"cutlass_w4a16: a CUDA-graph capture needs a "
+                                           r"1000-byte workspace on cpu, but 100 bytes were "
+                                           r"allocated"):
         ws.get(cpu, 1000)
+    monkeypatch.setattr(workspace, "capturing", lambda device: False)
+    assert ws.get(cpu, 1000).numel() == 1000 and ws.retired == [first]   # kept for graphs
 
 
 # ---- (5) on a GPU --------------------------------------------------------------------------

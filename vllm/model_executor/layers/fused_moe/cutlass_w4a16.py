@@ -40,6 +40,7 @@ import torch
 from vllm.kernels.cuda.ops import W4A16_TILE_K, W4A16MoEOps
 from vllm.model_executor.layers.fused_moe.modular_kernel import (MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
+from vllm.model_executor.layers.fused_moe.workspace import SharedWorkspace
 from vllm.platforms import platform_for
 
 CUTLASS_W4A16_SCHEME = "w4a16-gptq"
@@ -168,36 +169,7 @@ def gather_columns(a: torch.Tensor, perms: torch.Tensor, slot: torch.Tensor,
     return out
 
 
-# ---- the workspace -------------------------------------------------------------------------
-class _SharedWorkspace:
-    """One uint8 workspace per device, shared by every layer (their calls run one after another
-    on one stream). Grown only outside a capture; a replaced buffer stays referenced, since a
-    graph captured earlier may hold its address."""
-
-    def __init__(self):
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.retired: list[torch.Tensor] = []
-
-    def get(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        cur = self.buffers.get(device)
-        if cur is not None and cur.numel() >= nbytes:
-            return cur
-        if _capturing(device):
-            have = 0 if cur is None else cur.numel()
-            raise RuntimeError(f"cutlass_w4a16: a CUDA-graph capture needs a {nbytes}-byte "
-                               f"workspace on {device}, but {have} bytes were allocated: run "
-                               "the layer eagerly once before capturing (the capture warm-up)")
-        if cur is not None:
-            self.retired.append(cur)
-        self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.buffers[device]
-
-
-_WORKSPACE = _SharedWorkspace()
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+_WORKSPACE = SharedWorkspace("cutlass_w4a16")
 
 
 # ---- the backend ---------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIO
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery,
                                                                  capture_warm_up_tokens)
+from vllm.model_executor.layers.fused_moe.workspace import SharedWorkspace
 from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
@@ -159,24 +160,7 @@ def import_flashinfer_moe() -> ModuleType:
 
 
 # ---- the backend ---------------------------------------------------------------------------
-class _SharedWorkspace:
-    """One FlashInfer workspace per device, shared by every layer (their calls run one after
-    another on one stream). Grown only outside a capture; a replaced buffer stays referenced,
-    since a graph captured earlier may hold its address."""
-
-    def __init__(self):
-        self.buffers: dict[torch.device, torch.Tensor] = {}
-        self.retired: list[torch.Tensor] = []
-
-    def ensure(self, device: torch.device, nbytes: int) -> None:
-        cur = self.buffers.get(device)
-        if cur is None or cur.numel() < nbytes:
-            if cur is not None:
-                self.retired.append(cur)
-            self.buffers[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-_WORKSPACE = _SharedWorkspace()
+_WORKSPACE = SharedWorkspace("flashinfer_cutlass")
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -349,7 +333,7 @@ class FlashInferCutlassExperts(MoEExperts):
         the graph). Rows bound the need, except for FP8 block scaling, whose size FlashInfer
         takes from the most rows its shared runner has seen (an eager prefill raises it for
         every later call): that need is asked for (host only) per call."""
-        buf = _WORKSPACE.buffers.get(x.device)
+        buf = _WORKSPACE.current(x.device)
         if self.kind in _STATEFUL_WORKSPACE:
             fits = buf is not None and buf.numel() >= self._workspace_bytes(x, rows, w13, w2)
         else:
@@ -380,9 +364,9 @@ class FlashInferCutlassExperts(MoEExperts):
         w13, w2, _ = self._operands(weights)
         if rows <= self._ws_rows:
             if self.kind in _STATEFUL_WORKSPACE:   # its need may have grown since
-                _WORKSPACE.ensure(x.device, self._workspace_bytes(x, rows, w13, w2))
+                _WORKSPACE.get(x.device, self._workspace_bytes(x, rows, w13, w2))
             return
-        _WORKSPACE.ensure(x.device, self._workspace_bytes(x, rows, w13, w2))
+        _WORKSPACE.get(x.device, self._workspace_bytes(x, rows, w13, w2))
         self._ws_rows = rows
         ids = (torch.arange(rows, device=x.device) % w2.shape[0]).view(max_tokens, K)
         self._run(weights, x.new_zeros(max_tokens, x.shape[-1]), x.new_ones(max_tokens, K), ids)
