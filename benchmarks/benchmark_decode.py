@@ -204,6 +204,17 @@ def _row(n: int, batch: int, r: dict) -> dict:
     return row
 
 
+def graphs_summary(llm, enforce_eager: bool) -> dict:
+    """Whether the row's decode steps replayed graphs: the kind, the captured sizes and why not
+    (a row silently eager beside graphed ones would not compare like for like)."""
+    g = llm.llm_engine.runner.decode_graphs
+    if g is None:
+        return {"kind": None, "captured_sizes": [], "refused": "enforce_eager" if enforce_eager
+                else "refused at load (the reason is in the log)"}
+    return {"kind": type(g).__name__, "captured_sizes": list(getattr(g, "captured_sizes", [])),
+            "refused": g.refused}
+
+
 def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
               on_row=None) -> tuple[list, dict]:
     """One engine per cache size, every batch on it -> (rows, {batch: {size: tokens}});
@@ -221,7 +232,10 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
             decode(llm, prompts, min(args.output_len, 4))                   # warm-up
             r = decode(llm, prompts, args.output_len)
             tokens[b][n] = r["tokens"]
-            rows.append(_row(n, b, r))
+            # In every row, so a run cut short (partial JSON) still says it.
+            same = r["tokens"] == next(iter(tokens[b].values()))
+            rows.append(dict(_row(n, b, r), graphs=graphs_summary(llm, args.enforce_eager),
+                             tokens_match_first_size=same))
             if args.profile_steps:
                 rows[-1]["profile"] = profile_decode_steps(llm, prompts, args.profile_steps)
             if on_row is not None:

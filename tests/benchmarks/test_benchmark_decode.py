@@ -46,6 +46,22 @@ def test_tokens_identical_across_cache_sizes(result):
     out = result[0]
     assert out["tokens_identical"] == {str(b): True for b in BATCHES}
     assert out["all_tokens_identical"] is True
+    assert all(r["tokens_match_first_size"] is True for r in out["rows"])
+
+
+def test_rows_say_whether_graphs_replayed(result):
+    """CPU graphs here (not --enforce-eager): every row names the kind and its captured sizes;
+    a cached layer that leaves the graphs would show in ``refused``."""
+    for r in result[0]["rows"]:
+        g = r["graphs"]
+        assert g["kind"] == "DecodeGraphs" and g["refused"] is None, g
+        assert isinstance(g["captured_sizes"], list)
+    out = bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+                      "1", "--moe-expert-cache-size", "0", "--output-len", "2", "--checkpoint",
+                      result[2][result[2].index("--checkpoint") + 1], "--enforce-eager",
+                      "--json"])
+    assert out["rows"][0]["graphs"] == {"kind": None, "captured_sizes": [],
+                                        "refused": "enforce_eager"}
 
 
 def test_cache_counters(result):
