@@ -39,6 +39,7 @@ import tempfile
 import time
 
 import torch
+from bench_io import write_json
 from decode_profile import prefilled, profile_decode_steps
 
 PRESETS = {
@@ -268,7 +269,7 @@ def run(args) -> dict:
         build_s = time.perf_counter() - start
         partial = dict(result, device=device, build_seconds=build_s, partial=True)
         rows, tokens = run_sizes(args, path, dtype, device, config.vocab_size,
-                                 lambda rows: write_out(args.out, dict(partial, rows=rows)))
+                                 lambda rows: write_json(args.out, dict(partial, rows=rows)))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -352,19 +353,12 @@ def _print_table(out: dict) -> None:
               f"{r['bytes_copied'] / 1e9:.3f} | {r['copy_gbps']:.2f} |")
 
 
-def write_out(path: str | None, result: dict) -> None:
-    """``--out``: the JSON, whole or (``"partial": true``) the rows measured so far."""
-    if path:
-        with open(path, "w") as f:
-            f.write(json.dumps(result) + "\n")
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = run(args)
-    write_out(args.out, out)
+    write_json(args.out, out)
     print(json.dumps(out)) if args.json else _print_table(out)
     return out
 

@@ -34,9 +34,19 @@ Designs (``DESIGNS``):
                  are made before timing (they stand in for one [E, H] router matmul).
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
-bytes copied, copy GB/s (bytes copied / wall seconds), the measured copy bandwidth (CPU: memcpy
-of expert rows; CUDA: pinned host to device) and the bound max(compute, bytes copied /
-bandwidth) with compute = the resident design's seconds.
+bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
+max(compute, link bytes / bandwidth) with compute = the resident design's seconds and bandwidth
+the measured DMA copy of expert rows (CPU: memcpy; CUDA: pinned host to device). Link bytes are
+what crosses the host link: the bytes copied (misses and prefetch loads) for the cached designs,
+0 for resident, and for uva the distinct experts of each (step, layer) x bytes per expert,
+counted from the trace's ids on the host outside the timing. uva's is a LOWER BOUND: it assumes
+each used expert is read over the link once per step and layer (a kernel that re-reads a row
+per token block moves more). Beside the DMA bandwidth, ``copy_engine_gbps``: the provider's own
+copy engine (``select_copy``: on CUDA a gather kernel reading the pinned store over UVA, on CPU
+the C memcpy kernel) timed on a full plan (all E experts into E slots). ``--out`` is rewritten
+after every measured row with ``"partial": true`` (a run cut short keeps what it measured); the
+final write has no ``partial``. The routing ids of every step are uploaded before the timing
+(the timed loop copies no routing host to device).
 """
 from __future__ import annotations
 
@@ -48,6 +58,9 @@ from functools import partial
 
 import numpy as np
 import torch
+from bench_io import write_json
+from offload_bounds import (measure_bandwidth, measure_copy_engine, settle_rows,
+                            uva_link_bytes)
 
 from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
@@ -195,6 +208,16 @@ def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
     return counted
 
 
+def upload_steps(setup: Setup, steps: list[torch.Tensor], pred: torch.Tensor | None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+    """(per step the device ids [b, L, K], the device predictions or None, the host ids): the
+    routing uploaded before the timing, so the timed loop does no host-to-device copy of it."""
+    host = [setup.ids[tokens] for tokens in steps]
+    ids = [h.to(setup.device) for h in host]
+    p_ids = [pred[tokens].to(setup.device) if pred is not None else None for tokens in steps]
+    return ids, p_ids, host
+
+
 def run_design(setup: Setup, design: str, capacity: int | None, batch: int, policy: str,
                keep_outputs: bool = False, count: bool = False,
                max_steps: int | None = None) -> dict:
@@ -209,15 +232,14 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
         if count and design in CACHED else None
     pred = s.affinity_pred if design == "ours+prefetch" else None
     steps, L = s.steps(batch)[:max_steps], s.trace.num_layers
+    step_ids, step_pred, host_ids = upload_steps(s, steps, pred)
     sync = torch.cuda.synchronize if s.device.type == "cuda" else (lambda: None)
     outputs = []
     sync()
     start = time.perf_counter()
-    for i, tokens in enumerate(steps):
-        ids = s.ids[tokens].to(s.device)                                  # [b, L, K]
-        p_ids = pred[tokens].to(s.device) if pred is not None else None
-        w = s.topk_weights.expand(len(tokens), -1)
-        h = s.inputs[i % s.inputs.shape[0], :len(tokens)]
+    for i, (ids, p_ids) in enumerate(zip(step_ids, step_pred)):           # ids [b, L, K]
+        w = s.topk_weights.expand(ids.shape[0], -1)
+        h = s.inputs[i % s.inputs.shape[0], :ids.shape[0]]
         for l in range(L):
             if p_ids is not None and l + 1 < L:
                 providers[l + 1].prefetch(p_ids[:, l + 1])
@@ -231,6 +253,8 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
            "tokens": len(s.trace.experts), "seconds": seconds,
            "tok_s": len(s.trace.experts) / seconds}
     row.update(_cache_stats(providers, design))
+    row["link_bytes"] = row["bytes_copied"] if design != "uva" else uva_link_bytes(
+        host_ids, s.trace.num_experts, s.store.bytes_per_expert)
     if count:
         row["bytes_copied_counted"] = counted[0] if counted is not None else 0
     if keep_outputs:
@@ -254,40 +278,25 @@ def _cache_stats(providers: list, design: str) -> dict:
     return out
 
 
-def measure_bandwidth(store: HostStore, device: torch.device, min_seconds: float = 0.3) -> float:
-    """Bytes per second of copying expert rows store -> a device slot (CPU: memcpy; CUDA:
-    pinned host to device, asynchronous copies then one synchronisation)."""
-    dst = allocate_slots(store, 1, device)
-    cuda = device.type == "cuda"
-    moved, start, e = 0, time.perf_counter(), 0
-    while True:
-        for name, src in store.tensors.items():
-            dst[name][0].copy_(src[e % store.num_experts], non_blocking=cuda)
-        moved += store.bytes_per_expert
-        e += 1
-        if e % store.num_experts == 0:
-            if cuda:
-                torch.cuda.synchronize()
-            if time.perf_counter() - start >= min_seconds:
-                return moved / (time.perf_counter() - start)
-
-
-def add_bounds(rows: list[dict], bandwidth: float) -> None:
-    """bound_s = max(compute, bytes copied / bandwidth), compute = the resident row's seconds at
-    the same batch (absent without a resident row)."""
-    compute = {r["batch"]: r["seconds"] for r in rows if r["design"] == "resident"}
-    for r in rows:
-        if r["status"] != "ok":
-            continue
-        r["copy_gbps"] = r["bytes_copied"] / r["seconds"] / 1e9
-        if r["batch"] in compute:
-            r["compute_s"] = compute[r["batch"]]
-            r["bound_s"] = max(compute[r["batch"]], r["bytes_copied"] / bandwidth)
-            r["bound_tok_s"] = r["tokens"] / r["bound_s"]
-            r["seconds_over_bound"] = r["seconds"] / r["bound_s"]
+def _header(args: argparse.Namespace, setup: Setup, bandwidth: float,
+            engine: tuple[float, str]) -> dict:
+    trace, cuda = setup.trace, setup.device.type == "cuda"
+    return {"trace": args.trace, "sequences": args.sequences, "tokens": len(trace.experts),
+            "layers": trace.num_layers, "device": str(setup.device),
+            "shape": {"name": args.shape, "hidden": setup.hidden, "inter": SHAPES[args.shape][1],
+                      "experts": trace.num_experts, "top_k": trace.top_k, "dtype": args.dtype,
+                      "bytes_per_expert": setup.store.bytes_per_expert},
+            "policy": resolve_policy_name(args.policy), "bandwidth_gbps": bandwidth / 1e9,
+            "bandwidth_what": "pinned host-to-device DMA (copy_)" if cuda
+            else "memcpy of expert rows (CPU)",
+            "copy_engine_gbps": engine[0] / 1e9, "copy_engine": engine[1],
+            "prefetch_predictor": "cross-layer co-occurrence fitted on the "
+            + ("same sequences (in-sample)" if args.sequences == "all" else "other half")}
 
 
 def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = False) -> dict:
+    """Every row, as the JSON reports it; ``--out`` rewritten after each measured row with
+    ``"partial": true`` (rows so far, seconds the median of the rounds so far)."""
     trace, fit = prepare_trace(args.trace, args.sequences, args.max_tokens, args.layers)
     designs = list(DESIGNS) if "all" in args.designs else args.designs
     for c in args.capacity:
@@ -298,6 +307,8 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
         setup.affinity_pred = predict_next(trace, fit_affinity(fit))
     jobs = [(batch, design, c) for batch in args.batch for design in designs
             for c in (args.capacity if design in CACHED else [None])]
+    bandwidth = measure_bandwidth(setup.store, setup.device)
+    head = _header(args, setup, bandwidth, measure_copy_engine(setup.store, setup.device))
     for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
         run_design(setup, design, c, batch, args.policy, max_steps=2)
     rows: dict = {}
@@ -309,25 +320,14 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
                 (batch, design, c)), count)
             rows.setdefault((batch, design, c), row).setdefault("all_seconds", []).append(
                 row.get("seconds"))
+            if args.out:
+                settle_rows(list(rows.values()), bandwidth)
+                write_json(args.out, dict(head, partial=True, rows=[
+                    {k: v for k, v in r.items() if not k.startswith("_")}
+                    for r in rows.values()]))
     rows = list(rows.values())
-    for r in rows:
-        if r["status"] == "ok":
-            r["seconds"] = sorted(r["all_seconds"])[len(r["all_seconds"]) // 2]
-            r["tok_s"] = r["tokens"] / r["seconds"]
-    bandwidth = measure_bandwidth(setup.store, setup.device)
-    add_bounds(rows, bandwidth)
-    E, K = trace.num_experts, trace.top_k
-    return {"trace": args.trace, "sequences": args.sequences, "tokens": len(trace.experts),
-            "layers": trace.num_layers, "device": str(setup.device),
-            "shape": {"name": args.shape, "hidden": setup.hidden, "inter": SHAPES[args.shape][1],
-                      "experts": E, "top_k": K, "dtype": args.dtype,
-                      "bytes_per_expert": setup.store.bytes_per_expert},
-            "policy": resolve_policy_name(args.policy), "bandwidth_gbps": bandwidth / 1e9,
-            "bandwidth_what": "pinned host-to-device" if setup.device.type == "cuda"
-            else "memcpy of expert rows (CPU)",
-            "prefetch_predictor": "cross-layer co-occurrence fitted on the "
-            + ("same sequences (in-sample)" if args.sequences == "all" else "other half"),
-            "rows": rows}
+    settle_rows(rows, bandwidth)
+    return dict(head, rows=rows)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -347,7 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1,
                     help="cold runs per row, interleaved; seconds = the median")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--out", default=None, help="also write the JSON here (rewritten "
+                    "after every measured row with \"partial\": true)")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat} is invalid: must be >= 1")
@@ -362,26 +363,26 @@ def _print_table(out: dict) -> None:
     print(f"{out['trace']} ({out['sequences']}, {out['tokens']} tokens, {out['layers']} layers), "
           f"shape {sh['name']} H={sh['hidden']} I={sh['inter']} E={sh['experts']} "
           f"k={sh['top_k']} {sh['dtype']} on {out['device']}; bandwidth "
-          f"{out['bandwidth_gbps']:.2f} GB/s ({out['bandwidth_what']})")
-    print("| design | C | batch | tok/s | hit rate | GB copied | copy GB/s | bound tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{out['bandwidth_gbps']:.2f} GB/s ({out['bandwidth_what']}), copy engine "
+          f"{out['copy_engine_gbps']:.2f} GB/s ({out['copy_engine']}, full plan)")
+    print("| design | C | batch | tok/s | hit rate | GB copied | copy GB/s | GB over link | "
+          "link GB/s | bound tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
         if r["status"] != "ok":
-            print(f"| {r['design']} | | {r['batch']} | {r['status']} | | | | |")
+            print(f"| {r['design']} | | {r['batch']} | {r['status']} | | | | | | |")
             continue
         print(f"| {r['design']} | {r['capacity'] or ''} | {r['batch']} | {r['tok_s']:.1f} | "
               f"{r['hit_rate']:.3f} | {r['bytes_copied'] / 1e9:.2f} | {r['copy_gbps']:.2f} | "
+              f"{r['link_bytes'] / 1e9:.2f} | {r['link_gbps']:.2f} | "
               f"{r.get('bound_tok_s', float('nan')):.1f} |")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out = run(args)
-    text = json.dumps(out)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text) if args.json else _print_table(out)
+    write_json(args.out, out)
+    print(json.dumps(out)) if args.json else _print_table(out)
     return out
 
 

@@ -14,6 +14,9 @@ layers: bf16 experts 100 MB, over a 32 MB L3), on the MoE backend ``--moe-backen
 the C kernel on CPU). mxfp4 loads on GPT-OSS only, so it runs on a random GPT-OSS of the same
 shape (expert biases, swigluoai), beside that model's bf16 row ("gpt-oss-bf16"); its experts
 are rounded to MXFP4 here (e8m0 scale 2^ceil(log2(amax / 6)) per 32 inputs).
+``--out FILE``: the JSON, rewritten after every engine load and every timed call with
+``"partial": true`` (a run cut short by a timeout keeps what it measured), the last write
+without it.
 
 Teacher forcing: the held-out text (a stdlib module the default model never trained on) is fed
 one token per step (batch 1, decode steps over a paged KV cache, like the engine's decode), and
@@ -36,6 +39,9 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))          # sibling: bench_io
+
+from bench_io import write_json  # noqa: E402
 
 import vllm  # noqa: E402
 from tools.quantize_checkpoint import main as quantize_main  # noqa: E402
@@ -240,12 +246,25 @@ def backend_for(spec: list[str], scheme: str) -> str:
     return pairs.get(scheme, "auto")
 
 
+def _speed_result(args, rows: list[dict], rates: list[dict], device: str,
+                  partial: bool) -> dict:
+    """The ``--speed`` JSON: per row the median tok/s of the rounds timed so far (a row not yet
+    timed has none); ``"partial": true`` while rows are still being measured."""
+    H, I, E, L = args.speed_shape
+    out_rows = [row | {f"tok_s_b{b}": sorted(v)[len(v) // 2] for b, v in r.items() if v}
+                for row, r in zip(rows, rates)]
+    result = {"shape": dict(hidden=H, moe_intermediate=I, experts=E, layers=L),
+              "device": device, "threads": torch.get_num_threads(), "rows": out_rows}
+    return (result | {"partial": True}) if partial else result
+
+
 def speed(args, work: str) -> None:
     """Every (scheme, cache) engine is loaded first, then timed round-robin, ``speed_reps``
     rounds, each row's median reported: on a shared machine the load drifts, and interleaving
-    gives every row the same drift."""
-    H, I, E, L = args.speed_shape
-    rows, engines, batches = [], [], [1, 32]
+    gives every row the same drift. ``--out`` is rewritten after every load and every timed
+    call with ``"partial": true`` (a run cut short keeps what it measured)."""
+    E = args.speed_shape[2]
+    rows, rates, engines, batches, device = [], [], [], [1, 32], _device_name()
     schemes = ["bf16", *(s for s in args.schemes if s != "mxfp4")]
     schemes += ["gpt-oss-bf16", "mxfp4"] if "mxfp4" in args.schemes else []
     for scheme in schemes:
@@ -258,22 +277,23 @@ def speed(args, work: str) -> None:
             rows.append({"scheme": scheme, "cache": cache, "bytes_per_expert":
                          layer_expert_bytes(layer), "load_s": load_s,
                          "backend": layer.quant_method.backend_name})
-    rates = [{b: [] for b in batches} for _ in rows]
+            rates.append({b: [] for b in batches})
+            write_json(args.out, _speed_result(args, rows, rates, device, partial=True))
     for _ in range(args.speed_reps):
         for llm, r in zip(engines, rates):
             for b in batches:
                 r[b].append(decode_rate(llm, b, args.speed_tokens))
-    for row, r in zip(rows, rates):
-        row |= {f"tok_s_b{b}": sorted(v)[len(v) // 2] for b, v in r.items()}
+            write_json(args.out, _speed_result(args, rows, rates, device, partial=True))
+    result = _speed_result(args, rows, rates, device, partial=False)
+    write_json(args.out, result)
     if args.json:
-        text = json.dumps({"shape": dict(hidden=H, moe_intermediate=I, experts=E, layers=L),
-                           "device": _device_name(), "threads": torch.get_num_threads(),
-                           "rows": rows})
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
+        print(json.dumps(result))
         return
+    _print_speed(args, result["rows"])
+
+
+def _print_speed(args, rows: list[dict]) -> None:
+    H, I, E, L = args.speed_shape
     print(f"Qwen3-MoE random (GPT-OSS for gpt-oss-bf16, mxfp4), bf16: hidden {H}, expert "
           f"intermediate {I}, E={E}, top-4, {L} layers; {torch.get_num_threads()} thread(s); "
           f"{args.speed_tokens} new tokens/seq, median of {args.speed_reps} interleaved rounds")
@@ -304,7 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "where they only build and quantize the checkpoints)")
     p.add_argument("--work", default=None,
                    help="keep the built and quantized checkpoints here and reuse them")
-    p.add_argument("--out", default=None, help="--speed --json: also write the JSON here")
+    p.add_argument("--out", default=None,
+                   help="--speed: also write the JSON here (rewritten after every load and "
+                        "timed call with \"partial\": true)")
     return p.parse_args(argv)
 
 

@@ -18,6 +18,7 @@ from vllm.model_executor.layers.fused_moe.expert_cache.trace import (RoutingTrac
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import benchmark_expert_cache as replay_bench  # noqa: E402
 import benchmark_expert_offload as bench  # noqa: E402
+import offload_bounds  # noqa: E402
 
 E, K, L = 8, 2, 3
 CAPS, BATCHES = [2, 4], [1, 3]
@@ -124,11 +125,14 @@ def test_cli_prints_one_json_object(result, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out == json.loads(out_file.read_text())
     assert {"trace", "sequences", "tokens", "layers", "device", "shape", "policy",
-            "bandwidth_gbps", "bandwidth_what", "prefetch_predictor", "rows"} <= set(out)
+            "bandwidth_gbps", "bandwidth_what", "copy_engine_gbps", "copy_engine",
+            "prefetch_predictor", "rows"} <= set(out)
+    assert "partial" not in out and out["copy_engine_gbps"] > 0
     assert [r["design"] for r in out["rows"]] == ["resident", "ours"]
     row = out["rows"][1]
     assert {"design", "capacity", "batch", "status", "tokens", "seconds", "tok_s", "hit_rate",
-            "hits", "misses", "bytes_copied", "copy_gbps", "compute_s", "bound_s",
+            "hits", "misses", "bytes_copied", "copy_gbps", "link_bytes", "link_gbps",
+            "compute_s", "bound_s",
             "bound_tok_s", "seconds_over_bound"} <= set(row)
     assert row["tok_s"] == pytest.approx(row["tokens"] / row["seconds"])
     assert len(row["all_seconds"]) == 2 and row["seconds"] == max(row["all_seconds"])  # median
@@ -153,3 +157,101 @@ def test_every_timed_job_is_warmed_up_first(result, monkeypatch):
     bench.run(args)
     jobs = [(3, "resident", None), (3, "ours", 2), (3, "ours", 4)]
     assert calls == [(*j, 2) for j in jobs] + [(*j, None) for j in jobs]
+
+
+def test_link_bytes_per_design(result):
+    """Cached designs: the bytes copied; resident: 0; uva: each (step, layer)'s distinct experts
+    x expert bytes (the trace's step masks), which is ours' lookups; the bound uses them."""
+    path, _, out = result
+    trace, per_expert = bench.prepare_trace(path)[0], out["shape"]["bytes_per_expert"]
+    bandwidth = out["bandwidth_gbps"] * 1e9
+    for batch in BATCHES:
+        needed = int(step_masks(trace, batch).sum())
+        for r in [r for r in out["rows"] if r["batch"] == batch]:
+            want = {"resident": 0, "uva": needed * per_expert}.get(r["design"], r["bytes_copied"])
+            assert r["link_bytes"] == want, r["design"]
+            assert r["link_gbps"] == pytest.approx(want / r["seconds"] / 1e9)
+            assert r["bound_s"] == pytest.approx(max(r["compute_s"], want / bandwidth))
+        [uva], ours = _rows(out, "uva", batch), _rows(out, "ours", batch)
+        assert uva["link_bytes"] > 0 and uva["bytes_copied"] == uva["misses"] == 0
+        assert all(uva["link_bytes"] == (r["hits"] + r["misses"]) * per_expert for r in ours)
+
+
+def test_timed_loop_reads_no_routing_from_the_host(result, monkeypatch):
+    """Every step's ids and predictions are indexed and uploaded before the clock starts."""
+    path = result[0]
+    trace, fit = bench.prepare_trace(path)
+    setup = bench.Setup(trace, "tiny", torch.float32, "cpu", 3)
+    setup.affinity_pred = bench.predict_next(trace, bench.fit_affinity(fit))
+    timing, reads = [False], []
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            timing[0] = not timing[0]           # run_design reads it at start, then at the end
+            return 0.0 if timing[0] else 1.0
+
+    class Guard:
+        def __init__(self, t):
+            self.t = t
+
+        def __getitem__(self, key):
+            reads.append(timing[0])
+            return self.t[key]
+    setup.ids, setup.affinity_pred = Guard(setup.ids), Guard(setup.affinity_pred)
+    monkeypatch.setattr(bench, "time", Clock)
+    row = bench.run_design(setup, "ours+prefetch", 2, 3, "auto")
+    steps = len(setup.steps(3))
+    assert row["status"] == "ok" and len(reads) == 2 * steps and not any(reads)
+
+
+def test_copy_engine_times_a_full_plan(result, monkeypatch):
+    """measure_copy_engine runs the provider's engine (named as select_copy picks it) on
+    experts 0..E-1 into slots 0..E-1."""
+    setup = bench.Setup(bench.prepare_trace(result[0])[0], "tiny", torch.float32, "cpu", 1)
+    real = offload_bounds.select_copy
+    gbps, name = offload_bounds.measure_copy_engine(setup.store, setup.device, 0.01)
+    assert gbps > 0 and name.startswith(type(real(setup.store, setup.device)).__name__)
+    calls = []
+
+    def spy(store, device):
+        engine = real(store, device)
+        return lambda slots, plan: (calls.append((slots, plan)), engine(slots, plan))
+    monkeypatch.setattr(offload_bounds, "select_copy", spy)
+    offload_bounds.measure_copy_engine(setup.store, setup.device, 0.01)
+    slots, plan = calls[-1]
+    assert len(calls) >= 2                                  # an untimed call, then timed ones
+    assert plan.experts.tolist() == plan.slots.tolist() == list(range(E)) and plan.valid.all()
+    assert all(torch.equal(slots[n], t) for n, t in setup.store.tensors.items())
+
+
+def test_out_is_rewritten_after_every_row(result, tmp_path, monkeypatch):
+    """--out holds the rows so far ("partial": true) after each timed row; a run cut short
+    keeps them; the final write has no "partial"."""
+    path, out_file = result[0], tmp_path / "o.json"
+    argv = ["--trace", path, "--shape", "tiny", "--capacity", "2", "--batch", "2",
+            "--designs", "resident", "uva", "ours", "--repeat", "2", "--out", str(out_file)]
+    writes = []
+    real_write = bench.write_json
+    monkeypatch.setattr(bench, "write_json", lambda p, obj: (writes.append(json.loads(
+        json.dumps(obj))), real_write(p, obj)))
+    final = bench.main(argv + ["--json"])
+    assert [len(w["rows"]) for w in writes] == [1, 2, 3, 3, 3, 3, 3]
+    assert all(w["partial"] is True for w in writes[:-1]) and "partial" not in writes[-1]
+    assert json.loads(out_file.read_text()) == writes[-1] == json.loads(json.dumps(final))
+    assert [len(r["all_seconds"]) for r in writes[2]["rows"]] == [1, 1, 1]
+    assert all("link_gbps" in r and "bound_s" in r for r in writes[0]["rows"])
+
+    real_run, timed = bench.run_design, []
+
+    def cut(*a, max_steps=None, **k):       # the second timed row never finishes
+        if max_steps is None:
+            timed.append(1)
+            if len(timed) == 2:
+                raise KeyboardInterrupt
+        return real_run(*a, max_steps=max_steps, **k)
+    monkeypatch.setattr(bench, "run_design", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    kept = json.loads(out_file.read_text())
+    assert kept["partial"] is True and [r["design"] for r in kept["rows"]] == ["resident"]
