@@ -11,18 +11,22 @@ class RecordingSideStream:
 
     def __init__(self):
         self.log, self.forked = [], False
+        self.roles: list[tuple[str, str]] = []
+        """("fork" | "join", role) in order."""
 
     @contextlib.contextmanager
-    def fork(self):
+    def fork(self, role: str = "misses"):
         self.log.append("fork")
+        self.roles.append(("fork", role))
         self.forked = True
         try:
             yield
         finally:
             self.forked = False
 
-    def join(self):
+    def join(self, role: str = "misses"):
         self.log.append("join")
+        self.roles.append(("join", role))
 
 
 def hand_out_side_streams(monkeypatch, platform_type) -> list[RecordingSideStream]:

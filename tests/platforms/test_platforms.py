@@ -128,3 +128,45 @@ def test_cuda_elementwise_ops_without_triton_are_none_with_a_warning(monkeypatch
         assert "pip install triton" in vllm_log.text and "rotary" in vllm_log.text
     finally:
         cuda_platform._triton_elementwise_ops.cache_clear()
+
+
+def test_cuda_side_streams_one_stream_per_device_and_role_a_handle_per_caller(monkeypatch):
+    """Every cached layer of a device forks its miss copies onto one stream and its prefetch
+    copies onto another (PyTorch's pool of 32 would alias per-layer streams past 32 layers; a
+    shared stream for both would queue a layer's misses behind the next layer's prefetch), at
+    default priority (the graph capture stream is a high-priority one); a join waits for its
+    own handle's last fork of that role, not for the stream."""
+    from fake_cuda import FakeCuda
+
+    from vllm.platforms import cuda as cuda_platform
+    fake = FakeCuda(current_device=0)
+    fake.install(monkeypatch)
+    cuda_platform._device_side_stream.cache_clear()
+    try:
+        p = CudaPlatform()
+        a, b = p.side_stream(torch.device("cuda", 1)), p.side_stream(torch.device("cuda:1"))
+        other = p.side_stream(torch.device("cuda", 0))
+        m, pf = a.streams["misses"], a.streams["prefetch"]
+        assert a is not b and b.streams == a.streams and m.priority == pf.priority == 0
+        assert m is not pf and m.index == pf.index == 1
+        assert other.streams["misses"] is not m and other.streams["misses"].index == 0
+        s, fake.log[:] = m.name, []
+        with a.fork():
+            assert fake.where() == (1, s)
+        with b.fork():
+            pass
+        a.join()
+        e_a, e_b = fake.log[1][1], fake.log[3][1]
+        assert fake.log == [("wait_stream", s, "default:1"), ("record", e_a, s),
+                            ("wait_stream", s, "default:1"), ("record", e_b, s),
+                            ("wait_event", "default:1", e_a)]
+        fake.log[:] = []
+        with a.fork("prefetch"):
+            assert fake.where() == (1, pf.name)
+        a.join("prefetch")
+        a.join()                                   # the misses' last fork, as before
+        e_p = fake.log[1][1]
+        assert fake.log == [("wait_stream", pf.name, "default:1"), ("record", e_p, pf.name),
+                            ("wait_event", "default:1", e_p), ("wait_event", "default:1", e_a)]
+    finally:
+        cuda_platform._device_side_stream.cache_clear()

@@ -76,22 +76,46 @@ def _triton_elementwise_ops() -> ElementwiseOps | None:
 
 
 class CudaSideStream:
-    """``SideStream`` on a CUDA stream: fork = the side stream waits for the current one, join =
-    the current one waits for the side stream (both events, so a graph capture records them).
-    NOT YET RUN ON A GPU."""
+    """``SideStream`` on CUDA streams: fork = a role's stream waits for the current one, join =
+    the current one waits for the event recorded at the end of this handle's last fork of that
+    role (both events, so a graph capture records them). A handle per caller over one stream per
+    (device, role) (``_device_side_stream``): a join waits for its own layer's copy, not for
+    copies other layers forked after it, and a layer's miss copies ("misses") never queue behind
+    the next layer's prefetch ("prefetch"), forked before them. NOT YET RUN ON A GPU."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.streams = streams
+        self._done: dict[str, torch.cuda.Event] = {}
 
     @contextlib.contextmanager
-    def fork(self):
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
+    def fork(self, role: str = "misses"):
+        stream = self.streams[role]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:                               # even if the forked work raised: join waits for it
+            self._done[role] = torch.cuda.Event()
+            self._done[role].record(stream)
 
-    def join(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+    def join(self, role: str = "misses") -> None:
+        done = self._done.get(role)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+
+SIDE_STREAM_ROLES = ("misses", "prefetch")
+
+
+@functools.cache
+def _device_side_stream(index: int, role: str) -> torch.cuda.Stream:
+    """The side stream of GPU ``index`` for ``role`` (``SIDE_STREAM_ROLES``). One per device and
+    role, not one per layer: PyTorch hands out ``torch.cuda.Stream()``s round-robin from a pool
+    of 32 per device and priority, so past 32 layers theirs would silently alias each other.
+    Default priority: the decode-graph capture stream is drawn from the high-priority pool
+    (``worker/cuda_graphs.py``), so they never coincide."""
+    return torch.cuda.Stream(torch.device("cuda", index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,7 +168,10 @@ class CudaPlatform(Platform):
         return _triton_elementwise_ops()
 
     def side_stream(self, device: torch.device) -> CudaSideStream:
-        return CudaSideStream(device)
+        device = torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return CudaSideStream(torch.device("cuda", index),
+                              {r: _device_side_stream(index, r) for r in SIDE_STREAM_ROLES})
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)

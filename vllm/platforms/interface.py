@@ -75,12 +75,15 @@ class SideStream(Protocol):
     """A second queue of device work beside the current stream (CUDA graph capture included:
     the fork and the join are events, which a capture records)."""
 
-    def fork(self) -> AbstractContextManager:
-        """Within the block, work is enqueued on the side stream, after everything already
-        enqueued on the current stream."""
+    def fork(self, role: str = "misses") -> AbstractContextManager:
+        """Within the block, work is enqueued on the side stream of ``role`` ("misses": a wave's
+        miss copies; "prefetch": a prefetch's copies, which must not delay the misses), after
+        everything already enqueued on the current stream."""
 
-    def join(self) -> None:
-        """The current stream waits for everything enqueued on the side stream so far."""
+    def join(self, role: str = "misses") -> None:
+        """The current stream waits for everything enqueued in this handle's forks of ``role``
+        so far (a device's handles may share streams: a join need not wait for other handles'
+        work)."""
 
 
 class Platform:
@@ -161,8 +164,9 @@ class Platform:
         return None
 
     def side_stream(self, device: torch.device) -> SideStream | None:
-        """A new side stream on ``device`` (the expert cache copies misses on one while the
-        layer computes its hits), or None where work runs in issue order anyway (CPU)."""
+        """A side stream handle on ``device`` (the expert cache copies misses on one while the
+        layer computes its hits), or None where work runs in issue order anyway (CPU). Each call
+        may return a new handle; handles of one device may share one stream."""
         return None
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:

@@ -25,13 +25,18 @@ buffers (the warm-up: Triton compiles and cuBLAS initialises for these shapes, a
 and expert-cache updates are the step's own; MoE backends see ``capture_warm_up`` with the largest
 size and allocate what a capture must not), then the graph is captured (which records without
 executing), so no dummy forward ever touches the KV cache or the cache's clock and policy state,
-and sizes a run never sees cost nothing. All graphs share one memory pool
-(``torch.cuda.graph_pool_handle()``); a graph's output is its own, its intermediates are reused
-by later captures (graphs never run concurrently, and a step's logits are sampled before the
-next replay). Eager capture at startup, largest first, would size the pool up front instead, at
+and sizes a run never sees cost nothing. The warm-up runs on the capture stream (cuBLAS and
+other per-stream state are made there, not in the capture), under the engine's device: every
+stream, synchronize and capture call names it. All graphs share one memory pool
+(``torch.cuda.graph_pool_handle()``) and keep nothing in it: each copies its logits into rows
+[:P] of one [Pmax, V] buffer allocated outside any capture (an exact copy), so its own logits
+and intermediates are reused by later captures (graphs never run concurrently, and a step's
+logits are sampled before the next replay overwrites the buffer). Eager capture at startup,
+largest first, would size the pool up front instead, at
 the cost of a forward and a capture for every listed size before serving. A capture that raises
-(e.g. a host sync inside the forward) is logged once; the step keeps its warm-up result and
-every later decode step runs eagerly.
+(e.g. a host sync inside the forward) is logged once, with the error ``capture_end`` may have
+masked; the step keeps its warm-up result, every later decode step runs eagerly, and the failed
+capture's pool is never captured into again.
 
 Host-side plans: an attention impl with a ``graph_planner(kv_cache)`` (``flashinfer_paged``,
 whose FlashInfer ``plan`` is host work that must not be captured) gets
@@ -104,6 +109,10 @@ def cuda_graph_refusal(attn_layers: list, moe_layers: list, state_layers: list =
 
 # ==== SEAM: how a function is captured ===========================================================
 class GraphCapturer:
+    def warm_up(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``fn`` eagerly where its capture will run (the step before each capture)."""
+        return fn()
+
     def capture(self, fn: Callable[[], torch.Tensor]) -> Replay:
         """Capture ``fn`` (which reads only static buffers) without executing it; the returned
         replay recomputes it from the buffers' current values and returns its output tensor."""
@@ -114,39 +123,73 @@ class GraphCapturer:
 
 
 class CudaGraphCapturer(GraphCapturer):
-    """``torch.cuda.CUDAGraph`` captures on one side stream, in one memory pool shared by every
-    graph it makes. Not ``torch.cuda.graph``: its exit restores the caller's stream only when
-    ``capture_end`` succeeds, and a failed capture must leave the engine running eagerly on its
-    own stream (``CudaDecodeGraphs._warm_up_and_capture``); nor its ``empty_cache`` per capture,
-    which would return the serving engine's cached blocks mid-run. NOT YET RUN ON A GPU."""
+    """``torch.cuda.CUDAGraph`` captures on one side stream of ``device``, in one memory pool
+    shared by every graph it makes. Not ``torch.cuda.graph``: its exit restores the caller's
+    stream only when ``capture_end`` succeeds, and a failed capture must leave the engine running
+    eagerly on its own stream (``CudaDecodeGraphs._warm_up_and_capture``); nor its
+    ``empty_cache`` per capture, which would return the serving engine's cached blocks mid-run.
+    Every call names ``device`` and runs under its guard: ``torch.cuda.Stream()``,
+    ``current_stream()``, ``synchronize()`` and a capture's begin take the *current* device,
+    which need not be the engine's ``cuda:N``. ``cuda``: the ``torch.cuda`` API (the CPU tests
+    pass a recording fake). NOT YET RUN ON A GPU."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device, cuda=torch.cuda):
+        self.device, self.cuda = torch.device(device), cuda
         self.pool = None
         self.stream = None
 
-    def capture(self, fn):
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        caller = torch.cuda.current_stream()
-        torch.cuda.synchronize()               # nothing in flight may join the capture
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool)
-            try:
+    def _stream(self):
+        if self.stream is None:
+            # The high-priority pool: the expert cache's side streams come from the default
+            # one (``CudaPlatform.side_stream``), so the two never coincide. A graph replays at
+            # the priority of the stream it is launched on, so this affects the warm-ups only.
+            self.stream = self.cuda.Stream(self.device, priority=-1)
+        return self.stream
+
+    def warm_up(self, fn):
+        """On the capture stream (as vLLM's ``graph_capture``): what is made per stream on
+        first use (cuBLAS's workspace for its handle and this stream) is made here, not inside
+        the capture."""
+        cuda, dev = self.cuda, self.device
+        with cuda.device(dev):
+            stream, caller = self._stream(), cuda.current_stream(dev)
+            stream.wait_stream(caller)
+            with cuda.stream(stream):
                 out = fn()
-            finally:
-                graph.capture_end()
-        caller.wait_stream(self.stream)
+            caller.wait_stream(stream)
+            out.record_stream(caller)          # sampled on the caller's stream
+        return out
+
+    def capture(self, fn):
+        cuda, dev = self.cuda, self.device
+        with cuda.device(dev):
+            if self.pool is None:
+                self.pool = cuda.graph_pool_handle()
+            stream, caller = self._stream(), cuda.current_stream(dev)
+            graph = cuda.CUDAGraph()
+            cuda.synchronize(dev)              # nothing in flight may join the capture
+            with cuda.stream(stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    out = fn()
+                finally:
+                    graph.capture_end()
+            caller.wait_stream(stream)
 
         def replay() -> torch.Tensor:
-            graph.replay()
+            with cuda.device(dev):
+                graph.replay()
             return out
         return replay
 
     def after_failure(self) -> None:
-        """A capture raised: let the aborted capture's work drain before eager steps go on."""
-        torch.cuda.synchronize()
+        """A capture raised: let the aborted capture's work drain before eager steps go on, and
+        never capture into its pool again: ``capture_end`` can raise before it stops routing
+        the capture's allocations to the pool, which leaves that pool unusable (its memory is
+        lost; no private torch API is called to reclaim it)."""
+        with self.cuda.device(self.device):
+            self.cuda.synchronize(self.device)
+        self.pool = None
 
 
 class EagerCapturer(GraphCapturer):
@@ -158,7 +201,7 @@ class EagerCapturer(GraphCapturer):
 
 
 def default_capturer(device: torch.device) -> GraphCapturer:
-    return CudaGraphCapturer() if device.type == "cuda" else EagerCapturer()
+    return CudaGraphCapturer(device) if device.type == "cuda" else EagerCapturer()
 # ==== END SEAM ===================================================================================
 
 
@@ -195,12 +238,19 @@ class CudaDecodeGraphs:
         P = self.sizes[-1]
         self.static = _Inputs(P, max_blocks_per_seq, self.device)
         self.staging = _Inputs(P, max_blocks_per_seq, torch.device("cpu"), pin)
-        self.fence = torch.cuda.Event() if pin else None
+        self.fence = None
         """Recorded after the copies out of the pinned staging: the next step waits for it
         before rewriting the staging."""
+        if pin:
+            with torch.cuda.device(self.device):
+                self.fence = torch.cuda.Event()
         with torch.inference_mode(False):
             self.query_start_loc = torch.arange(P + 1, dtype=torch.int64, device=self.device)
         self._entries: dict[int, _Entry] = {}
+        self._out: torch.Tensor | None = None
+        """Logits [Pmax, V], allocated outside any capture at the first one: each graph copies
+        its logits into rows [:P] and keeps only that view, so the logits it computes are an
+        intermediate of the shared pool, not a [P, V] block per graph held forever."""
         self.refused: str | None = None
         """Why decode steps run eagerly from now on (a capture raised), or None."""
         self._planners: list | None = None
@@ -214,8 +264,10 @@ class CudaDecodeGraphs:
                md: AttentionMetadata) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only step of B sequences (``input_ids``, ``positions`` and
         ``md``'s tensors on the host) from the graph of the smallest size >= B, captured now on
-        its first use; None when the step must run eagerly. The rows are a view of the graph's
-        output, rewritten by the next replay of that size: sample them before the next step."""
+        its first use; None when the step must run eagerly. A replay's rows are a view of the
+        logits buffer every graph shares, rewritten by the next replay of any size: consume them
+        within the step and keep no reference (the runner's sampler reads them in stream order,
+        before the next replay is enqueued, and ends on a host read)."""
         B = input_ids.shape[0]
         if self.refused is not None or md.num_decodes != md.num_seqs or B != md.num_seqs \
                 or md.block_tables.shape[1] > self.max_blocks:
@@ -256,7 +308,7 @@ class CudaDecodeGraphs:
         for dst, src in zip(self.static.fields, h.fields):
             dst[:P].copy_(src[:P], non_blocking=self.fence is not None)
         if self.fence is not None:
-            self.fence.record()
+            self.fence.record(torch.cuda.current_stream(self.device))   # the copies' stream
 
     def _plan(self, P: int, e: _Entry) -> None:
         """Host-side per-step plans (module docstring), from the staged rows: never captured."""
@@ -281,21 +333,42 @@ class CudaDecodeGraphs:
         # This step, eagerly: the warm-up. MoE backends that must not allocate or compile inside
         # a capture prepare for the largest size here (flashinfer_cutlass: its workspace).
         with capture_warm_up(self.sizes[-1]):
-            out = self._run(P, e)
+            out = self.capturer.warm_up(lambda: self._run(P, e))
+        if self._out is None:                  # outside any capture
+            with torch.inference_mode(False):
+                self._out = torch.empty((self.sizes[-1], *out.shape[1:]), dtype=out.dtype,
+                                        device=out.device)
         try:
-            e.replay = self.capturer.capture(lambda: self._run(P, e))
+            e.replay = self.capturer.capture(lambda: self._out[:P].copy_(self._run(P, e)))
         except Exception as err:               # noqa: BLE001 - any failure means: stay eager
-            self.refused = f"{type(err).__name__}: {err}"
-            self._entries.clear()
-            self.capturer.after_failure()
-            # Nothing captured ran, so the device state is the warm-up's; Python flags the
-            # aborted forward set (a prefetch "in flight") are dropped.
-            for m in self.model.modules():
-                forget = getattr(getattr(m, "expert_cache", None), "forget_capture", None)
-                if forget is not None:
-                    forget()
-            logger.warning("decode steps run eagerly from now on (capturing a CUDA graph of "
-                           "batch size %d failed): %s", P, self.refused)
+            self._refuse(P, err)
             return out
         logger.debug("captured a CUDA graph for decode batch size %d", P)
         return out
+
+    def _refuse(self, P: int, err: Exception) -> None:
+        """A capture raised: every later decode step runs eagerly."""
+        self.refused = _with_cause(err)
+        self._entries.clear()
+        self._out = None
+        self.capturer.after_failure()
+        # Nothing captured ran, so the device state is the warm-up's; Python flags the aborted
+        # forward set (a prefetch "in flight") are dropped.
+        for m in self.model.modules():
+            forget = getattr(getattr(m, "expert_cache", None), "forget_capture", None)
+            if forget is not None:
+                forget()
+        logger.warning("decode steps run eagerly from now on (capturing a CUDA graph of batch "
+                       "size %d failed): %s", P, self.refused)
+        logger.debug("the failed capture's traceback", exc_info=err)
+
+
+def _with_cause(err: BaseException) -> str:
+    """``err`` and the error it masks: ``capture_end`` raising in the capturer's ``finally``
+    (e.g. the capture invalidated) hides the forward's own error, the root cause, in
+    ``__context__``."""
+    text = f"{type(err).__name__}: {err}"
+    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    if cause is not None:
+        text += f" (root cause: {type(cause).__name__}: {cause})"
+    return text

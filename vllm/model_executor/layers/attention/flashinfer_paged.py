@@ -187,7 +187,7 @@ class _DeviceIndices:
         self.host[:n].copy_(indices)
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         self.done = torch.cuda.Event()
-        self.done.record()
+        self.done.record(torch.cuda.current_stream(self.device))   # the copy's, on cuda:N too
         return self.dev[:n]
 
 

@@ -135,8 +135,14 @@ class FusedMoEMethodBase:
         -1) and so left 0."""
         # [T, top_k, H] pairs, skipped ones 0; dead after the combine, so a reused buffer.
         out = scratch("moe.pairs", (*topk_weights.shape, x.shape[-1]), x.dtype, x.device).zero_()
-        for ids in waves:
-            self.apply_pairs(weights, x, topk_weights, ids, out)
+        waves = iter(waves)
+        try:
+            for ids in waves:
+                self.apply_pairs(weights, x, topk_weights, ids, out)
+        finally:
+            # A wave that raised closes the plan now, not when it is collected: an overlapped
+            # wave joins its side stream on close (before a graph capture's capture_end runs).
+            getattr(waves, "close", lambda: None)()
         if host_pairs is not None:
             host_pairs(out)
         return combine_pairs(out)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from side_streams import hand_out_side_streams
+from side_streams import RecordingSideStream, hand_out_side_streams
+from test_provider import E, H, build  # the shared layer builder
 
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe.expert_cache.overlap import split_pairs
@@ -102,6 +103,7 @@ def test_prefetch_copies_are_forked_and_joined_before_the_next_plan(tiny_model_f
     llm.generate([[5, 17, 99, 3], [250, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     first, *predicted = side_streams
     assert _check_waves(first.log)[0] > 0                      # nothing predicts layer 0
+    assert {r for _, r in first.roles} == {"misses"}
     for stream in predicted:
         log, i, prefetches, waves = stream.log, 0, 0, 0
         while i < len(log):
@@ -111,6 +113,11 @@ def test_prefetch_copies_are_forked_and_joined_before_the_next_plan(tiny_model_f
                 continue
             waves, i = waves + _check_waves(log[i:i + 5])[0], i + 5
         assert prefetches > 0 and waves > 0
+        # Prefetches fork and join on their own stream, so a wave's miss copy (forked after
+        # the next layer's prefetch) never queues behind it.
+        assert stream.roles.count(("fork", "prefetch")) == prefetches
+        assert stream.roles.count(("join", "prefetch")) == prefetches
+        assert stream.roles.count(("fork", "misses")) == waves
 
 
 def _outputs(llm, prompts, params):
@@ -154,6 +161,50 @@ def test_overlap_must_be_a_bool(tiny_model_factory, bad):
     with pytest.raises(ValueError, match=rf"moe_expert_overlap={bad!r} is invalid: must be True "
                                          "or False"):
         LLM(tiny_model_factory("Qwen3MoeForCausalLM"), moe_expert_overlap=bad)
+
+
+def _layer_with_recording_side_stream():
+    """A cached layer (3 slots of 8 experts) whose provider forks onto a recording stream."""
+    layer = build(3)
+    layer.expert_cache.side_stream = side = RecordingSideStream()
+    return layer, side
+
+
+@pytest.mark.parametrize("fails", ["copy", "hit pass"])
+def test_a_wave_that_raises_between_fork_and_join_still_joins(monkeypatch, fails):
+    """A capture must not end with the side stream forked (and eagerly the plan must not be
+    freed while the side stream may read it): the join runs before the error leaves the layer."""
+    layer, side = _layer_with_recording_side_stream()
+
+    def boom(*args):
+        side.log.append("raise")
+        raise RuntimeError("boom")
+    if fails == "copy":
+        monkeypatch.setattr(layer.expert_cache, "copy", boom)
+    else:
+        monkeypatch.setattr(layer.quant_method, "apply_pairs", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        layer(torch.randn(4, H), torch.randn(4, E))
+    assert side.log == ["fork", "raise", "join"] and not side.forked
+
+
+def test_a_second_prefetch_joins_the_first(monkeypatch):
+    """Two prefetches before the next plan: the first's copy is joined before the second is
+    planned (its plan stays alive while the side stream may read it); the plan joins the
+    second."""
+    layer, side = _layer_with_recording_side_stream()
+    provider, copy = layer.expert_cache, layer.expert_cache.copy
+
+    def spy_copy(slots, plan):
+        side.log.append("copy")
+        copy(slots, plan)
+    monkeypatch.setattr(provider, "copy", spy_copy)
+    provider.prefetch(torch.tensor([[0, 1]]))
+    assert provider._prefetch_in_flight is not None
+    provider.prefetch(torch.tensor([[2, 3]]))
+    assert side.log == ["fork", "copy", "join", "fork", "copy"]
+    layer(torch.randn(1, H), torch.randn(1, E))
+    assert side.log[5] == "join" and provider._prefetch_in_flight is None
 
 
 @pytest.mark.gpu

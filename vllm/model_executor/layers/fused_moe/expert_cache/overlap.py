@@ -41,12 +41,18 @@ def split_pairs(slot_ids: torch.Tensor, plan: LoadPlan, num_slots: int
 def overlapped_wave(copy, slots: dict[str, torch.Tensor], plan: LoadPlan,
                     slot_ids: torch.Tensor, side: SideStream) -> Iterator[torch.Tensor]:
     """Steps 2-4 above for one wave: yields the hit ids, then (after the join) the miss ids.
-    The caller runs the kernels of each before asking for the next."""
-    with side.fork():
-        copy(slots, plan)
-    # After the copy is enqueued: a step stopped between the residency step and its copy
-    # would leave experts marked resident that were never copied.
-    hits, misses = split_pairs(slot_ids, plan, next(iter(slots.values())).shape[0])
-    yield hits
-    side.join()
+    The caller runs the kernels of each before asking for the next; a caller that stops early
+    closes the generator (``FusedMoEMethodBase.apply``), which still joins."""
+    try:
+        with side.fork():
+            copy(slots, plan)
+        # After the copy is enqueued: a step stopped between the residency step and its copy
+        # would leave experts marked resident that were never copied.
+        hits, misses = split_pairs(slot_ids, plan, next(iter(slots.values())).shape[0])
+        yield hits
+    finally:
+        # Even when the copy, the split or the hit pass raised: a capture must not end with the
+        # side stream forked (cudaErrorStreamCaptureUnjoined), and eagerly the plan must not be
+        # freed on the current stream while the side stream's copy may still read it.
+        side.join()
     yield misses

@@ -134,10 +134,7 @@ class ExpertPlan:
         p = self.provider
         step, res = p.step_for_this_call(), p.residency
         skip_empty = step.on_host and not capturing()
-        if p._prefetch_in_flight is not None:
-            # The real step may hit on an expert the prefetch is still copying.
-            p.side_stream.join()
-            p._prefetch_in_flight = None
+        p.join_prefetch()           # the real step may hit on an expert still being copied
         for wave in range(self.num_waves):
             plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
             if p.side_stream is not None:
@@ -206,6 +203,13 @@ class CachedWeightProvider(WeightProvider):
                     "a CUDA build's vllm._C expert_gather or the Triton one, which needs the "
                     "'triton' package and a pinned store; or register_cuda_copy_kernel)")
         return None
+
+    def join_prefetch(self) -> None:
+        """The current stream waits for the prefetch copy forked onto the side stream, if one is
+        in flight (its plan is then free to go)."""
+        if self._prefetch_in_flight is not None:
+            self.side_stream.join("prefetch")
+            self._prefetch_in_flight = None
 
     def forget_capture(self) -> None:
         """A graph capture through this layer failed: its recorded work never ran, so forget the
@@ -303,6 +307,9 @@ class CachedWeightProvider(WeightProvider):
         Call between two real steps of this layer, at most once per step; outputs stay
         bitwise equal (the real step's plan decides), only hits and copies change."""
         res = self.residency
+        # A second prefetch before ``prepare``: the first's copy is joined first, so its plan is
+        # not dropped (and freed on the current stream) while the side stream may still read it.
+        self.join_prefetch()
         self.enable_prefetch()
         self.prefetch_state.settle(res)
         wanted = wanted_experts(topk_ids, self.num_experts, self.num_slots, row_slots)
@@ -310,7 +317,7 @@ class CachedWeightProvider(WeightProvider):
         if self.side_stream is not None:
             # Forked after this layer's last step (stream order): no kernel still reads the
             # victims; the copy then runs beside the layers in between until ``prepare``.
-            with self.side_stream.fork():
+            with self.side_stream.fork("prefetch"):
                 self.copy(self.slots, plan)
             self._prefetch_in_flight = plan      # kept alive: the side stream reads it
         else:
