@@ -9,7 +9,9 @@ Semantics are the layers' torch paths (``vllm/model_executor/layers``):
 - ``rms_norm``: Hugging Face's: x in float32 times 1 / sqrt(mean(x^2) + eps) (IEEE sqrt and
   division), rounded to x's dtype, then times weight (x's dtype: one rounding of the product).
 - ``silu_and_mul`` / ``gelu_and_mul``: act(gate) in float32 rounded to the dtype, times up,
-  rounded (torch's two roundings).
+  rounded (torch's two roundings). On a GPU silu's exp and division are the fast approximate
+  instructions (ex2.approx, div.full: 2 ulp in float32), so fp16 / bf16 results may differ from
+  torch's by an ulp now and then; the interpreter computes them exactly.
 - ``rotary_embedding``: neox rotate-half over the first ``rotary_dim`` dims of each head, the rest
   copied; a = position * inv_freq (float32), c = cos(a) * scaling, s = sin(a) * scaling with
   libdevice's precise sin/cos (positions reach 1e5 radians, where the approximate instructions

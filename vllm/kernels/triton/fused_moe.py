@@ -129,8 +129,10 @@ def _moe_act_kernel(in_ptr, out_ptr, sorted_ptr, num_padded_ptr, N, P, stride_in
         elif ACT == 1:
             y = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
         else:                                        # GPT-OSS: clamp, then (up + 1) * glu
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
+            # NaN propagates as in torch.clamp (the GPU's min/max would return the other one).
+            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+            up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                            propagate_nan=tl.PropagateNan.ALL)
             y = (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * alpha))))
     dst = out_ptr + rows[:, None] * stride_out + cols[None, :]
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)

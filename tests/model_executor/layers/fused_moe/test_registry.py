@@ -78,6 +78,20 @@ def test_auto_on_cuda_by_capability(sm, dtype, want):
     assert select_moe_backend(query(dtype=dtype, platform=FakeCuda(sm))).name == want
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_fp8_needs_sm89():
+    """Triton lowers e4m3 conversions to cvt.*.e4m3x2 (SM 8.9+): an A100 gets a refusal, not a
+    compile error at the first forward; GPTQ INT4 still runs there."""
+    for scheme in ("fp8-tensor", "fp8-block"):
+        with pytest.raises(ValueError, match=r"FP8 e4m3 weights need SM >= 89, the device is "
+                                             r"SM 86"):
+            select_moe_backend(query(scheme, torch.float16, FakeCuda(86)), "triton")
+        assert select_moe_backend(query(scheme, torch.float16, FakeCuda(89)),
+                                  "triton").name == "triton"
+    assert select_moe_backend(query("w4a16-gptq", torch.float16, FakeCuda(80)),
+                              "triton").name == "triton"
+
+
 @pytest.mark.parametrize("sm,dtype,want", [(80, torch.bfloat16, "torch"),
                                            (90, torch.bfloat16, "grouped_mm"),
                                            (90, torch.float16, "torch"),

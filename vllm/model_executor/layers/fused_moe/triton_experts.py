@@ -13,8 +13,8 @@ the optional biases. It writes the pairs of each wave straight into the layer's 
 [T, K, H]; the ids are expert ids, or the expert cache's slot ids, and every scale, global
 scale, zero point and g_idx is read at the same id as its codes (the kernels never know which).
 Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it).
-NOT YET RUN ON A GPU: interpreted, and compiled (SM90/SM120) by tests/build except the FP4
-GEMM; block sizes untuned.
+NOT YET RUN ON A GPU: interpreted, and compiled (SM90/SM120) by tests/build; block sizes
+untuned. FP8 needs SM 8.9 or newer (refused below it).
 """
 from __future__ import annotations
 
@@ -41,14 +41,17 @@ Projections = Callable[[dict[str, torch.Tensor]], tuple[dict, dict]]
 
 def triton_moe_refusal(q: MoEKernelQuery) -> str | None:
     """The registry's extra check: a Triton kernel must be able to run on the platform's
-    tensors (CUDA, or CPU under the interpreter), bf16 products need SM 8.0, and the quantized
-    layouts fuse gate and up (gated activations only)."""
+    tensors (CUDA, or CPU under the interpreter), bf16 products need SM 8.0, FP8 codes SM 8.9,
+    and the quantized layouts fuse gate and up (gated activations only)."""
     reason = triton_refusal(q.platform.device_type)
     if reason is not None:
         return reason
     cap = q.platform.get_device_capability()
     if cap is not None and q.dtype == torch.bfloat16 and cap.to_int() < 80:
         return f"bfloat16 tl.dot needs SM >= 80, the device is SM {cap.to_int()}"
+    if cap is not None and q.scheme.startswith("fp8") and cap.to_int() < 89:
+        # Triton's e4m3 (fp8e4nv) conversions lower to cvt.*.e4m3x2, which SM 8.9 introduced.
+        return f"FP8 e4m3 weights need SM >= 89, the device is SM {cap.to_int()}"
     if q.scheme != "unquantized" and q.activation not in GATED_ACTIVATIONS:
         return (f"its quantized path runs gated activations only, not {q.activation!r} "
                 "(the quantized layouts fuse gate and up)")
