@@ -1,7 +1,8 @@
 """The Triton quantized fused-MoE GEMM (``vllm/kernels/triton/fused_moe_quant.py``) compiles for
 SM90 and SM120 without a GPU, in bf16 and fp16 activations (fp32 with IEEE products on SM90):
 FP8 e4m3 codes with float32 scales (one scale column per K tile, and scales gathered per
-element) and GPTQ INT4 words with float16 scales, int32 zero points and g_idx, at the largest
+element) and GPTQ INT4 words with float16 scales, int32 zero points and g_idx (gathered per
+element, and one group per K tile), at the largest
 block sizes of the shipped tables (the default table on both, the H100 table on SM90), within
 each target's shared memory per block. What the interpreter cannot check: lowering, e4m3 ->
 f32 conversion, shared memory, tl.dot on 16-bit operands. Compiling is not running: results
@@ -39,7 +40,8 @@ largest = {t: load_table(d)[1]["default"][-1][1] for t, d in tables.items()}
 # (kind, name, ROW_DIV, MUL_WEIGHT, HAS_BIAS, SCALE_PER_TILE)
 VARIANTS = [("fp8", "gate_up_tile_scale", 8, False, True, True),
             ("fp8", "down_gathered_scale", 1, True, False, False),
-            ("int4", "gate_up", 8, False, True, False), ("int4", "down", 1, True, False, False)]
+            ("int4", "gate_up", 8, False, True, False), ("int4", "down", 1, True, False, False),
+            ("int4", "down_group_per_tile", 1, True, False, True)]
 for cc, elem, table in GEMMS:
     cfg = largest[table]
     bk = cfg["BLOCK_K"] if elem != "fp32" else cfg["BLOCK_K"] // 2     # as fused_moe_quant
@@ -53,7 +55,8 @@ for cc, elem, table in GEMMS:
 """
 GEMMS = [(90, e, t) for e in ("bf16", "fp16") for t in ("default", "h100")] + \
     [(90, "fp32", "default")] + [(120, e, "default") for e in ("bf16", "fp16")]
-NAMES = ("fp8/gate_up_tile_scale", "fp8/down_gathered_scale", "int4/gate_up", "int4/down")
+NAMES = ("fp8/gate_up_tile_scale", "fp8/down_gathered_scale", "int4/gate_up", "int4/down",
+         "int4/down_group_per_tile")
 
 @pytest.fixture(scope="module")
 def compiled():

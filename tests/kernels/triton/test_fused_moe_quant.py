@@ -74,9 +74,10 @@ def fp8_projection(g, G, R, C, half, strategy, block):
     return dict(kind="fp8", codes=codes, **kw), dense
 
 
-def int4_projection(g, G, R, C, half, group_size, zero_offset):
-    """Random GPTQ values in gptq.py's layer layout (act-order g_idx per half) ->
-    (QuantProjection kwargs, dense float32 weights [G, R, C])."""
+def int4_projection(g, G, R, C, half, group_size, zero_offset, per_tile=False):
+    """Random GPTQ values in gptq.py's layer layout (act-order g_idx per half; ``per_tile``:
+    contiguous groups, declared through ``group_size``) -> (QuantProjection kwargs, dense
+    float32 weights [G, R, C])."""
     halves = R // half
     gs = C if group_size == -1 else group_size
     NG = cdiv(C, gs)
@@ -86,7 +87,8 @@ def int4_projection(g, G, R, C, half, group_size, zero_offset):
     g_idx = torch.empty(G, halves, C, dtype=torch.int32)
     for e in range(G):
         for h in range(halves):                       # columns in a shuffled group order
-            g_idx[e, h, torch.randperm(C, generator=g)] = (torch.arange(C) // gs).int()
+            order = torch.arange(C) if per_tile else torch.randperm(C, generator=g)
+            g_idx[e, h, order] = (torch.arange(C) // gs).int()
     dense = torch.empty(G, R, C)
     for e in range(G):
         for row in range(R):
@@ -94,7 +96,8 @@ def int4_projection(g, G, R, C, half, group_size, zero_offset):
             zero = stored[e, row, grp] + zero_offset
             dense[e, row] = (q[e, row] - zero).float() * scales[e, row, grp].float()
     return dict(kind="int4", codes=pack_words(q, 2), scales=scales, zeros=pack_words(stored, 1),
-                g_idx=g_idx, zero_offset=zero_offset, half_rows=half), dense
+                g_idx=g_idx, zero_offset=zero_offset, half_rows=half,
+                group_size=gs if per_tile else 0), dense
 
 
 def make(qm, kind, T, E, K, H, N, dtype, G=None, seed=0, bias=False, **quant):
@@ -158,7 +161,10 @@ FP8 = {"tensor": dict(strategy="tensor", block=None),
        "block128": dict(strategy="block", block=(128, 128))}
 INT4 = {"g16-actorder-v1": dict(group_size=16, zero_offset=1),
         "channel-v2": dict(group_size=-1, zero_offset=0),
-        "g8-actorder-v2": dict(group_size=8, zero_offset=0)}
+        "g8-actorder-v2": dict(group_size=8, zero_offset=0),
+        "g32-tile-v1": dict(group_size=32, zero_offset=1, per_tile=True),   # 1 group per tile
+        "g8-contiguous": dict(group_size=8, zero_offset=0, per_tile=True),  # gathered: 8 < 32
+        "channel-tile": dict(group_size=-1, zero_offset=0, per_tile=True)}
 SCHEMES = {**{f"fp8-{n}": ("fp8", q) for n, q in FP8.items()},
            **{f"int4-{n}": ("int4", q) for n, q in INT4.items()}}
 
@@ -233,11 +239,28 @@ def test_rejects_bad_inputs(qm):
            ((x, f13, replace(f2, scales=f2.scales[:, :1]), w, ids, out),
             r"w2 scales \(4, 1, 1\) are smaller than the \(2, 1\) blocks"),
            ((x, f13, f2, w, ids, out.half()), r"out must be a contiguous \[T, K, H\]"),
-           ((x.long(), f13, f2, w, ids, out), r"x must be \[T, H\]")]
+           ((x.long(), f13, f2, w, ids, out), r"x must be \[T, H\]"),
+           ((x, replace(p13, group_size=-2), p2, w, ids, out), r"w13 group_size=-2 is invalid"),
+           ((x, p13, replace(p2, group_size=4), w, ids, out),
+            r"w2 group_size=4 is invalid with scales \(4, 32, 1\)")]
     for args, msg in bad:
         with pytest.raises(ValueError, match=msg):
             qm.fused_moe_quant_pairs(*args)
     assert not out.any()
+
+
+@pytest.mark.parametrize("scheme", ["g32-tile-v1", "channel-tile"])
+def test_one_group_per_tile_gives_the_gathered_bits(qm, scheme):
+    """Contiguous groups declared (``group_size``): each K tile reads one scale and zero per row
+    instead of gathering them per column through g_idx; the same values, so the same bits."""
+    from dataclasses import replace
+    x, (p13, p2), _, w, ids, _, _ = make(qm, "int4", 21, 6, 2, 72, 40, torch.float16, seed=5,
+                                         **INT4[scheme])
+    assert p13.group_size > 0 and p2.group_size > 0
+    tiled = qm.fused_moe_quant(x, p13, p2, w, ids, config=SMALL)
+    gathered = qm.fused_moe_quant(x, replace(p13, group_size=0), replace(p2, group_size=0), w,
+                                  ids, config=SMALL)
+    assert torch.equal(tiled, gathered)
 
 
 @pytest.mark.gpu

@@ -45,6 +45,9 @@ class QuantProjection:
           [G, R, NG] (float16/bfloat16/float32); zeros int32 [G, R/8, NG] (row r at bits
           [4 (r % 8), +4) of word r // 8); g_idx int32 [G, HALVES, C]; with h = r // half_rows and
           grp = g_idx[g, h, c]: W[r, c] = (q - (zero[r, grp] + zero_offset)) * scales[g, r, grp].
+          ``group_size`` > 0 promises g_idx[g, h, c] = c // group_size everywhere (no act
+          order): a K tile inside one group then loads one scale and zero per row instead of
+          gathering them per element (the same values, so the same bits).
     """
     kind: str
     codes: torch.Tensor
@@ -62,6 +65,9 @@ class QuantProjection:
     g_idx: torch.Tensor | None = None
     zero_offset: int = 0
     """int4: added to every stored zero point (GPTQ v1 stores zero - 1)."""
+    group_size: int = 0
+    """int4: input columns per group when every g_idx is contiguous groups (above); 0: unknown
+    or act order (gathered per element)."""
 
     @property
     def rows(self) -> int:
@@ -94,17 +100,28 @@ def _fp8_tile(q_ptr, s_ptr, e, k0, offs_n, n_ok, K, half_rows, rows_per_half, bl
 
 @triton.jit
 def _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows, zero_offset,
-               stride_qe, stride_qn, stride_qk, stride_se, stride_sn, stride_sg, stride_ze,
-               stride_zn, stride_zg, stride_ge, stride_gh, stride_gk, BLOCK_K: tl.constexpr):
+               group_size, stride_qe, stride_qn, stride_qk, stride_se, stride_sn, stride_sg,
+               stride_ze, stride_zn, stride_zg, stride_ge, stride_gh, stride_gk,
+               GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 [BLOCK_K, BLOCK_N] tile of W[e]^T from GPTQ codes, zero points, scales and g_idx
     (each input column looks up its group: act order runs unpermuted). stride_gh = 0 when
-    g_idx has one row (w2), so both group loads stay in bounds."""
+    g_idx has one row (w2), so both group loads stay in bounds. GROUP_PER_TILE: g_idx is
+    c // group_size and the tile's columns lie in group k0 // group_size (no g_idx read, one
+    scale and zero per row)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     mask = k_ok[:, None] & n_ok[None, :]
     words = tl.load(q_ptr + e * stride_qe + offs_n[None, :] * stride_qn
                     + (offs_k // 8)[:, None] * stride_qk, mask=mask, other=0)
     q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF                 # [BLOCK_K, BLOCK_N]
+    if GROUP_PER_TILE:
+        grp1 = k0 // group_size
+        s1 = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + grp1 * stride_sg, mask=n_ok,
+                     other=0.0)                                      # [BLOCK_N]
+        zw1 = tl.load(z_ptr + e * stride_ze + (offs_n // 8) * stride_zn + grp1 * stride_zg,
+                      mask=n_ok, other=0)
+        z1 = ((zw1 >> ((offs_n % 8) * 4)) & 0xF) + zero_offset
+        return (q - z1[None, :]).to(tl.float32) * s1.to(tl.float32)[None, :]
     g_ptrs = g_ptr + e * stride_ge + offs_k * stride_gk
     g_first = tl.load(g_ptrs, mask=k_ok, other=0)                    # [BLOCK_K] gate (or only)
     g_second = tl.load(g_ptrs + stride_gh, mask=k_ok, other=0)       # [BLOCK_K] up
@@ -131,7 +148,8 @@ def _moe_quant_gemm_kernel(
         GROUP_M: tl.constexpr):
     """C[r, n] = (A[r // ROW_DIV] @ W[e]^T + bias[e])[n] (* w[r]) for the sorted pair rows r of
     one M block (slot e) and one N block; W[e] [N, K] dequantized per tile (QUANT 0: fp8,
-    1: int4; see QuantProjection). A [*, K] in the activation dtype; C [P, N]."""
+    1: int4; see QuantProjection). A [*, K] in the activation dtype; C [P, N]. SCALE_PER_TILE:
+    each K tile reads one scale column (fp8) or one group (int4, group size ``block_in``)."""
     e, pid_m, pid_n = _pair_block(block_expert_ptr, num_padded_ptr, N, num_m_blocks, BLOCK_M,
                                   BLOCK_N, GROUP_M)
     if e < 0:
@@ -147,11 +165,11 @@ def _moe_quant_gemm_kernel(
             b = _fp8_tile(q_ptr, s_ptr, e, k0, offs_n, n_ok, K, half_rows, rows_per_half,
                           block_out, block_in, stride_qe, stride_qn, stride_qk, stride_se,
                           stride_sn, stride_sk, SCALE_PER_TILE, BLOCK_K)
-        else:
+        else:               # block_in: int4's group size (used with SCALE_PER_TILE)
             b = _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows,
-                           zero_offset, stride_qe, stride_qn, stride_qk, stride_se, stride_sn,
-                           stride_sk, stride_ze, stride_zn, stride_zk, stride_ge, stride_gh,
-                           stride_gk, BLOCK_K)
+                           zero_offset, block_in, stride_qe, stride_qn, stride_qk, stride_se,
+                           stride_sn, stride_sk, stride_ze, stride_zn, stride_zk, stride_ge,
+                           stride_gh, stride_gk, SCALE_PER_TILE, BLOCK_K)
         # Rounded to the activation dtype, as the torch backend's dequantize: then the dot.
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -178,6 +196,9 @@ def _quant_gemm(a: torch.Tensor, wq: QuantProjection, bias: torch.Tensor | None,
     block_k = _block_k(a.dtype, cfg)
     fp8 = wq.kind == "fp8"
     per_tile = fp8 and (wq.scales.shape[2] == 1 or wq.block_in % block_k == 0)
+    block_in = wq.block_in
+    if not fp8 and wq.group_size > 0 and (wq.group_size >= K or wq.group_size % block_k == 0):
+        per_tile, block_in = True, wq.group_size     # every K tile inside one group
     zeros = wq.zeros if wq.zeros is not None else wq.codes       # unused by fp8
     g_idx = wq.g_idx if wq.g_idx is not None else wq.codes
     sge, sgh, sgk = _strides(wq.g_idx)
@@ -187,7 +208,7 @@ def _quant_gemm(a: torch.Tensor, wq: QuantProjection, bias: torch.Tensor | None,
     _moe_quant_gemm_kernel[grid](
         a, wq.codes, wq.scales, zeros, g_idx, bias if bias is not None else a, c,
         w if w is not None else a, sorted_ids, block_expert, num_padded, N, K, c.shape[0],
-        num_m, wq.half_rows, wq.rows_per_half, wq.block_out, wq.block_in, wq.zero_offset,
+        num_m, wq.half_rows, wq.rows_per_half, wq.block_out, block_in, wq.zero_offset,
         a.stride(0), a.stride(1), *wq.codes.stride(), *wq.scales.stride(),
         *_strides(wq.zeros), sge, sgh, sgk, bias.stride(0) if bias is not None else 0,
         c.stride(0), c.stride(1), QUANT=QUANT_KINDS[wq.kind], ROW_DIV=row_div,
@@ -223,6 +244,10 @@ def check_projection(name: str, wq: QuantProjection, rows: int, cols: int, G: in
         fail(f"int4 tensors scales {tuple(wq.scales.shape)}, zeros {tuple(wq.zeros.shape)} "
              f"{wq.zeros.dtype}, g_idx {tuple(wq.g_idx.shape)} {wq.g_idx.dtype} do not fit "
              f"[G, {rows}, NG], int32 [G, {rows // 8}, NG], int32 [G, 1 or 2, {cols}]")
+    if int4 and (wq.group_size < 0 or (wq.group_size and
+                                        wq.scales.shape[2] < triton.cdiv(cols, wq.group_size))):
+        fail(f"group_size={wq.group_size} is invalid with scales {tuple(wq.scales.shape)}: "
+             f"must be 0 (g_idx gathered) or the input columns per group of the {cols}")
     if min(wq.half_rows, wq.rows_per_half, wq.block_out, wq.block_in) < 1:
         fail("half_rows, rows_per_half, block_out and block_in must be >= 1")
     if not int4:        # every scale index the kernel forms must lie inside the scales

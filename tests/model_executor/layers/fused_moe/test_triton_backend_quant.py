@@ -39,7 +39,12 @@ LAYER_SCHEMES = {
                              lambda w: quantize_gptq(w, 8, False, True)),
     "gptq-channel-sym-v2": (lambda: GptqMoEMethod(-1, True, False, "gptq_v2"),
                             lambda w: quantize_gptq(w, -1, True, checkpoint_format="gptq_v2")),
+    "gptq-g32-asym": (lambda: GptqMoEMethod(32, False, False),
+                      lambda w: quantize_gptq(w, 32, False)),
 }
+CONTIGUOUS = {"gptq-g8-asym-descact": False, "gptq-channel-sym-v2": True, "gptq-g32-asym": True}
+"""Whether the layer may read one group per K tile (g_idx of contiguous groups, found at load:
+the kernel then skips g_idx, and with groups of 32 or the whole row each tile lies in one)."""
 
 
 @pytest.fixture
@@ -90,6 +95,9 @@ def test_layer_equals_torch_backend_cached_and_not(interpreted, scheme):
     for cache_size in (0, 2):
         layer = load_layer(make(), quantize, "triton", cache_size)
         assert (layer.expert_cache is not None) == bool(cache_size)
+        if scheme in CONTIGUOUS:
+            assert layer.quant_method.contiguous_groups == {"w13": CONTIGUOUS[scheme],
+                                                            "w2": CONTIGUOUS[scheme]}
         for (x, lg), w in zip(batches(), want):
             torch.testing.assert_close(layer(x, lg), w, atol=1e-5, rtol=1e-5)
 

@@ -97,10 +97,14 @@ def gptq_projections(method) -> Projections:
     def projections(t):
         out = []
         for p in ("w13", "w2"):
-            codes = t[f"{p}_qweight"]
+            codes, g_idx = t[f"{p}_qweight"], t[f"{p}_g_idx"]
+            # Every loaded expert's g_idx is contiguous groups (checked at load, so for every
+            # slot too): one group per K tile, no g_idx read.
+            contiguous = method.contiguous_groups.get(p, False)
             out.append(dict(codes=codes, scales=t[f"{p}_scales"], zeros=t[f"{p}_qzeros"],
-                            g_idx=t[f"{p}_g_idx"], zero_offset=method.zero_offset,
-                            half_rows=codes.shape[1] // t[f"{p}_g_idx"].shape[1]))
+                            g_idx=g_idx, zero_offset=method.zero_offset,
+                            half_rows=codes.shape[1] // g_idx.shape[1],
+                            group_size=method.group_width(g_idx.shape[2]) if contiguous else 0))
         return out[0], out[1]
     return projections
 

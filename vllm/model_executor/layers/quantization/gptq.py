@@ -45,6 +45,9 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
         self.checkpoint_tensors = (CheckpointTensor("qweight"), CheckpointTensor("qzeros"),
                                    CheckpointTensor("scales"),
                                    CheckpointTensor("g_idx", required=desc_act))
+        self.contiguous_groups: dict[str, bool] = {}
+        """Per projection ("w13", "w2"): whether every expert processed so far has g_idx =
+        column // group size (no act order); kernels may then read one group per tile."""
 
     def _groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else ceil_div(in_features, self.group_size)
@@ -85,7 +88,15 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
             if g.numel() and (int(g.min()) < 0 or int(g.max()) >= G):
                 raise ValueError(f"{name}_g_idx has values in [{int(g.min())}, {int(g.max())}], "
                                  f"but the layer has {G} group(s) per row: must be in [0, {G - 1}]")
+            width = g.shape[-1]
+            want = torch.arange(width, dtype=g.dtype) // self.group_width(width)
+            self.contiguous_groups[name] = self.contiguous_groups.get(name, True) and \
+                bool(torch.equal(g, want.expand_as(g)))
         return tensors
+
+    def group_width(self, in_features: int) -> int:
+        """Input columns per group (all of them for group_size -1)."""
+        return in_features if self.group_size == -1 else self.group_size
 
     def unpacked_weight(self, qweight: torch.Tensor) -> torch.Tensor:
         """[R, C/8] int32 words -> [R, C] values (a repacking subclass changes this)."""
