@@ -170,3 +170,14 @@ def test_cuda_side_streams_one_stream_per_device_and_role_a_handle_per_caller(mo
                             ("wait_event", "default:1", e_p), ("wait_event", "default:1", e_a)]
     finally:
         cuda_platform._device_side_stream.cache_clear()
+
+
+def test_select_device_makes_an_indexed_cuda_device_current(monkeypatch):
+    """An engine on cuda:N makes N current (launches that take the current device follow it);
+    plain "cuda" keeps the current device; the CPU platform does nothing."""
+    picked = []
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    CudaPlatform().select_device(torch.device("cuda", 1))
+    CudaPlatform().select_device(torch.device("cuda"))
+    platform_for("cpu").select_device(torch.device("cpu"))
+    assert picked == [torch.device("cuda", 1)]

@@ -175,3 +175,10 @@ class CudaPlatform(Platform):
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)
+
+    def select_device(self, device: torch.device) -> None:
+        # Triton launches, FlashInfer's plans and torch.cuda.Stream() without a device take the
+        # current one: an engine on cuda:N must make N current. "cuda" alone keeps it.
+        device = torch.device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)

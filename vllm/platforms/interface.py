@@ -173,6 +173,10 @@ class Platform:
         """(free, total) bytes of device memory; None where the engine uses a fixed budget."""
         return None
 
+    def select_device(self, device: torch.device) -> None:
+        """Make ``device`` the process's current one, for work that takes the current device
+        (kernel launches, library plans); nothing where there is no such notion (CPU)."""
+
     def describe(self, device: torch.device | None = None) -> str:
         cap = self.get_device_capability(device)
         sm = f", SM {cap}" if cap is not None else ""

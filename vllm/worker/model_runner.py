@@ -47,6 +47,8 @@ class ModelRunner:
         self.device = vllm_config.device_config.torch_device
         self.dtype = vllm_config.model_config.dtype
         self.block_size = vllm_config.cache_config.block_size
+        self._platform = platform_for(self.device)
+        self._platform.select_device(self.device)
         torch.manual_seed(vllm_config.model_config.seed)
         self.model: nn.Module = get_model(vllm_config)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -120,9 +122,21 @@ class ModelRunner:
             num_blocks = cc.num_gpu_blocks
         else:
             budget = self._memory_budget() if budget is None else budget
+            fit = (budget - state_bytes) // per_block
+            per_seq = -(-mc.max_model_len // self.block_size)
+            if fit < 1:
+                raise ValueError(
+                    f"no memory left for the KV cache: a budget of {budget / 2**20:.1f} MiB "
+                    f"(less {state_bytes / 2**20:.1f} MiB of recurrent state) holds no "
+                    f"{per_block}-byte block; raise gpu_memory_utilization (now "
+                    f"{cc.gpu_memory_utilization}) or kv_cache_memory_bytes, or free the device")
+            if fit < per_seq:
+                logger.warning("KV cache: %d blocks, fewer than one %d-token sequence needs "
+                               "(%d): longer requests fail; raise gpu_memory_utilization or "
+                               "kv_cache_memory_bytes, or lower max_model_len", fit,
+                               mc.max_model_len, per_seq)
             # No point in more blocks than max_num_seqs full-length sequences can use.
-            useful = sc.max_num_seqs * -(-mc.max_model_len // self.block_size)
-            num_blocks = max(1, min((budget - state_bytes) // per_block, useful))
+            num_blocks = min(fit, sc.max_num_seqs * per_seq)
         for a in self.attn_layers:
             a.kv_cache = torch.zeros(a.kv_cache_shape(num_blocks, self.block_size),
                                      dtype=self.dtype, device=self.device)
@@ -170,6 +184,9 @@ class ModelRunner:
                       token_masks: TokenMasks | None = None) -> RunnerOutput:
         """One step. ``token_masks``: tokens allowed to some sampled sequences (guided
         decoding), rows indexing the sequences with ``do_sample`` in order."""
+        # The current device is per thread, and the engine may step from another thread than
+        # the one that built the runner (AsyncLLM's): launches that take it must find ours.
+        self._platform.select_device(self.device)
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
         seqs = sched.sequences
