@@ -38,6 +38,19 @@ def test_inv_freq_matches_transformers(rope):
     assert ours.attention_scaling == pytest.approx(ref_scale)
 
 
+@pytest.mark.parametrize("rope", SCALINGS, ids=lambda r: r["rope_type"])
+def test_inv_freq_is_computed_on_the_cpu_under_any_default_device(rope):
+    """Models are built under the target device (torch.device(cuda)); the frequencies are still
+    computed on the CPU as transformers does (a GPU's pow may differ by an ulp). The meta
+    device stands in for the GPU: values computed there would not exist."""
+    from vllm.model_executor.layers.rotary_embedding import compute_inv_freq, rope_parameters
+    params = rope_parameters(_config(rope))
+    want, scale = compute_inv_freq(params, 64, 4096)
+    with torch.device("meta"):
+        got, got_scale = compute_inv_freq(params, 64, 4096)
+    assert got.device.type == "cpu" and torch.equal(got, want) and got_scale == scale
+
+
 def test_legacy_rope_fields():
     class Legacy:
         hidden_size, num_attention_heads, max_position_embeddings = 64, 4, 2048

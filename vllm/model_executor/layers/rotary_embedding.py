@@ -34,10 +34,13 @@ def rope_parameters(hf_config: Any) -> dict:
 
 def compute_inv_freq(params: dict, rotary_dim: int,
                      max_position: int) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq [rotary_dim // 2] float32, attention_scaling applied to cos/sin)."""
+    """Return (inv_freq [rotary_dim // 2] float32, attention_scaling applied to cos/sin),
+    computed on the CPU whatever the default device (models are built under the target's):
+    transformers computes them there, and a GPU's pow may differ by an ulp."""
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / \
+        rotary_dim
     inv_freq = 1.0 / (base ** exponents)
     if rope_type == "default":
         return inv_freq, 1.0
@@ -89,7 +92,8 @@ def _yarn(base: float, exponents: torch.Tensor, dim: int, params: dict,
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) /
+            (high - low)).clamp(0, 1)
     pos_freqs = base ** exponents
     extrapolate = 1 - ramp
     # (1 - extrapolate), not ramp: transformers' expression, equal to it bit for bit.
@@ -173,4 +177,5 @@ def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
     rotary_dim = int(head_dim * float(params["partial_rotary_factor"]))
     max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
     inv_freq, scaling = compute_inv_freq(params, rotary_dim, max_position)
-    return RotaryEmbedding(head_dim, rotary_dim, inv_freq, scaling)
+    return RotaryEmbedding(head_dim, rotary_dim, inv_freq.to(torch.get_default_device()),
+                           scaling)
