@@ -230,3 +230,25 @@ def fake_flashinfer():
             "interleave_moe_weights_for_sm90_mixed_gemm", fake_interleave_weights),
         interleave_moe_scales_for_sm90_mixed_gemm=recording(
             "interleave_moe_scales_for_sm90_mixed_gemm", fake_interleave_scales))
+
+
+def running_max_flashinfer():
+    """The stand-in with FlashInfer's FP8 block-scale state: one runner whose workspace need is
+    64 bytes x the most rows it has seen (size queries and runs alike), and runs that reject a
+    smaller given workspace ("workspace_buffer too small")."""
+    api, seen = fake_flashinfer(), [0]
+    size, run = api.cutlass_fused_moe_workspace_size, api.cutlass_fused_moe
+
+    def stateful_size(rows, *a, **kw):
+        seen[0] = max(seen[0], rows)
+        return size(seen[0], *a, **kw)
+
+    def stateful_run(input, *a, workspace_buffer=None, **kw):
+        seen[0] = max(seen[0], input.shape[0])
+        if workspace_buffer is not None and workspace_buffer.numel() < 64 * seen[0]:
+            raise RuntimeError("workspace_buffer too small")
+        return run(input, *a, workspace_buffer=workspace_buffer, **kw)
+    stateful_size.__signature__ = inspect.signature(size)
+    stateful_run.__signature__ = inspect.signature(run)
+    api.cutlass_fused_moe_workspace_size, api.cutlass_fused_moe = stateful_size, stateful_run
+    return api

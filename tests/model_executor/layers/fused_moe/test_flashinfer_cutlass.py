@@ -349,47 +349,6 @@ def test_capture_warm_up_sizes_the_workspace_before_any_capture(monkeypatch):
         layer(*inputs(9, 2))
 
 
-def running_max_flashinfer():
-    """The stand-in with FlashInfer's FP8 block-scale state: one runner whose workspace need is
-    64 bytes x the most rows it has seen (size queries and runs alike), and runs that reject a
-    smaller given workspace ("workspace_buffer too small")."""
-    api, seen = fake_flashinfer(), [0]
-    size, run = api.cutlass_fused_moe_workspace_size, api.cutlass_fused_moe
-
-    def stateful_size(rows, *a, **kw):
-        seen[0] = max(seen[0], rows)
-        return size(seen[0], *a, **kw)
-
-    def stateful_run(input, *a, workspace_buffer=None, **kw):
-        seen[0] = max(seen[0], input.shape[0])
-        if workspace_buffer is not None and workspace_buffer.numel() < 64 * seen[0]:
-            raise RuntimeError("workspace_buffer too small")
-        return run(input, *a, workspace_buffer=workspace_buffer, **kw)
-    stateful_size.__signature__ = inspect.signature(size)
-    stateful_run.__signature__ = inspect.signature(run)
-    api.cutlass_fused_moe_workspace_size, api.cutlass_fused_moe = stateful_size, stateful_run
-    return api
-
-
-def test_fp8_block_workspace_follows_flashinfers_running_maximum(monkeypatch):
-    """A large eager prefill (FlashInfer allocating its own workspace) raises the FP8 runner's
-    need past the buffer the capture warm-up sized: later eager calls must not pass it, and
-    the next capture warm-up grows it."""
-    api = running_max_flashinfer()
-    layer = build("fp8-block", "torch", api=api, dtype=torch.bfloat16)
-    with capture_warm_up(8):
-        layer(*inputs(2, 0, torch.bfloat16))                         # 16 rows: 1 KiB
-    layer(*inputs(20, 1, torch.bfloat16))                            # 40 rows, eager
-    layer(*inputs(2, 2, torch.bfloat16))                             # needs 40 rows' worth
-    assert api.calls[-1][2]["workspace_buffer"] is None
-    with capture_warm_up(8):
-        layer(*inputs(2, 3, torch.bfloat16))
-    monkeypatch.setattr(fc, "_capturing", lambda x: True)
-    del api.calls[:]
-    layer(*inputs(8, 4, torch.bfloat16))
-    assert api.calls[-1][2]["workspace_buffer"].numel() >= 64 * 40
-
-
 def test_cuda_decode_graphs_warm_up_inside_the_seam():
     from vllm.worker.cuda_graphs import CudaDecodeGraphs, EagerCapturer
     graphs = CudaDecodeGraphs(None, [1, 4, 16], 2, 32, 16, torch.device("cpu"), EagerCapturer())
