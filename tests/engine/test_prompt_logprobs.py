@@ -66,6 +66,17 @@ def test_chunked_prefill_splits_the_prompt(model_path, hf_logprobs):
     _check(out, PROMPTS[0], hf_logprobs[tuple(PROMPTS[0])], 2)
 
 
+def test_rows_in_small_chunks(model_path, hf_logprobs, monkeypatch):
+    """The logits of a step's prompt positions are made PROMPT_LOGPROB_ROWS at a time (memory):
+    with 3, the 22 positions of one step come in 8 pieces, in order."""
+    from vllm.worker import model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 3)
+    llm = LLM(model_path, dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    for prompt, out in zip(PROMPTS, outs):
+        _check(out, prompt, hf_logprobs[tuple(prompt)], 2)
+
+
 def test_batch_invariant_and_n_greater_than_one(model_path):
     llm = LLM(model_path, dtype="float32")
     sp = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, logprobs=2)

@@ -31,6 +31,9 @@ from vllm.worker.sampler import Sampler, SamplingMetadata, TokenMasks, prompt_lo
 
 logger = init_logger(__name__)
 
+PROMPT_LOGPROB_ROWS = 512
+"""Prompt positions whose logits and logprobs are computed at once (``_prompt_logprobs``)."""
+
 _CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing is configured
 
 
@@ -243,8 +246,14 @@ class ModelRunner:
         if not rows:
             return {}
         dev = hidden.device
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-        entries = prompt_logprobs(logits, torch.tensor(targets, device=dev), ks)
+        entries: list[SampledToken] = []
+        # In row chunks: a whole chunk's [rows, V] float32 logits and log-softmax would take
+        # gigabytes at long prompts (12 GB at 8192 rows of a 152k vocabulary).
+        for r0 in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            r1 = r0 + PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[r0:r1], device=dev)])
+            entries += prompt_logprobs(logits, torch.tensor(targets[r0:r1], device=dev),
+                                       ks[r0:r1])
         out: dict[str, list[tuple[int, SampledToken]]] = {}
         for (req_id, index), entry in zip(owners, entries):
             out.setdefault(req_id, []).append((index, entry))
