@@ -42,6 +42,7 @@ from vllm.kernels.flashinfer import flashinfer_refusal, import_flashinfer
 from vllm.kernels.triton import triton_refusal
 from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention.interface import AttentionImpl, AttentionOptions
+from vllm.platforms import platform_for
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128, 256)
@@ -82,7 +83,12 @@ def plan_arrays(block_tables: torch.Tensor, seq_lens: list[int], block_size: int
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), pages)
     cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1].long(), pages)
     dev = block_tables.device
-    indices = block_tables[rows.to(dev), cols.to(dev)].to(torch.int32)
+    pos = torch.stack([rows, cols])                                   # [2, pages] host
+    if dev.type == "cuda" and platform_for(dev).is_pin_memory_available():
+        pos = pos.pin_memory().to(dev, non_blocking=True)   # no blocking copy mid-forward
+    else:
+        pos = pos.to(dev)
+    indices = block_tables[pos[0], pos[1]].to(torch.int32)
     last = torch.tensor([n - (p - 1) * block_size for n, p in zip(seq_lens, pages.tolist())],
                         dtype=torch.int32)
     return indptr, indices, last
