@@ -118,6 +118,15 @@ class Platform:
         """Whether page-locked host memory can back asynchronous copies to this device."""
         return False
 
+    def upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Host tensor ``t`` on ``device`` without stopping the host: through page-locked memory
+        and a non-blocking copy where ``is_pin_memory_available``, else a plain copy. A pinned
+        source dropped right after is safe: torch's caching host allocator records the copy's
+        event and reuses the block only after it."""
+        if self.is_pin_memory_available():
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device | None = None) -> torch.Tensor:
         """An uninitialised page-locked host tensor for asynchronous copies to ``device`` (the

@@ -83,11 +83,8 @@ def plan_arrays(block_tables: torch.Tensor, seq_lens: list[int], block_size: int
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), pages)
     cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1].long(), pages)
     dev = block_tables.device
-    pos = torch.stack([rows, cols])                                   # [2, pages] host
-    if dev.type == "cuda" and platform_for(dev).is_pin_memory_available():
-        pos = pos.pin_memory().to(dev, non_blocking=True)   # no blocking copy mid-forward
-    else:
-        pos = pos.to(dev)
+    # [2, pages] positions, uploaded without a blocking copy mid-forward where the device allows
+    pos = platform_for(dev).upload(torch.stack([rows, cols]), dev)
     indices = block_tables[pos[0], pos[1]].to(torch.int32)
     last = torch.tensor([n - (p - 1) * block_size for n, p in zip(seq_lens, pages.tolist())],
                         dtype=torch.int32)

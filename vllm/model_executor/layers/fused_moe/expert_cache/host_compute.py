@@ -32,6 +32,7 @@ from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
+from vllm.platforms import platform_for
 
 
 @dataclass(frozen=True)
@@ -168,16 +169,13 @@ class HostMissCompute:
     """The CPU side of one cached layer: decides the split, computes its pairs, counts them."""
 
     def __init__(self, mode: str, experts: MoEExperts, store_tensors: dict[str, torch.Tensor],
-                 cost: HostCostModel | None, pin: bool = False):
+                 cost: HostCostModel | None):
         if mode not in MOE_CPU_COMPUTE_MODES[1:]:
             raise ValueError(f"moe_expert_cpu_compute={mode!r} is invalid here: must be one of "
                              f"{list(MOE_CPU_COMPUTE_MODES[1:])}")
         if mode == "auto" and cost is None:
             raise ValueError("moe_expert_cpu_compute='auto' needs a cost model")
         self.mode, self.experts, self.store_tensors, self.cost = mode, experts, store_tensors, cost
-        self.pin = pin
-        """Whether uploads go through page-locked memory, without blocking (the platform's
-        ``is_pin_memory_available`` for the device: not under WSL)."""
         self.pairs = 0
         """Pairs computed on the CPU so far."""
         self.expert_calls = 0
@@ -209,13 +207,6 @@ class HostMissCompute:
             miss &= rent[ids.clamp(0, num_experts - 1)]
         return ids, miss
 
-    def _upload(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # A pinned source freed right after its non-blocking copy is safe: the caching host
-        # allocator records the copy's event and reuses the block only after it.
-        if self.pin:
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device)
-
     def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
               topk_weights: torch.Tensor) -> HostSplit | None:
         """The step's split (``host_pairs``), or None when the device computes every pair.
@@ -230,8 +221,9 @@ class HostMissCompute:
         self.expert_calls += int(torch.unique(ids[miss]).numel())
         rows = miss.any(1).nonzero().squeeze(1)                       # [R] ascending
         pair_index = miss.reshape(-1).nonzero().squeeze(1)            # [P] ascending
-        up = self._upload(torch.cat([torch.where(miss, -1, ids).reshape(-1), rows, pair_index]),
-                          topk_ids.device)
+        dev = topk_ids.device
+        up = platform_for(dev).upload(
+            torch.cat([torch.where(miss, -1, ids).reshape(-1), rows, pair_index]), dev)
         device_ids = up[:T * K].view(T, K).to(topk_ids.dtype)
         rows_dev, R = up[T * K:T * K + rows.numel()], rows.numel()
         # The device is idle here (the router's ids were just read), so this read waits only
@@ -252,7 +244,7 @@ class HostMissCompute:
                                  split.host_ids, rows)
         pairs = rows[split.host_ids >= 0]                              # [P, H], ascending
         out.view(-1, out.shape[-1]).index_copy_(0, split.pair_index,
-                                                self._upload(pairs, out.device))
+                                                platform_for(out.device).upload(pairs, out.device))
 
     def stats(self) -> dict[str, int]:
         return {"cpu_pairs": self.pairs, "cpu_expert_calls": self.expert_calls}

@@ -283,8 +283,7 @@ class CachedWeightProvider(WeightProvider):
             log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (a missing "
                      "expert runs on the CPU until the CPU has spent one copy's time on it, "
                      "then it is copied)")
-        pin = self.device.type != "cpu" and platform_for(self.device).is_pin_memory_available()
-        self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost, pin=pin)
+        self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
 
     def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
                        topk_weights: torch.Tensor) -> HostSplit | None:
