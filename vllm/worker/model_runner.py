@@ -150,7 +150,7 @@ class ModelRunner:
         return num_blocks
 
     def _default_kv_budget(self) -> int:
-        info = platform_for(self.device).memory_info(self.device)
+        info = self._platform.memory_info(self.device)
         if info is None:
             return _CPU_KV_BUDGET
         free, total = info

@@ -339,7 +339,7 @@ def test_capture_warm_up_sizes_the_workspace_before_any_capture(monkeypatch):
     assert ws_args[:5] == (8 * TOP_K, H, N, E, 1) and ws_kw["use_fused_finalize"] is False
     assert warm[0].shape == (8 * TOP_K, H) and warm_kw["workspace_buffer"].numel() >= 64 * 16
     buffer = warm_kw["workspace_buffer"]
-    monkeypatch.setattr(fc, "_capturing", lambda x: True)   # what a capture then calls
+    monkeypatch.setattr(fc, "capturing", lambda device: True)   # what a capture then calls
     del api.calls[:]
     layer(*inputs(8, 1))
     assert [n for n, _, _ in api.calls] == ["cutlass_fused_moe"]

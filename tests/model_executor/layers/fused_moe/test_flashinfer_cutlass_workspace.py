@@ -24,7 +24,7 @@ def test_fp8_block_workspace_follows_flashinfers_running_maximum(monkeypatch):
     assert api.calls[-1][2]["workspace_buffer"] is None
     with capture_warm_up(8):
         layer(*inputs(2, 3, torch.bfloat16))
-    monkeypatch.setattr(fc, "_capturing", lambda x: True)
+    monkeypatch.setattr(fc, "capturing", lambda device: True)
     del api.calls[:]
     layer(*inputs(8, 4, torch.bfloat16))
     assert api.calls[-1][2]["workspace_buffer"].numel() >= 64 * 40

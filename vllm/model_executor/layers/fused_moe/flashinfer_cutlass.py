@@ -67,7 +67,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIO
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery,
                                                                  capture_warm_up_tokens)
-from vllm.model_executor.layers.fused_moe.workspace import SharedWorkspace
+from vllm.model_executor.layers.fused_moe.workspace import SharedWorkspace, capturing
 from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
@@ -163,10 +163,6 @@ def import_flashinfer_moe() -> ModuleType:
 _WORKSPACE = SharedWorkspace("flashinfer_cutlass")
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class FlashInferCutlassExperts(MoEExperts):
     """``cutlass_fused_moe`` over the layout ``pack`` makes (module docstring). ``api``: the
     ``flashinfer.fused_moe`` module (imported here), or a stand-in with the same names
@@ -256,7 +252,7 @@ class FlashInferCutlassExperts(MoEExperts):
         if T == 0:
             return
         max_tokens = capture_warm_up_tokens()
-        if max_tokens is not None and not _capturing(x):
+        if max_tokens is not None and not capturing(x.device):
             self._warm_up(weights, x, max(max_tokens, T), K)
         res = self._run(weights, x, topk_weights, ids)[:, :x.shape[-1]]    # less H's padding
         # Rows of id -1 came back zero: keep what earlier waves wrote there.
@@ -340,7 +336,7 @@ class FlashInferCutlassExperts(MoEExperts):
             fits = buf is not None and rows <= self._ws_rows
         if fits:
             return buf
-        if _capturing(x):
+        if capturing(x.device):
             raise RuntimeError(f"flashinfer_cutlass: capturing {rows} pair rows, but the "
                                f"workspace was sized for {self._ws_rows} (the capture warm-up, "
                                "modular_kernel.capture_warm_up, did not cover this batch)")
@@ -359,14 +355,14 @@ class FlashInferCutlassExperts(MoEExperts):
         """Before a capture: size the shared workspace for ``max_tokens`` * K pair rows and run
         the kernel once at that size on zeros (JIT build, runner and tactic lookup), eagerly."""
         rows = max_tokens * K
-        if not self._has_workspace:
+        sized = rows <= self._ws_rows
+        # FP8 block's need may have grown since (FlashInfer's running maximum): asked again.
+        if not self._has_workspace or (sized and self.kind not in _STATEFUL_WORKSPACE):
             return
         w13, w2, _ = self._operands(weights)
-        if rows <= self._ws_rows:
-            if self.kind in _STATEFUL_WORKSPACE:   # its need may have grown since
-                _WORKSPACE.get(x.device, self._workspace_bytes(x, rows, w13, w2))
-            return
         _WORKSPACE.get(x.device, self._workspace_bytes(x, rows, w13, w2))
+        if sized:
+            return
         self._ws_rows = rows
         ids = (torch.arange(rows, device=x.device) % w2.shape[0]).view(max_tokens, K)
         self._run(weights, x.new_zeros(max_tokens, x.shape[-1]), x.new_ones(max_tokens, K), ids)
