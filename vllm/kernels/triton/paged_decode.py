@@ -241,6 +241,14 @@ def heads_per_program(group: int, rows: int) -> int:
     return group if triton.next_power_of_2(group) <= rows else rows
 
 
+def checked_heads(who: str, heads: int, group: int) -> int:
+    """``heads`` per program, or ValueError naming ``who`` where it is not in [1, group]."""
+    if not 1 <= heads <= group:
+        raise ValueError(f"triton {who}: heads={heads} per program must be in [1, {group}] "
+                         "(the query heads per kv head)")
+    return heads
+
+
 def decode_heads(group: int, head_dim: int, f32_cache: bool) -> int:
     """``heads_per_program`` for the partial kernel: rows of [ROWS, BLOCK_D] q and accumulator
     tiles up to 128 at BLOCK_D <= 128, 64 at 256, 16 above (MLA's D = 576 pads to 1024: 128
@@ -258,10 +266,8 @@ def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int
                    heads: int | None = None) -> dict:
     """``_decode_partial_kernel``'s constexprs (also what the compile test builds); ``heads``
     per program, default ``decode_heads``."""
-    heads = decode_heads(group, head_dim, f32_cache) if heads is None else heads
-    if not 1 <= heads <= group:
-        raise ValueError(f"triton paged_decode: heads={heads} per program must be in "
-                         f"[1, {group}] (the query heads per kv head)")
+    heads = checked_heads("paged_decode", decode_heads(group, head_dim, f32_cache)
+                          if heads is None else heads, group)
     return dict(GROUP=group, HEADS=heads, ROWS=max(16, triton.next_power_of_2(heads)),
                 NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
                 **key_loop_consts(head_dim, block_n, f32_cache, dot_f32))

@@ -50,6 +50,7 @@ registry refuses it on SM120). SM90 16-bit tiles of 64+ rows lower to wgmma, SM1
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -57,8 +58,8 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
-from vllm.kernels.triton.paged_decode import (attend_keys, head_rows, heads_per_program,
-                                              key_loop_consts)
+from vllm.kernels.triton.paged_decode import (attend_keys, checked_heads, head_rows,
+                                              heads_per_program, key_loop_consts)
 
 LOG2E = 1.4426950408889634
 
@@ -132,6 +133,7 @@ def prefill_config(head_dim: int, group: int, f32_cache: bool, sm: int = 90) -> 
                 num_stages=2)
 
 
+@functools.cache
 def _sm(device: torch.device) -> int:
     """The device's compute capability as 90, 120, ...; 90 off CUDA (the interpreter)."""
     if device.type != "cuda":
@@ -219,10 +221,7 @@ def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int
                    dot_f32: bool = False, heads: int | None = None) -> dict:
     """``_prefill_kernel``'s constexprs (also what the compile test builds); ``heads`` per
     program, default all ``group``."""
-    heads = group if heads is None else heads
-    if not 1 <= heads <= group:
-        raise ValueError(f"triton paged_prefill: heads={heads} per program must be in "
-                         f"[1, {group}] (the query heads per kv head)")
+    heads = checked_heads("paged_prefill", group if heads is None else heads, group)
     return dict(GROUP=group, HEADS=heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
                 TILE_M=tile_m, ROWS=max(16, triton.next_power_of_2(tile_m * heads)),
                 HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
