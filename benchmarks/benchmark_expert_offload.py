@@ -59,7 +59,7 @@ from functools import partial
 import numpy as np
 import torch
 from bench_io import write_json
-from offload_bounds import (measure_bandwidth, measure_copy_engine, settle_rows,
+from offload_bounds import (device_sync, measure_bandwidth, measure_copy_engine, settle_rows,
                             uva_link_bytes)
 
 from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
@@ -233,7 +233,7 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     pred = s.affinity_pred if design == "ours+prefetch" else None
     steps, L = s.steps(batch)[:max_steps], s.trace.num_layers
     step_ids, step_pred, host_ids = upload_steps(s, steps, pred)
-    sync = torch.cuda.synchronize if s.device.type == "cuda" else (lambda: None)
+    sync = device_sync(s.device)
     outputs = []
     sync()
     start = time.perf_counter()

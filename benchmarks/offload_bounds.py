@@ -12,7 +12,8 @@ from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slo
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
 
 
-def _sync(device: torch.device):
+def device_sync(device: torch.device):
+    """A callable that waits for ``device``'s queued work (nothing to wait for on the CPU)."""
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
@@ -40,7 +41,7 @@ def measure_bandwidth(store: HostStore, device: torch.device, min_seconds: float
         moved += store.bytes_per_expert
         e += 1
         if e % store.num_experts == 0:
-            _sync(device)()
+            device_sync(device)()
             if time.perf_counter() - start >= min_seconds:
                 return moved / (time.perf_counter() - start)
 
@@ -55,7 +56,7 @@ def measure_copy_engine(store: HostStore, device: torch.device,
     ids = torch.arange(n, device=device)
     plan = LoadPlan(slots=ids, experts=ids.clone(),
                     valid=torch.ones(n, dtype=torch.bool, device=device))
-    engine, sync = select_copy(store, device), _sync(device)
+    engine, sync = select_copy(store, device), device_sync(device)
     fn = getattr(engine, "fn", None)
     name = type(engine).__name__ + (f"({fn.__name__})" if fn is not None else "")
     engine(slots, plan)
