@@ -241,18 +241,64 @@ def test_metadata_is_reused_only_while_nothing_in_it_changes():
         [seq("a", mt, outputs=[5, 6, 7, 8, 9])])
 
 
+def test_advanced_metadata_samples_as_metadata_built_afresh():
+    """Penalties and min_tokens over four decode steps: the metadata advanced step by step
+    (output tokens appended as a column, min_tokens pairs recomputed) masks and penalises as
+    one built from the step's sequences (the build is the reference: its padding puts each
+    row's tokens first)."""
+    pen = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4,
+                         frequency_penalty=0.2, min_tokens=3, stop_token_ids=[7, 4 * V])
+    plain = SamplingParams(temperature=0.0, min_tokens=2)
+    outs = {"a": [5], "b": [9, 9, 11]}
+    md = meta([seq("a", pen, outputs=outs["a"]), seq("b", plain, outputs=outs["b"])], eos=2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        outs = {"a": outs["a"] + [3 + step], "b": outs["b"] + [step]}
+        seqs = [seq("a", pen, outputs=outs["a"]), seq("b", plain, outputs=outs["b"])]
+        md = md.advance(seqs, eos_token_id=2)
+        fresh = meta(seqs, eos=2)
+        logits = torch.randn(2, V, generator=g)
+        assert md.min_tokens_max == fresh.min_tokens_max
+        got = apply_penalties(logits.clone(), md)
+        want = apply_penalties(logits.clone(), fresh)
+        assert torch.equal(got, want), step
+        assert Sampler()(logits, md) == Sampler()(logits, fresh)
+        assert md.output_lens == [len(outs["a"]), len(outs["b"])]
+    assert md.min_tokens_rows is None        # both rows are past min_tokens by now
+    # A row that gained two tokens since (a step it skipped sampling) is built afresh.
+    skipped = [seq("a", pen, outputs=outs["a"] + [1, 1]), seq("b", plain, outputs=outs["b"] + [1])]
+    assert md.advance(skipped) is None
+
+
+def test_min_tokens_masks_without_a_host_read_when_ids_fit(monkeypatch):
+    """Stop ids inside the vocabulary index the logits directly; one past it is dropped (a
+    boolean index, whose host read is only paid then)."""
+    sp = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[3])
+    logits = torch.zeros(1, V)
+    logits[0, 3] = 1.0
+    md = meta([seq("a", sp, outputs=[1])], eos=4)
+    assert md.min_tokens_max == 4
+    assert Sampler()(logits, md)[0].token_id != 3
+    far = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[3, V + 10])
+    md = meta([seq("a", far, outputs=[1])], eos=4)
+    assert md.min_tokens_max == V + 10
+    assert Sampler()(logits, md)[0].token_id != 3
+
+
 def test_engine_tokens_do_not_depend_on_reused_metadata(tiny_model_factory, monkeypatch):
-    """Greedy, seeded and min_tokens requests finishing at different steps: the same tokens
-    with every step's metadata built afresh."""
+    """Greedy, seeded, penalised and min_tokens requests finishing at different steps: the
+    same tokens with every step's metadata built afresh."""
     from vllm import LLM
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 200, (int(n),), generator=g).tolist()}
                for n in torch.randint(2, 20, (6,), generator=g)]
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0 if i % 3 == 0 else 0.9,
-                             seed=i, min_tokens=2 * (i % 2), ignore_eos=i % 2 == 0)
+                             seed=i, min_tokens=2 * (i % 2), ignore_eos=i % 2 == 0,
+                             repetition_penalty=1.0 + 0.5 * (i % 4 == 1),
+                             frequency_penalty=0.3 * (i == 2))
               for i in range(6)]
     reused = LLM(path, max_num_seqs=4).generate(prompts, params)
-    monkeypatch.setattr(SamplingMetadata, "reusable_for", lambda self, seqs: False)
+    monkeypatch.setattr(SamplingMetadata, "advance", lambda self, seqs, eos=None: None)
     fresh = LLM(path, max_num_seqs=4).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in reused] == [o.outputs[0].token_ids for o in fresh]

@@ -62,8 +62,8 @@ class ModelRunner:
         self.eos_token_id: int | None = None
         """Masked while a request is below min_tokens; set by the engine from the tokenizer."""
         self._sampling_metadata: SamplingMetadata | None = None
-        """The last step's, reused while it stays valid (``SamplingMetadata.reusable_for``):
-        building it costs more than a decode step's sampling."""
+        """The last step's, reused or advanced by one token while it stays valid
+        (``SamplingMetadata.advance``): building it costs more than a decode step's sampling."""
         budget = self._memory_budget()
         state_bytes = self._allocate_state(budget)
         self.num_blocks = self._allocate_kv_cache(budget, state_bytes)
@@ -215,7 +215,9 @@ class ModelRunner:
             prompt_lps = {}   # decode-only steps cover no prompt position that needs one
         # build() creates the generator of a seeded request on its first sampled step.
         metadata = self._sampling_metadata
-        if metadata is None or not metadata.reusable_for(sampled_seqs):
+        if metadata is not None:
+            metadata = metadata.advance(sampled_seqs, self.eos_token_id)
+        if metadata is None:
             metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
                                               eos_token_id=self.eos_token_id)
         self._sampling_metadata = metadata

@@ -12,7 +12,8 @@ not depend on what else is in the batch; unseeded rows share the global generato
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -64,19 +65,55 @@ class SamplingMetadata:
     """Per row: top-k logprobs requested (0 = only the sampled token), None = no logprobs."""
     generators: list[torch.Generator | None]
     """Per row: the request's own generator when it has a seed, else None (global RNG)."""
+    output_lens: list[int] = field(default_factory=list)
+    """Per row: how many output tokens ``output_token_ids`` holds (``advance`` appends one)."""
+    min_tokens_max: int = -1
+    """The largest id in ``min_tokens_tokens`` (-1: none), known on the host so the sampler
+    drops ids past the vocabulary only when there is one, without a device-to-host read."""
 
     def reusable_for(self, seqs: list[ScheduledSequence]) -> bool:
         """Whether this metadata, built for an earlier step, is also the metadata of a step
-        sampling ``seqs``: the same requests in the same order, each decoding (a request id
-        reused by a new request arrives as a prefill), and nothing in it that changes from step
-        to step (penalties read the output tokens; min_tokens masks change as outputs grow,
-        and once a batch has none it never gets one back)."""
+        sampling ``seqs``: the same requests decoding in the same order (``_same_rows``) and
+        nothing in it that changes from step to step (penalties read the output tokens;
+        min_tokens masks change as outputs grow, and once a batch has none it never gets one
+        back)."""
         if self.output_token_ids is not None or self.min_tokens_rows is not None:
             return False
-        rows = [s for s in seqs if s.do_sample]
+        return self._same_rows([s for s in seqs if s.do_sample])
+
+    def _same_rows(self, rows: list[ScheduledSequence]) -> bool:
+        """The same requests in the same order, each decoding (a request id reused by a new
+        request arrives as a prefill, with no output yet)."""
         return len(rows) == len(self.req_ids) and all(
             s.req_id == r and s.num_tokens == 1 and s.output_token_ids
             for s, r in zip(rows, self.req_ids))
+
+    def advance(self, seqs: list[ScheduledSequence],
+                eos_token_id: int | dict[str, int | None] | None = None
+                ) -> "SamplingMetadata | None":
+        """The metadata of the step sampling ``seqs`` derived from this one (the step
+        before's), or None when it must be built afresh. Itself when ``reusable_for``; when
+        the same rows each gained exactly one output token, a copy with that token appended
+        to ``output_token_ids`` as a column (one [n] upload: the prompt tensor and the
+        per-row tensors are kept, so a penalised batch does not re-pad its prompts each step;
+        a row's padding may now sit before its last token, which counts ignore) and the
+        min_tokens pairs recomputed on the host."""
+        rows = [s for s in seqs if s.do_sample]
+        if self.reusable_for(rows):
+            return self
+        if not self._same_rows(rows):
+            return None
+        lens = [len(s.output_token_ids) for s in rows]
+        outputs = self.output_token_ids
+        if outputs is not None:
+            if lens != [n + 1 for n in self.output_lens]:
+                return None
+            last = torch.tensor([s.output_token_ids[-1] for s in rows], dtype=torch.int64)
+            outputs = torch.cat([outputs, last.to(outputs.device).unsqueeze(1)], dim=1)
+        mt_rows, mt_toks, mt_max = _min_tokens_tensors(rows, eos_token_id, self.greedy.device)
+        return dataclasses.replace(self, output_token_ids=outputs, output_lens=lens,
+                                   min_tokens_rows=mt_rows, min_tokens_tokens=mt_toks,
+                                   min_tokens_max=mt_max)
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -110,7 +147,7 @@ class SamplingMetadata:
         freq = [sp.frequency_penalty for sp in sps]
         any_rep = any(r != 1.0 for r in rep)
         any_pen = any_rep or any(pres) or any(freq)
-        mt_rows, mt_toks = _min_tokens_pairs(rows, eos_token_id)
+        mt_rows, mt_toks, mt_max = _min_tokens_tensors(rows, eos_token_id, device)
         return cls(
             req_ids=[s.req_id for s in rows],
             temperature=torch.tensor([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)],
@@ -128,12 +165,12 @@ class SamplingMetadata:
             frequency_penalty=torch.tensor(freq, **f32) if any_pen else None,
             prompt_token_ids=_pad([s.prompt_token_ids for s in rows], device) if any_rep else None,
             output_token_ids=_pad([s.output_token_ids for s in rows], device) if any_pen else None,
-            min_tokens_rows=torch.tensor(mt_rows, dtype=torch.int64, device=device) if mt_rows
-            else None,
-            min_tokens_tokens=torch.tensor(mt_toks, dtype=torch.int64, device=device) if mt_rows
-            else None,
+            min_tokens_rows=mt_rows,
+            min_tokens_tokens=mt_toks,
             num_logprobs=[sp.logprobs for sp in sps],
             generators=gens,
+            output_lens=[len(s.output_token_ids) for s in rows],
+            min_tokens_max=mt_max,
         )
 
 
@@ -141,6 +178,18 @@ def _pad(lists: list[list[int]], device: torch.device) -> torch.Tensor:
     """[n, max_len] int64 padded with -1 (at least one column so scatter has an index)."""
     tensors = [torch.tensor(x, dtype=torch.int64) for x in lists] + [torch.full((1,), _PAD)]
     return pad_sequence(tensors, batch_first=True, padding_value=_PAD)[:-1].to(device)
+
+
+def _min_tokens_tensors(rows: list[ScheduledSequence], eos: int | dict[str, int | None] | None,
+                        device: torch.device
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """The (row, token) pairs to mask as two [M] int64 tensors (None, None when M = 0) and
+    the largest token id among them (-1 when none)."""
+    mt_rows, mt_toks = _min_tokens_pairs(rows, eos)
+    if not mt_rows:
+        return None, None, -1
+    pairs = torch.tensor([mt_rows, mt_toks], dtype=torch.int64).to(device)   # one upload
+    return pairs[0], pairs[1], max(mt_toks)
 
 
 def _min_tokens_pairs(rows: list[ScheduledSequence],
@@ -241,8 +290,11 @@ class Sampler:
             allowed = token_masks.allowed.to(logits.device)[:, :vocab]
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         if md.min_tokens_rows is not None:
-            ok = md.min_tokens_tokens < vocab
-            logits[md.min_tokens_rows[ok], md.min_tokens_tokens[ok]] = float("-inf")
+            rows, toks = md.min_tokens_rows, md.min_tokens_tokens
+            if md.min_tokens_max >= vocab:   # a stop id past the vocabulary: never sampled
+                ok = toks < vocab                # (a boolean index: a host read, rare)
+                rows, toks = rows[ok], toks[ok]
+            logits[rows, toks] = float("-inf")
         logits = apply_penalties(logits, md)
         token_ids = _argmax(logits)  # [n] greedy choice
         if not md.all_greedy:
