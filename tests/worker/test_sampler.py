@@ -5,8 +5,8 @@ import torch
 
 from vllm.core.sched_output import ScheduledSequence
 from vllm.sampling_params import SamplingParams
-from vllm.worker.sampler import (Sampler, SamplingMetadata, apply_min_p, apply_penalties,
-                                 apply_top_k_top_p)
+from vllm.worker.sampler import (Sampler, SamplingMetadata, TokenMasks, apply_min_p,
+                                 apply_penalties, apply_top_k_top_p)
 
 V = 50
 
@@ -268,6 +268,27 @@ def test_advanced_metadata_samples_as_metadata_built_afresh():
     # A row that gained two tokens since (a step it skipped sampling) is built afresh.
     skipped = [seq("a", pen, outputs=outs["a"] + [1, 1]), seq("b", plain, outputs=outs["b"] + [1])]
     assert md.advance(skipped) is None
+
+
+def test_token_masks_unpack_xgrammar_bitmasks():
+    """Bit b of word w allows token 32 w + b (xgrammar's layout, packed here by hand with
+    int32 wrap-around for bit 31); rows not named are unconstrained; the words past V are
+    ignored."""
+    allowed = {0: {3, 31, 32, 49}, 2: {40}}
+    words = torch.zeros(2, 2, dtype=torch.int32)
+    for j, toks in enumerate(allowed.values()):
+        for t in toks | {63}:                              # 63 is past V = 50
+            w = int(words[j, t // 32]) | (1 << (t % 32))
+            words[j, t // 32] = w - (1 << 32) if w >= 1 << 31 else w
+    masks = TokenMasks(rows=list(allowed), bitmask=words)
+    unpacked = masks.allowed(V, torch.device("cpu"))
+    assert [set(torch.nonzero(r).flatten().tolist()) for r in unpacked] == list(allowed.values())
+    greedy = SamplingParams(temperature=0.0)
+    logits = torch.zeros(3, V)
+    logits[:, 7] = 5.0                                     # the favourite, allowed nowhere
+    logits[0, 31] = 1.0
+    md = meta([seq(r, greedy) for r in "abc"])
+    assert [t.token_id for t in Sampler()(logits, md, masks)] == [31, 7, 40]
 
 
 def test_min_tokens_masks_without_a_host_read_when_ids_fit(monkeypatch):

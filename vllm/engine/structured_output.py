@@ -3,7 +3,7 @@
 The engine owns this manager (the scheduler stays tensor-free; the runner never changes request
 state): ``add`` compiles a request's ``GuidedDecodingParams`` (compiled grammars are cached by
 spec) when it is added; before each step ``masks`` asks every guided sequence that samples
-this step for its allowed tokens, as one boolean tensor handed to the runner's sampler; after
+this step for its allowed tokens, as one packed bitmask handed to the runner's sampler; after
 the step ``accept`` advances each matcher by its sampled token. Finished and aborted requests
 are dropped when the scheduler reports them. Logprobs stay raw (before masking), as vLLM's.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 from typing import Any
-
-import torch
 
 from vllm.core.sched_output import ScheduledSequence
 from vllm.sampling_params import GuidedDecodingParams
@@ -93,9 +91,7 @@ class StructuredOutputManager:
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)      # [m, ceil(V/32)]
         for j, i in enumerate(rows):
             self._matchers[sampled[i].req_id].fill_next_token_bitmask(bitmask, j)
-        bits = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :self.vocab_size]
-        return TokenMasks(rows=rows, allowed=allowed)
+        return TokenMasks(rows=rows, bitmask=bitmask)
 
     def accept(self, request_id: str, token_id: int) -> None:
         matcher = self._matchers.get(request_id)

@@ -27,11 +27,18 @@ _PAD = -1  # padding id in the token tensors; mapped to an extra dropped column
 
 @dataclass
 class TokenMasks:
-    """Tokens allowed to some of a step's sampled rows (guided decoding): ``allowed`` [m, V]
-    bool for the rows ``rows`` (indices into the step's sampled sequences); other rows are
-    unconstrained."""
+    """Tokens allowed to some of a step's sampled rows (guided decoding): ``bitmask``
+    [m, ceil(V / 32)] int32 for the rows ``rows`` (indices into the step's sampled
+    sequences), bit b of word w set when token 32 w + b is allowed (xgrammar's layout); other
+    rows are unconstrained. Packed, it moves to the device in a 32nd of a bool mask's bytes."""
     rows: list[int]
-    allowed: torch.Tensor
+    bitmask: torch.Tensor
+
+    def allowed(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """[m, vocab] bool on ``device``, unpacked there."""
+        words = self.bitmask.to(device, non_blocking=True)
+        bits = torch.arange(32, dtype=torch.int32, device=device)
+        return ((words.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
 
 
 @dataclass
@@ -287,7 +294,7 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
         if token_masks is not None:
             rows = torch.tensor(token_masks.rows, device=logits.device)
-            allowed = token_masks.allowed.to(logits.device)[:, :vocab]
+            allowed = token_masks.allowed(vocab, logits.device)
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         if md.min_tokens_rows is not None:
             rows, toks = md.min_tokens_rows, md.min_tokens_tokens
