@@ -1,4 +1,5 @@
-"""The runner's KV-cache sizing: a budget that holds no block is an error naming the budget and
+"""The runner: its device on every step; a failed step's expert caches; its KV-cache sizing: a
+budget that holds no block is an error naming the budget and
 the settings that raise it (on a GPU, where the budget is what the device has left, it used to
 start with one block and fail every longer request); one that holds less than a full-length
 sequence warns."""
@@ -37,3 +38,27 @@ def test_every_step_makes_the_runners_device_current(tiny_model_factory):
     runner._platform = SimpleNamespace(select_device=picked.append)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(picked) >= 3 and set(picked) == {runner.device}
+
+
+def test_a_failed_step_leaves_no_slot_trusted_whose_copy_never_ran(tiny_model_factory):
+    """A step that raises after a layer's plan named new slot contents but before their copy
+    ran (the engine goes on serving): later requests still match the uncached engine."""
+    from vllm import SamplingParams
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts = [[5, 17, 99, 3, 42], [250, 7, 8], list(range(40, 60))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path).generate(prompts, params)]
+    llm = LLM(path, moe_expert_cache_size=2, enforce_eager=True)
+    provider = llm.llm_engine.runner.moe_layers[0].expert_cache
+    copy = provider.copy
+
+    def copy_that_fails_once(slots, plan):
+        provider.copy = copy                    # later steps copy again
+        raise RuntimeError("copy failed")
+    provider.copy = copy_that_fails_once
+    with pytest.raises(RuntimeError, match="copy failed"):
+        llm.llm_engine.add_request("r0", [9, 10, 11, 12, 13, 14], params)
+        llm.llm_engine.step()
+    llm.llm_engine.abort_request("r0")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want

@@ -186,7 +186,17 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput,
                       token_masks: TokenMasks | None = None) -> RunnerOutput:
         """One step. ``token_masks``: tokens allowed to some sampled sequences (guided
-        decoding), rows indexing the sequences with ``do_sample`` in order."""
+        decoding), rows indexing the sequences with ``do_sample`` in order. A step that raises
+        leaves no expert cache trusting a slot whose copy may not have run."""
+        try:
+            return self._execute(sched, token_masks)
+        except BaseException:
+            for m in self.moe_layers:
+                if m.expert_cache is not None:
+                    m.expert_cache.invalidate()
+            raise
+
+    def _execute(self, sched: SchedulerOutput, token_masks: TokenMasks | None) -> RunnerOutput:
         # The current device is per thread, and the engine may step from another thread than
         # the one that built the runner (AsyncLLM's): launches that take it must find ours.
         self._platform.select_device(self.device)

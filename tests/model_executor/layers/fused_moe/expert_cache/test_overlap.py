@@ -207,6 +207,22 @@ def test_a_second_prefetch_joins_the_first(monkeypatch):
     assert side.log[5] == "join" and provider._prefetch_in_flight is None
 
 
+def test_a_prefetch_copy_that_raises_is_still_joined(monkeypatch):
+    """The fork of a prefetch whose copy raised has enqueued work on the side stream: the
+    next plan joins it all the same."""
+    layer, side = _layer_with_recording_side_stream()
+    provider = layer.expert_cache
+
+    def failing_copy(slots, plan):
+        raise RuntimeError("copy failed")
+    monkeypatch.setattr(provider, "copy", failing_copy)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        provider.prefetch(torch.tensor([[0, 1]]))
+    assert side.log == ["fork"]
+    provider.join_prefetch()
+    assert side.log == ["fork", "join"] and provider._prefetch_in_flight is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_overlap_on_a_gpu_equals_off(tiny_model_factory):

@@ -211,6 +211,13 @@ class CachedWeightProvider(WeightProvider):
             self.side_stream.join("prefetch")
             self._prefetch_in_flight = None
 
+    def invalidate(self) -> None:
+        """A step through this layer failed (an exception from any layer: the engine goes on
+        serving): no slot is trusted any more (``Residency.invalidate``). A prefetch in flight
+        stays joined by the next plan."""
+        self.residency.invalidate()
+        self._settled = False
+
     def forget_capture(self) -> None:
         """A graph capture through this layer failed: its recorded work never ran, so forget the
         prefetch it forked and let the next real step settle (``settle`` is idempotent)."""
@@ -316,9 +323,11 @@ class CachedWeightProvider(WeightProvider):
         if self.side_stream is not None:
             # Forked after this layer's last step (stream order): no kernel still reads the
             # victims; the copy then runs beside the layers in between until ``prepare``.
+            # Marked in flight before the copy: one that raises part-way has still forked
+            # (the fork records its event regardless), and the next plan must join it.
+            self._prefetch_in_flight = plan      # kept alive: the side stream reads it
             with self.side_stream.fork("prefetch"):
                 self.copy(self.slots, plan)
-            self._prefetch_in_flight = plan      # kept alive: the side stream reads it
         else:
             self.copy(self.slots, plan)
         self.prefetch_state.record(res, wanted, plan)

@@ -188,6 +188,14 @@ class Residency:
         self.slot_of_expert.copy_(soe[..., :e])
         self.expert_of_slot.copy_(eos[..., :n])
 
+    def invalidate(self) -> None:
+        """Forget every slot's expert (in place: graphs hold these tensors), for after a step
+        failed part-way, when a map may name an expert whose copy never ran. Policy state and
+        counters stay; later steps copy what they need again, so outputs stay exact."""
+        self.slot_of_expert.fill_(-1)
+        self.expert_of_slot.fill_(-1)
+        self.wave_of_expert.fill_(-1)
+
     def remap(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """[T, K] global expert ids -> [T, K] slot ids (-1 where not resident). Unbatched only."""
         if self.batch_shape:
