@@ -141,44 +141,52 @@ class SamplingMetadata:
         device = torch.device(device)
         rows = [s for s in seqs if s.do_sample]
         sps = [s.sampling_params for s in rows]
-        f32 = dict(dtype=torch.float32, device=device)
         greedy = [sp.greedy for sp in sps]
-        gens: list[torch.Generator | None] = []
-        for s in rows:
-            seed = s.sampling_params.seed
-            if seed is not None and not s.sampling_params.greedy and s.req_id not in generators:
-                generators[s.req_id] = torch.Generator(device=device).manual_seed(seed)
-            gens.append(generators.get(s.req_id) if seed is not None else None)
         rep = [sp.repetition_penalty for sp in sps]
         pres = [sp.presence_penalty for sp in sps]
         freq = [sp.frequency_penalty for sp in sps]
         any_rep = any(r != 1.0 for r in rep)
         any_pen = any_rep or any(pres) or any(freq)
         mt_rows, mt_toks, mt_max = _min_tokens_tensors(rows, eos_token_id, device)
+        # Every per-row parameter in two uploads ([6, n] f32, [2, n] int64), sliced on the
+        # device: a batch that changes builds this each step, and each upload blocks the host.
+        floats = torch.tensor([[1.0 if g else sp.temperature for g, sp in zip(greedy, sps)],
+                               [sp.top_p for sp in sps], [sp.min_p for sp in sps], rep, pres,
+                               freq], dtype=torch.float32).to(device)
+        ints = torch.tensor([greedy, [sp.top_k for sp in sps]], dtype=torch.int64).to(device)
         return cls(
             req_ids=[s.req_id for s in rows],
-            temperature=torch.tensor([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)],
-                                     **f32),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=floats[0],
+            greedy=ints[0].bool(),
             all_greedy=all(greedy),
-            top_k=(torch.tensor([sp.top_k for sp in sps], dtype=torch.int64, device=device)
-                   if any(sp.top_k > 0 for sp in sps) else None),
-            top_p=(torch.tensor([sp.top_p for sp in sps], **f32)
-                   if any(sp.top_p < 1.0 for sp in sps) else None),
-            min_p=(torch.tensor([sp.min_p for sp in sps], **f32)
-                   if any(sp.min_p > 0.0 for sp in sps) else None),
-            repetition_penalty=torch.tensor(rep, **f32) if any_pen else None,
-            presence_penalty=torch.tensor(pres, **f32) if any_pen else None,
-            frequency_penalty=torch.tensor(freq, **f32) if any_pen else None,
+            top_k=ints[1] if any(sp.top_k > 0 for sp in sps) else None,
+            top_p=floats[1] if any(sp.top_p < 1.0 for sp in sps) else None,
+            min_p=floats[2] if any(sp.min_p > 0.0 for sp in sps) else None,
+            repetition_penalty=floats[3] if any_pen else None,
+            presence_penalty=floats[4] if any_pen else None,
+            frequency_penalty=floats[5] if any_pen else None,
             prompt_token_ids=_pad([s.prompt_token_ids for s in rows], device) if any_rep else None,
             output_token_ids=_pad([s.output_token_ids for s in rows], device) if any_pen else None,
             min_tokens_rows=mt_rows,
             min_tokens_tokens=mt_toks,
             num_logprobs=[sp.logprobs for sp in sps],
-            generators=gens,
+            generators=_row_generators(rows, generators, device),
             output_lens=[len(s.output_token_ids) for s in rows],
             min_tokens_max=mt_max,
         )
+
+
+def _row_generators(rows: list[ScheduledSequence], generators: dict[str, torch.Generator],
+                    device: torch.device) -> list[torch.Generator | None]:
+    """Per row: its request's generator when seeded (made on its first sampled step and kept
+    in ``generators``), else None."""
+    gens: list[torch.Generator | None] = []
+    for s in rows:
+        seed = s.sampling_params.seed
+        if seed is not None and not s.sampling_params.greedy and s.req_id not in generators:
+            generators[s.req_id] = torch.Generator(device=device).manual_seed(seed)
+        gens.append(generators.get(s.req_id) if seed is not None else None)
+    return gens
 
 
 def _pad(lists: list[list[int]], device: torch.device) -> torch.Tensor:
