@@ -42,6 +42,48 @@ def kernel_signature(fn, consts, dtype, scalars, index, f32_ptrs=("sinks_ptr",))
     return {a: arg_type(a) for a in fn.arg_names}
 
 
+def compile_like_jit(fn, values, consts, cc, options):
+    # As Triton's JIT specializes a launch with these argument values: an int equal to 1 becomes
+    # a constexpr, a multiple of 16 (and every pointer: "*fp16" etc. in values, assumed
+    # 16-byte aligned as torch allocates) gets tt.divisibility 16. Without this, a compile sees
+    # no unit stride, vectorizes nothing and spills where the launched kernel would not.
+    from triton.backends.compiler import BaseBackend
+    from triton._C.libtriton import native_specialize_impl
+    sig, constexprs, attrs = {}, {}, {}
+    for i, a in enumerate(fn.arg_names):
+        v = consts.get(a, values.get(a))
+        if a in consts:
+            sig[a], constexprs[(i,)] = "constexpr", v
+        elif isinstance(v, str):
+            sig[a], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[a] = "fp32"
+        else:
+            ty, spec = native_specialize_impl(BaseBackend, v, False, True, True)
+            sig[a] = ty
+            if ty == "constexpr":
+                constexprs[(i,)] = spec
+            elif "D" in spec:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+    return {"ptx": k.asm["ptx"], "shared": k.metadata.shared, **resource_usage(k.asm["cubin"])}
+
+
+def resource_usage(cubin):
+    # Registers and stack bytes (register spills) per thread, from the cubin (Triton's cuobjdump).
+    import re, subprocess, tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return {"registers": int(m.group(1)), "stack": int(m.group(2))}
+
+
 out = {}
 """
 

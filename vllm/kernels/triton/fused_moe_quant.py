@@ -102,18 +102,20 @@ def _fp8_tile(q_ptr, s_ptr, e, k0, offs_n, n_ok, K, half_rows, rows_per_half, bl
 def _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows, zero_offset,
                group_size, stride_qe, stride_qn, stride_qk, stride_se, stride_sn, stride_sg,
                stride_ze, stride_zn, stride_zg, stride_ge, stride_gh, stride_gk,
-               GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr):
+               GROUP_PER_TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """fp32 [BLOCK_K, BLOCK_N] tile of W[e]^T from GPTQ codes, zero points, scales and g_idx
     (each input column looks up its group: act order runs unpermuted). stride_gh = 0 when
     g_idx has one row (w2), so both group loads stay in bounds. GROUP_PER_TILE: g_idx is
     c // group_size and the tile's columns lie in group k0 // group_size (no g_idx read, one
     scale and zero per row)."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    mask = k_ok[:, None] & n_ok[None, :]
+    # Each word once ([BLOCK_K / 8, BLOCK_N]), its 8 nibbles split in registers: row 8 w + j
+    # of the tile is nibble j of word row w (k0 is a multiple of BLOCK_K, itself of 8).
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     words = tl.load(q_ptr + e * stride_qe + offs_n[None, :] * stride_qn
-                    + (offs_k // 8)[:, None] * stride_qk, mask=mask, other=0)
-    q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF                 # [BLOCK_K, BLOCK_N]
+                    + offs_w[:, None] * stride_qk,
+                    mask=(offs_w < K // 8)[:, None] & n_ok[None, :], other=0)
+    nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+    q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))                      # [BLOCK_K, BLOCK_N]
     if GROUP_PER_TILE:
         grp1 = k0 // group_size
         s1 = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + grp1 * stride_sg, mask=n_ok,
@@ -122,6 +124,9 @@ def _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows, ze
                       mask=n_ok, other=0)
         z1 = ((zw1 >> ((offs_n % 8) * 4)) & 0xF) + zero_offset
         return (q - z1[None, :]).to(tl.float32) * s1.to(tl.float32)[None, :]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    mask = k_ok[:, None] & n_ok[None, :]
     g_ptrs = g_ptr + e * stride_ge + offs_k * stride_gk
     g_first = tl.load(g_ptrs, mask=k_ok, other=0)                    # [BLOCK_K] gate (or only)
     g_second = tl.load(g_ptrs + stride_gh, mask=k_ok, other=0)       # [BLOCK_K] up
@@ -169,7 +174,7 @@ def _moe_quant_gemm_kernel(
             b = _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows,
                            zero_offset, block_in, stride_qe, stride_qn, stride_qk, stride_se,
                            stride_sn, stride_sk, stride_ze, stride_zn, stride_zk, stride_ge,
-                           stride_gh, stride_gk, SCALE_PER_TILE, BLOCK_K)
+                           stride_gh, stride_gk, SCALE_PER_TILE, BLOCK_K, BLOCK_N)
         # Rounded to the activation dtype, as the torch backend's dequantize: then the dot.
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -215,7 +220,15 @@ def _quant_gemm(a: torch.Tensor, wq: QuantProjection, bias: torch.Tensor | None,
         MUL_WEIGHT=w is not None, HAS_BIAS=bias is not None, SCALE_PER_TILE=per_tile,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=_num_warps(wq.kind, per_tile, cfg), num_stages=cfg["num_stages"])
+
+
+def _num_warps(kind: str, per_tile: bool, cfg: dict[str, int]) -> int:
+    """The table's warps, but at least 8 for INT4 gathering its scales, zeros and g_idx per
+    element (act order): at 4, ptxas gave the H100 table's entries up to 584 B of spills per
+    thread under Triton 3.6; at 8, at most 8 B (compiled as the JIT specializes, not run:
+    tests/build/test_triton_compile_fused_moe_quant.py)."""
+    return max(cfg["num_warps"], 8) if kind == "int4" and not per_tile else cfg["num_warps"]
 
 
 def check_projection(name: str, wq: QuantProjection, rows: int, cols: int, G: int,
