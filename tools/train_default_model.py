@@ -271,14 +271,16 @@ def write_compat_files(out: Path) -> None:
             (out / extra).unlink()
 
 
-def shipped_eval(out: Path, root: Path, heldout_texts: list[str], seq_len: int) -> dict:
-    """Held-out numbers measured on the saved (bf16) weights, loaded back in fp32."""
+def shipped_eval(out: Path, root: Path, heldout_texts: list[str], seq_len: int,
+                 max_tokens: int | None = None) -> dict:
+    """Held-out numbers measured on the saved (bf16) weights, loaded back in fp32, over the
+    first ``max_tokens`` held-out tokens (None: all; ``heldout_tokens`` says how many)."""
     from transformers import AutoTokenizer
 
     model = Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(out)
     eos_id = tok.convert_tokens_to_ids(EOS)
-    held = encode_stream(tok.backend_tokenizer, heldout_texts, eos_id)
+    held = encode_stream(tok.backend_tokenizer, heldout_texts, eos_id)[:max_tokens]
     loss, n = eval_loss(model, held, seq_len)
     text = slice_text(root)
     slice_ids = torch.tensor(tok(text).input_ids, dtype=torch.long)
@@ -309,9 +311,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"training checkpoint written during training (default: {DEFAULT_CHECKPOINT})")
     ap.add_argument("--checkpoint-every", type=float, default=300.0, help="seconds between checkpoints")
     ap.add_argument("--resume", type=Path, default=None, help="continue from this training checkpoint")
+    ap.add_argument("--heldout-tokens", type=int, default=None,
+                    help="evaluate on the first N held-out tokens only (smoke runs; default all)")
     cli = ap.parse_args(argv)
     if cli.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {cli.steps}")
+    if cli.heldout_tokens is not None and cli.heldout_tokens < 2:
+        raise SystemExit(f"--heldout-tokens must be >= 2, got {cli.heldout_tokens}")
     if cli.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     return cli
@@ -364,7 +370,8 @@ def main(argv=None) -> None:
     runs.append({**run, "seconds": stats["train_seconds"]})
     model.to("cpu")
     save_all(model, wrap_tokenizer(tok), cli.out)
-    shipped = shipped_eval(cli.out, corpus["root"], corpus["held"], args.seq_len)
+    shipped = shipped_eval(cli.out, corpus["root"], corpus["held"], args.seq_len,
+                           cli.heldout_tokens)
     meta = _metadata(args, cli, corpus, stream, stats, runs, wall0, shipped)
     (cli.out / "training_metadata.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"held-out loss {shipped['heldout_loss']:.4f} ppl {shipped['heldout_perplexity']:.2f}; "

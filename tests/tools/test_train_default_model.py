@@ -16,7 +16,8 @@ sys.path.insert(0, str(TOOLS))
 import default_model_corpus as corpus  # noqa: E402
 import eval_default_model as edm  # noqa: E402
 
-SMOKE = ["--max-files", "12", "--batch-size", "2", "--seq-len", "32", "--threads", "1"]
+SMOKE = ["--max-files", "12", "--batch-size", "2", "--seq-len", "32", "--threads", "1",
+         "--heldout-tokens", "256"]
 
 
 def _train(*args: str) -> None:
@@ -31,13 +32,14 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path):
     _train("--steps", "2", "--out", str(tmp_path / "b"), "--checkpoint", str(tmp_path / "b.pt"),
            *SMOKE)
     _train("--steps", "3", "--resume", str(tmp_path / "b.pt"), "--out", str(tmp_path / "b"),
-           "--checkpoint", str(tmp_path / "b.pt"), "--threads", "1")
+           "--checkpoint", str(tmp_path / "b.pt"), "--threads", "1", "--heldout-tokens", "256")
     a = (tmp_path / "a" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "b" / "model.safetensors").read_bytes()
     import json
     meta = json.loads((tmp_path / "b" / "training_metadata.json").read_text())
     assert [(r["from_step"], r["to_step"]) for r in meta["runs"]] == [(0, 2), (2, 3)]
     assert all(r["device"] == "cpu" and r["seconds"] > 0 for r in meta["runs"])
+    assert 0 < meta["heldout_tokens"] < 256       # of the first 256 held-out tokens
 
 
 def _fake_dist(root: Path, name: str, licence: str, files: dict[str, str]):
