@@ -27,8 +27,14 @@ import triton.language as tl
 KERNEL_MAX_PAIRS = 4096
 """Steps with more pairs (T * K) take the torch version: one program walks the pairs in chunks,
 which a long prefill would make slow; decode steps stay far below this."""
-ONE_HOT_ELEMENTS = 8192   # BLOCK_P * BLOCK_E per one-hot tile
-BLOCK_FILL = 256
+ONE_HOT_ELEMENTS = 2048   # BLOCK_P * BLOCK_E per one-hot tile (and BLOCK_FILL * BLOCK_E)
+MAX_BLOCK_P = 32          # pairs per chunk: the rank count is a [BLOCK_P, BLOCK_P] tile
+BLOCK_FILL = 256          # sorted_ids entries (and at most block_expert entries) per store
+# Each tile element is an int64 held in registers: at 4 warps a 2048-element tile is 16 per
+# thread (32 registers). The former 8192-element tiles, a [128, 128] rank tile at E <= 64 and
+# a [256, BLOCK_E] block_expert tile, put the kernel at 255 registers with 576 (E = 64) to
+# 2240 (E = 256) bytes of spills per thread under Triton 3.6, as the JIT specializes a decode
+# launch (tests/build/test_triton_compile_moe_routing.py).
 
 
 def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
@@ -65,11 +71,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     block_expert = torch.empty(S // block_m, dtype=torch.int64, device=dev)
     num_padded = torch.empty(1, dtype=torch.int64, device=dev)
     block_e = triton.next_power_of_2(E)
-    block_p = max(16, min(128, ONE_HOT_ELEMENTS // block_e))
+    block_p, block_fill = launch_blocks(block_e)
     _align_kernel[(1,)](flat, sorted_ids, block_expert, num_padded, P, E, S,
                         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p,
-                        BLOCK_FILL=BLOCK_FILL)
+                        BLOCK_FILL=block_fill)
     return sorted_ids, block_expert, num_padded
+
+
+def launch_blocks(block_e: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_FILL) for BLOCK_E experts: tiles [BLOCK_P, BLOCK_E], [BLOCK_P, BLOCK_P]
+    and [BLOCK_FILL, BLOCK_E] of ONE_HOT_ELEMENTS or fewer (16 rows at least: E = 512 makes
+    8192). Results do not depend on them, only the loop trip counts."""
+    rows = ONE_HOT_ELEMENTS // block_e
+    return max(16, min(MAX_BLOCK_P, rows)), max(16, min(BLOCK_FILL, rows))
 
 
 @triton.jit
