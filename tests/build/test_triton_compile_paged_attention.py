@@ -66,7 +66,8 @@ for cc in (90, 120):
             if (cc, dtype, d) == (120, "fp32", 576):
                 continue                                   # over SM120's shared memory
             consts = pd.partial_consts(group, hkv, d, 16, pd.decode_block_n(d),
-                                       f32_cache=dtype == "fp32", has_window=group == 8)
+                                       f32_cache=dtype == "fp32", has_window=group == 8,
+                                       v_is_k=d == 576)    # MLA's one plane
             launch = pd.decode_launch(d, dtype == "fp32")
             out[f"decode/{cc}/{dtype}/{group}/{d}"] = compile_decode(
                 pd._decode_partial_kernel, dtype, cc, consts, launch)
@@ -134,7 +135,7 @@ from vllm.kernels.triton import paged_decode as pd
 for name, (hq, hkv, d) in DECODE_SHAPES.items():
     launch = pd.decode_launch(d, False)
     consts = pd.partial_consts(hq // hkv, hkv, d, 16, pd.decode_block_n(d), f32_cache=False,
-                               has_window=False)
+                               has_window=False, v_is_k=d == 576)
     # paged_decode's launch: contiguous q [T, Hq, D]; num_chunks and stride_bt are
     # do_not_specialize (17: neither 1 nor a multiple of 16, a plain i32 as the JIT types them).
     values = dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", q_ptr="*bf16",
@@ -161,9 +162,12 @@ def decode_spills():
 @pytest.mark.parametrize("shape", sorted(DECODE_SHAPES))
 def test_paged_decode_does_not_spill_on_sm90(decode_spills, kernel, shape):
     """Compiled as the JIT specializes paged_decode's launch (decode_launch's warps and stages):
-    no register spills and under ptxas's 255 cap. Measured: partial 128 / 174 registers under
-    Triton 3.6 (the GPU machine's), 118 / 158 under 3.9, at Qwen3-MoE / MLA; reduce 28 / 32.
-    At 4 warps the MLA partial ([16, 1024] f32 accumulator) sits at 255 and spills 160 B."""
+    no register spills and under ptxas's 255 cap. Measured: partial 128 / 152 registers under
+    Triton 3.6 (the GPU machine's), 118 / 128 under 3.9, at Qwen3-MoE / MLA; reduce 28 / 32.
+    At 4 warps the MLA partial ([16, 1024] f32 accumulator) sits at 255 and spills 160 B. MLA's
+    one plane is loaded once per key tile (V_IS_K): 66 KB of shared memory; loading the same
+    tile again as values took 99 KB (and 174 / 158 registers)."""
     k = decode_spills[f"{kernel}/{shape}"]
     assert k["stack"] == 0 and k["registers"] < 255, k["registers"]
-    assert k["shared"] <= SHARED_LIMIT[90]
+    assert k["shared"] <= (80 * 1024 if f"{kernel}/{shape}" == "partial/mla576"
+                           else SHARED_LIMIT[90]), k["shared"]

@@ -79,14 +79,16 @@ def head_rows(pid, GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
 def attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi, lo, n, d, d_in,
                 head_off, scale_log2, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, ROW_STRIDE: tl.constexpr, ROW_MASK: tl.constexpr,
-                DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                DOT_F32: tl.constexpr, PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
     """The online softmax of q [R, BLOCK_D] (in the cache's dtype) over keys [k_lo, k_hi) of one
     kv head (at ``head_off`` in a cache row of ROW_STRIDE elements), read through the block
     table ``table``, KEYS keys per step in tiles of BLOCK_N >= KEYS rows, folded into the
     running (max m [R], sum s_sum [R], acc [R, BLOCK_D]) -> the new three. ROW_MASK: row i keeps
     only keys [lo[i], n[i]) too (a prefill tile's causal / window mask). Scores in log2 units
     (f32 scores x scale_log2); P cast to the cache's dtype for the PV dot; under DOT_F32 the
-    K/V/P operands widened to f32. A row with no key so far keeps p = alpha = 0 (no NaN)."""
+    K/V/P operands widened to f32. A row with no key so far keeps p = alpha = 0 (no NaN).
+    V_IS_K: a one-plane cache (MLA: the values are the keys), so the key tile is the value
+    tile, loaded once."""
     jj = tl.arange(0, BLOCK_N)
     for start in range(k_lo, k_hi, KEYS):
         j = start + jj                                               # [BLOCK_N] key positions
@@ -95,7 +97,10 @@ def attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi, l
         off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * ROW_STRIDE + head_off
         kv_mask = j_in[:, None] & d_in[None, :]
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if V_IS_K:
+            v = k
+        else:
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -127,7 +132,7 @@ def _decode_partial_kernel(
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+        DOT_F32: tl.constexpr, PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
     """Program (t, g * S + s, c): (m, l, acc) of query heads g * GROUP + s * HEADS.. over chunk
     c's keys of row t."""
     t = tl.program_id(0).to(tl.int64)
@@ -154,7 +159,8 @@ def _decode_partial_kernel(
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, c_lo, c_hi,
                                 c_lo, c_hi, d, d_in, head_off, scale_log2, BLOCK_N, KEYS,
-                                BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM, False, DOT_F32, PRECISION)
+                                BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM, False, DOT_F32, PRECISION,
+                                V_IS_K)
     row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [ROWS] scratch rows
     tl.store(m_ptr + row, m, mask=r_in)
     tl.store(l_ptr + row, s_sum, mask=r_in)
@@ -225,13 +231,14 @@ def decode_launch(head_dim: int, f32_cache: bool) -> dict:
     return dict(num_warps=8 if wide else 4, num_stages=1 if wide and f32_cache else 3)
 
 
-def key_loop_consts(head_dim: int, keys: int, f32_cache: bool, dot_f32: bool) -> dict:
+def key_loop_consts(head_dim: int, keys: int, f32_cache: bool, dot_f32: bool,
+                    v_is_k: bool = False) -> dict:
     """The constexprs ``attend_keys`` takes from its kernel (decode and prefill alike): the
-    padded head dim, keys per step in a tile of at least 16 rows, and the dot's precision
-    (fp32 caches IEEE, not TF32)."""
+    padded head dim, keys per step in a tile of at least 16 rows, the dot's precision (fp32
+    caches IEEE, not TF32), and whether the cache has one plane (values = keys)."""
     return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                 BLOCK_N=max(16, keys), KEYS=keys, DOT_F32=dot_f32,
-                PRECISION="ieee" if f32_cache or dot_f32 else "tf32")
+                PRECISION="ieee" if f32_cache or dot_f32 else "tf32", V_IS_K=v_is_k)
 
 
 def heads_per_program(group: int, rows: int) -> int:
@@ -263,14 +270,14 @@ def decode_heads(group: int, head_dim: int, f32_cache: bool) -> int:
 
 def partial_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, block_n: int,
                    *, f32_cache: bool, has_window: bool, dot_f32: bool = False,
-                   heads: int | None = None) -> dict:
+                   heads: int | None = None, v_is_k: bool = False) -> dict:
     """``_decode_partial_kernel``'s constexprs (also what the compile test builds); ``heads``
-    per program, default ``decode_heads``."""
+    per program, default ``decode_heads``; ``v_is_k`` for a one-plane cache."""
     heads = checked_heads("paged_decode", decode_heads(group, head_dim, f32_cache)
                           if heads is None else heads, group)
     return dict(GROUP=group, HEADS=heads, ROWS=max(16, triton.next_power_of_2(heads)),
                 NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
-                **key_loop_consts(head_dim, block_n, f32_cache, dot_f32))
+                **key_loop_consts(head_dim, block_n, f32_cache, dot_f32, v_is_k))
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -307,7 +314,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                             f32_cache=kv_cache.dtype == torch.float32,
                             has_window=window is not None,
                             dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting(),
-                            heads=heads)
+                            heads=heads, v_is_k=kv_cache.shape[0] == 1)
     launch = decode_launch(D, kv_cache.dtype == torch.float32)
     split = triton.cdiv(Hq // Hkv, consts["HEADS"])
     _decode_partial_kernel[(T, Hkv * split, num_chunks)](

@@ -33,10 +33,10 @@ Under the interpreter ``tl.dot`` reads bfloat16 tiles as their uint16 storage: t
 bf16 operands are widened to f32 before the dot.
 
 Block sizes (``prefill_config``; not tuned, no GPU run yet; chosen by the register use
-ptxas/cuobjdump report for the compiled kernels here, Triton 3.9, window and sinks on: no
-spills at GQA 4:1 and 8:1 in bf16 and fp32 on SM90 and SM120 at D = 64 / 128 / 256 (fp32 at
-256 on SM90: 32 B) and at D = 576; MHA (1:1) and 2:1 keep 8-224 B of spills, most at D = 128 on
-SM90). 16-bit caches ROWS (TILE_M * GROUP, padded) 128
+ptxas/cuobjdump report for the compiled kernels here, Triton 3.9, window and sinks on, on
+compiles without the JIT's specialization, which overstate spills: as the JIT specializes a
+launch, MHA at D = 128 with window and sinks has none under Triton 3.6 or 3.9, 240 and 219
+registers). 16-bit caches ROWS (TILE_M * GROUP, padded) 128
 for BLOCK_D <= 64, and at 128 on SM90 (64 on SM120, which spills at 128), 64 at 256, 16 above
 (MLA's D = 576), KEYS 64 up to BLOCK_D = 128, 32 at 256, 16 above, 8 warps when the
 [ROWS, BLOCK_D] f32 accumulator holds 8K elements or more, else 4; fp32 caches ROWS 32 up to
@@ -186,7 +186,7 @@ def _prefill_kernel(
         BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_M: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_F32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
     """Program (i, g * S + s): out rows of tile i's tokens x HEADS query heads of kv head g
     (module docstring)."""
     g, b, t, h, r_in, lo, n, k_lo, k_hi = _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr,
@@ -210,7 +210,7 @@ def _prefill_kernel(
     head_off = g * HEAD_DIM
     m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi,
                                 lo, n, d, d_in, head_off, scale_log2, BLOCK_N, KEYS, BLOCK_SIZE,
-                                NUM_KV_HEADS * HEAD_DIM, True, DOT_F32, PRECISION)
+                                NUM_KV_HEADS * HEAD_DIM, True, DOT_F32, PRECISION, V_IS_K)
     out = tl.where(s_sum[:, None] > 0, acc / tl.maximum(s_sum, 1e-30)[:, None], 0.0)
     tl.store(out_ptr + (t[:, None] * (NUM_KV_HEADS * GROUP) + h[:, None]) * HEAD_DIM + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rd_in)
@@ -218,14 +218,15 @@ def _prefill_kernel(
 
 def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, *,
                    tile_m: int, keys: int, f32_cache: bool, has_window: bool, has_sinks: bool,
-                   dot_f32: bool = False, heads: int | None = None) -> dict:
+                   dot_f32: bool = False, heads: int | None = None,
+                   v_is_k: bool = False) -> dict:
     """``_prefill_kernel``'s constexprs (also what the compile test builds); ``heads`` per
-    program, default all ``group``."""
+    program, default all ``group``; ``v_is_k`` for a one-plane cache."""
     heads = checked_heads("paged_prefill", group if heads is None else heads, group)
     return dict(GROUP=group, HEADS=heads, NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size,
                 TILE_M=tile_m, ROWS=max(16, triton.next_power_of_2(tile_m * heads)),
                 HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
-                **key_loop_consts(head_dim, keys, f32_cache, dot_f32))
+                **key_loop_consts(head_dim, keys, f32_cache, dot_f32, v_is_k))
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -257,7 +258,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                             keys=config["KEYS"] if block_n is None else block_n, f32_cache=f32,
                             has_window=window is not None, has_sinks=sinks is not None,
                             dot_f32=kv_cache.dtype == torch.bfloat16 and interpreting(),
-                            heads=config["HEADS"] if heads is None else heads)
+                            heads=config["HEADS"] if heads is None else heads,
+                            v_is_k=kv_cache.shape[0] == 1)
     split = triton.cdiv(Hq // Hkv, consts["HEADS"])
     _prefill_kernel[(tiles.seq.numel(), Hkv * split)](
         out, q, kv_cache[0], kv_cache[-1], block_tables, seq_lens, query_start_loc, tiles.seq,
