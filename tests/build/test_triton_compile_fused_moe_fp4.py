@@ -87,7 +87,8 @@ def test_fused_moe_fp4_gemm_compiles(compiled, cc, elem, table, fmt, gemm):
 
 # As the JIT specializes a launch at the probe shape (hidden 2048, moe_intermediate 768), the
 # gate-up GEMM in the quant method's layout (codes [G, R, C/2] bytes, scale bytes per group,
-# NVFP4's [G, 2] global scales), at each entry of the H100 table.
+# NVFP4's [G, 2] global scales), at each entry of the H100 table on SM90 and at the default
+# table's largest tile on SM120, with the warps ``_fp4_gemm`` launches.
 SPILL_SCRIPT = r"""
 from vllm.kernels.triton import fused_moe_fp4 as m
 from vllm.kernels.triton.fused_moe_config import load_table
@@ -99,14 +100,16 @@ for fmt, group in (("nvfp4", 16), ("mxfp4", 32)):
                   stride_am=K, stride_ak=1, stride_qe=N * K // 2, stride_qn=K // 2, stride_qk=1,
                   stride_se=N * K // group, stride_sn=K // group, stride_sk=1, stride_ge=2,
                   stride_gh=1, stride_bias_e=N, stride_cm=N, stride_cn=1)
-    for i, (_, cfg) in enumerate(load_table("NVIDIA H100 80GB HBM3")[1]["default"]):
+    h100 = load_table("NVIDIA H100 80GB HBM3")[1]["default"]
+    h100 = [(90, i, cfg) for i, (_, cfg) in enumerate(h100)]
+    for cc, i, cfg in h100 + [(120, "sm120", load_table("")[1]["default"][-1][1])]:
         consts = dict(E8M0=fmt == "mxfp4", GROUP=group, ROW_DIV=8, MUL_WEIGHT=False,
                       HAS_BIAS=True, PRECISION="tf32", BLOCK_M=cfg["BLOCK_M"],
                       BLOCK_N=cfg["BLOCK_N"], BLOCK_K=max(cfg["BLOCK_K"], group),
                       GROUP_M=cfg["GROUP_M"])
         out[f"{fmt}/{i}"] = compile_like_jit(
-            m._moe_fp4_gemm_kernel, values, consts, 90,
-            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+            m._moe_fp4_gemm_kernel, values, consts, cc,
+            {"num_warps": m.dequant_warps(cfg, gathers=False), "num_stages": cfg["num_stages"]})
 """
 
 
@@ -116,11 +119,12 @@ def spills():
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_gemm_does_not_spill_at_the_h100_tables_entries(spills, fmt):
+def test_fp4_gemm_does_not_spill_at_the_tables_entries(spills, fmt):
     """Compiled as the JIT specializes a launch: no spilled bytes and registers under ptxas's
     255 cap at every entry. Each code byte used to be loaded twice (once per nibble): under
     Triton 3.6 (the GPU machine's) NVFP4 then sat at the cap with 56-144 B of spills at three
-    of the four entries. Not run: spills are a compile-time fact."""
+    of the four entries. SM120's 64 x 128 tile at 4 warps: 255 registers and 208 B of spills
+    (NVFP4, Triton 3.9); at 8, none. Not run: spills are a compile-time fact."""
     got = {k: (v["registers"], v["stack"]) for k, v in spills.items() if k.startswith(fmt)}
-    assert len(got) >= 4
+    assert len(got) >= 5
     assert all(stack == 0 and regs < 255 for regs, stack in got.values()), got

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton.fused_moe import _pair_block, _pair_rows, _store_pairs
-from vllm.kernels.triton.fused_moe_quant import _block_k, _check_inputs, run_pairs
+from vllm.kernels.triton.fused_moe_quant import _block_k, _check_inputs, dequant_warps, run_pairs
 
 FP4_GROUPS = {"nvfp4": 16, "mxfp4": 32}
 """Fp4Projection.kind -> inputs per scale byte (the GEMM's GROUP constexpr)."""
@@ -173,7 +173,8 @@ def _fp4_gemm(a: torch.Tensor, wq: Fp4Projection, bias: torch.Tensor | None, c: 
         E8M0=wq.kind == "mxfp4", GROUP=wq.group, ROW_DIV=row_div, MUL_WEIGHT=w is not None,
         HAS_BIAS=bias is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-        GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        GROUP_M=cfg["GROUP_M"], num_warps=dequant_warps(cfg, gathers=False),
+        num_stages=cfg["num_stages"])
 
 
 def check_fp4_projection(name: str, wq: Fp4Projection, rows: int, cols: int, G: int,

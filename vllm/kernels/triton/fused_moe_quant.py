@@ -220,15 +220,18 @@ def _quant_gemm(a: torch.Tensor, wq: QuantProjection, bias: torch.Tensor | None,
         MUL_WEIGHT=w is not None, HAS_BIAS=bias is not None, SCALE_PER_TILE=per_tile,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-        num_warps=_num_warps(wq.kind, per_tile, cfg), num_stages=cfg["num_stages"])
+        num_warps=dequant_warps(cfg, gathers=not fp8 and not per_tile),
+        num_stages=cfg["num_stages"])
 
 
-def _num_warps(kind: str, per_tile: bool, cfg: dict[str, int]) -> int:
-    """The table's warps, but at least 8 for INT4 gathering its scales, zeros and g_idx per
-    element (act order): at 4, ptxas gave the H100 table's entries up to 584 B of spills per
-    thread under Triton 3.6; at 8, at most 8 B (compiled as the JIT specializes, not run:
-    tests/build/test_triton_compile_fused_moe_quant.py)."""
-    return max(cfg["num_warps"], 8) if kind == "int4" and not per_tile else cfg["num_warps"]
+def dequant_warps(cfg: dict[str, int], gathers: bool) -> int:
+    """The table's warps for a dequantizing GEMM, raised to 8 where 4 run out of registers
+    (compiled as the JIT specializes, Triton 3.6 and 3.9, not run;
+    tests/build/test_triton_compile_fused_moe_{quant,fp4}.py): per-element scale gathers
+    (INT4 act order: up to 584 B of spills per thread on SM90) and output tiles of 64 x 128 or
+    more (FP4 at the default table's last entry on SM120: 208 B)."""
+    big = cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 64 * 128
+    return max(cfg["num_warps"], 8) if gathers or big else cfg["num_warps"]
 
 
 def check_projection(name: str, wq: QuantProjection, rows: int, cols: int, G: int,
