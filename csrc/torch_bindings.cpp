@@ -11,7 +11,9 @@
 #include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
+#include <vector>
 
 #include "memory/pinned_host.h"
 #include "moe/expert_gather.h"
@@ -21,53 +23,98 @@
 
 namespace {
 
-// See moe/expert_gather.h. src [E, ...] (pinned host or on dst's device), dst [N, ...] on the
-// device, same dtype and row shape, both contiguous; experts, slots int64 [n], valid bool [n] on
-// dst's device.
-void expert_gather(const at::Tensor& src, at::Tensor& dst, const at::Tensor& experts,
-                   const at::Tensor& slots, const at::Tensor& valid) {
-  TORCH_CHECK(dst.is_cuda() && dst.is_contiguous(), "expert_gather: dst must be a contiguous "
+// The checks of expert_gather and expert_gather_many (`who`) on one (src, dst) pair and the plan:
+// src [E, ...] (pinned host or on dst's device), dst [N, ...] on the device, same dtype and row
+// shape, both contiguous; experts, slots int64 [n], valid bool [n] on dst's device.
+void check_gather(const char* who, const at::Tensor& src, const at::Tensor& dst,
+                  const at::Tensor& experts, const at::Tensor& slots, const at::Tensor& valid) {
+  TORCH_CHECK(dst.is_cuda() && dst.is_contiguous(), who, ": dst must be a contiguous "
               "CUDA tensor, got ", dst.device(), dst.is_contiguous() ? "" : " (non-contiguous)");
-  TORCH_CHECK(src.is_contiguous(), "expert_gather: src must be contiguous");
+  TORCH_CHECK(src.is_contiguous(), who, ": src must be contiguous");
   const bool on_host = !src.is_cuda();
   // A zero-byte src (no experts, or empty rows) has nothing to read: torch may not report its
-  // null storage as pinned, and there is no copy to make (checked below, before any launch).
-  TORCH_CHECK(!on_host || src.nbytes() == 0 || src.is_pinned(), "expert_gather: a host src "
+  // null storage as pinned, and there is no copy to make (no launch reads it).
+  TORCH_CHECK(!on_host || src.nbytes() == 0 || src.is_pinned(), who, ": a host src "
               "must be pinned (page-locked), got an unpinned ", src.device(), " tensor");
-  TORCH_CHECK(on_host || src.device() == dst.device(), "expert_gather: src on ", src.device(),
+  TORCH_CHECK(on_host || src.device() == dst.device(), who, ": src on ", src.device(),
               " but dst on ", dst.device());
-  TORCH_CHECK(src.dtype() == dst.dtype(), "expert_gather: src dtype ", src.dtype(),
+  TORCH_CHECK(src.dtype() == dst.dtype(), who, ": src dtype ", src.dtype(),
               " != dst dtype ", dst.dtype());
   TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() &&
               src.sizes().slice(1) == dst.sizes().slice(1),
-              "expert_gather: src ", src.sizes(), " and dst ", dst.sizes(),
+              who, ": src ", src.sizes(), " and dst ", dst.sizes(),
               " must have the same row shape");
   const int64_t n = experts.numel();
-  TORCH_CHECK(slots.numel() == n && valid.numel() == n, "expert_gather: experts, slots and "
+  TORCH_CHECK(slots.numel() == n && valid.numel() == n, who, ": experts, slots and "
               "valid must have one entry each per plan entry, got ", n, ", ", slots.numel(),
               ", ", valid.numel());
-  TORCH_CHECK(n <= 65535, "expert_gather: at most 65535 plan entries per call, got ", n);
+  TORCH_CHECK(n <= 65535, who, ": at most 65535 plan entries per call, got ", n);
   for (const at::Tensor* t : {&experts, &slots}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->device() == dst.device() &&
-                t->is_contiguous(), "expert_gather: experts and slots must be contiguous int64 "
+                t->is_contiguous(), who, ": experts and slots must be contiguous int64 "
                 "tensors on ", dst.device());
   }
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.device() == dst.device() &&
-              valid.is_contiguous(), "expert_gather: valid must be a contiguous bool tensor "
+              valid.is_contiguous(), who, ": valid must be a contiguous bool tensor "
               "on ", dst.device());
+}
+
+// The current stream of `device`, as a cudaStream_t (stream capture records on it).
+void* current_stream(const c10::Device& device) {
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device).native_handle();
+}
+
+vllm::GatherTensor gather_tensor(const at::Tensor& src, at::Tensor& dst) {
+  return {src.const_data_ptr(), !src.is_cuda(), dst.data_ptr(),
+          dst.size(0) == 0 ? 0 : dst.nbytes() / dst.size(0)};
+}
+
+// See moe/expert_gather.h.
+void expert_gather(const at::Tensor& src, at::Tensor& dst, const at::Tensor& experts,
+                   const at::Tensor& slots, const at::Tensor& valid) {
+  check_gather("expert_gather", src, dst, experts, slots, valid);
   // No row to read (E == 0 or empty rows): nothing to copy, as the Triton twin; the kernel
   // would only trap on a valid entry's expert id, none of which can be in range.
   if (src.nbytes() == 0) return;
   const c10::DeviceGuard guard(dst.device());
-  // The current stream of dst's device, as a cudaStream_t (stream capture records on it).
-  void* stream = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA)
-                     .getStream(dst.device()).native_handle();
-  const int64_t row_bytes = dst.size(0) == 0 ? 0 : dst.nbytes() / dst.size(0);
+  const vllm::GatherTensor g = gather_tensor(src, dst);
   const int rc = vllm::expert_gather(
-      src.const_data_ptr(), on_host, dst.data_ptr(), experts.const_data_ptr<int64_t>(),
-      slots.const_data_ptr<int64_t>(), valid.const_data_ptr<bool>(), n, src.size(0),
-      dst.size(0), row_bytes, stream);
+      g.src, g.src_on_host, g.dst, experts.const_data_ptr<int64_t>(),
+      slots.const_data_ptr<int64_t>(), valid.const_data_ptr<bool>(), experts.numel(),
+      src.size(0), dst.size(0), g.row_bytes, current_stream(dst.device()));
   TORCH_CHECK(rc == 0, "expert_gather: ", vllm::cuda_error_string(rc));
+}
+
+// See moe/expert_gather.h: srcs[t] -> dsts[t] for every t, one launch per kMaxGatherTensors
+// tensors (one for every layer the engine makes). Every src has the same rows E, every dst the
+// same rows N, all dsts on one device.
+void expert_gather_many(at::TensorList srcs, at::TensorList dsts, const at::Tensor& experts,
+                        const at::Tensor& slots, const at::Tensor& valid) {
+  TORCH_CHECK(srcs.size() == dsts.size(), "expert_gather_many: ", srcs.size(), " srcs but ",
+              dsts.size(), " dsts");
+  if (srcs.empty()) return;
+  const int64_t E = srcs[0].size(0), N = dsts[0].size(0);
+  std::vector<vllm::GatherTensor> tensors;
+  for (size_t t = 0; t < srcs.size(); ++t) {
+    at::Tensor dst = dsts[t];
+    check_gather("expert_gather_many", srcs[t], dst, experts, slots, valid);
+    TORCH_CHECK(srcs[t].size(0) == E && dst.size(0) == N && dst.device() == dsts[0].device(),
+                "expert_gather_many: tensor ", t, " has ", srcs[t].size(0), " experts and ",
+                dst.size(0), " slots on ", dst.device(), "; tensor 0 has ", E, " and ", N,
+                " on ", dsts[0].device());
+    if (srcs[t].nbytes() != 0) tensors.push_back(gather_tensor(srcs[t], dst));
+  }
+  const c10::DeviceGuard guard(dsts[0].device());
+  void* stream = current_stream(dsts[0].device());
+  for (size_t first = 0; first < tensors.size(); first += vllm::kMaxGatherTensors) {
+    const int count = static_cast<int>(
+        std::min<size_t>(vllm::kMaxGatherTensors, tensors.size() - first));
+    const int rc = vllm::expert_gather_many(
+        tensors.data() + first, count, experts.const_data_ptr<int64_t>(),
+        slots.const_data_ptr<int64_t>(), valid.const_data_ptr<bool>(), experts.numel(), E, N,
+        stream);
+    TORCH_CHECK(rc == 0, "expert_gather_many: ", vllm::cuda_error_string(rc));
+  }
 }
 
 // One block of pinned_host_alloc and the device whose context made it: the tensor's deleter
@@ -198,6 +245,8 @@ int64_t w4a16_moe_mm_workspace_size(int64_t num_groups, int64_t device) {
 TORCH_LIBRARY(_C, m) {
   m.def("expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, Tensor slots, Tensor valid)"
         " -> ()");
+  m.def("expert_gather_many(Tensor[] srcs, Tensor(a!)[] dsts, Tensor experts, Tensor slots, "
+        "Tensor valid) -> ()");
   // No tensor argument: a plain function, as w4a16_moe_mm_workspace_size below.
   m.def("empty_pinned(int[] size, ScalarType dtype) -> Tensor", &empty_pinned);
 #ifdef VLLM_HAS_W4A16_MOE_MM
@@ -211,6 +260,7 @@ TORCH_LIBRARY(_C, m) {
 
 TORCH_LIBRARY_IMPL(_C, CUDA, m) {
   m.impl("expert_gather", &expert_gather);
+  m.impl("expert_gather_many", &expert_gather_many);
 #ifdef VLLM_HAS_W4A16_MOE_MM
   m.impl("w4a16_moe_mm", &w4a16_moe_mm);
 #endif

@@ -7,7 +7,8 @@
 // one entry, with the widest access (16, 8, 4, 2 or 1 bytes) that divides the row and both
 // bases: 16 for every weight the engine makes (rows are whole expert matrices); a row of a
 // few per-tensor scales copies at its own width. Chunk starts (64 KiB) keep the alignment.
-// Offsets are 64-bit: row_bytes * rows passes 2^31 for real experts.
+// Offsets are 64-bit: row_bytes * rows passes 2^31 for real experts. expert_gather_many does the
+// same for all of a layer's tensors in one launch: x runs over every tensor's chunks.
 #include "expert_gather.h"
 
 #include <cstdio>
@@ -43,7 +44,102 @@ __global__ void expert_gather_kernel(const char* __restrict__ src, char* __restr
   for (int64_t j = threadIdx.x; j < count; j += kThreads) to[j] = from[j];
 }
 
+// The tensors of one expert_gather_many launch, by value (kernel parameters: no device table,
+// so a captured graph replays with the same pointers). Chunks of tensor t's row are the grid's
+// x in [first_chunk[t], first_chunk[t + 1]).
+struct GatherBatch {
+  const char* src[kMaxGatherTensors];
+  char* dst[kMaxGatherTensors];
+  int64_t row_bytes[kMaxGatherTensors];
+  int64_t first_chunk[kMaxGatherTensors + 1];
+  int width[kMaxGatherTensors];  // bytes per access: 16, 8, 4, 2 or 1
+  int count;
+};
+
+template <typename T>
+__device__ void copy_span(const char* from, char* to, int64_t bytes) {
+  const T* f = reinterpret_cast<const T*>(from);
+  T* d = reinterpret_cast<T*>(to);
+  const int64_t count = bytes / static_cast<int64_t>(sizeof(T));
+  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) d[j] = f[j];
+}
+
+__global__ void expert_gather_many_kernel(const GatherBatch batch,
+                                          const int64_t* __restrict__ experts,
+                                          const int64_t* __restrict__ slots,
+                                          const bool* __restrict__ valid, int64_t num_experts,
+                                          int64_t num_slots) {
+  const int64_t i = blockIdx.y;
+  if (!valid[i]) return;
+  const int64_t e = experts[i], s = slots[i];
+  if (e < 0 || e >= num_experts || s < 0 || s >= num_slots) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+      printf("expert_gather_many: entry %lld has expert %lld (of %lld), slot %lld (of %lld)\n",
+             (long long)i, (long long)e, (long long)num_experts, (long long)s,
+             (long long)num_slots);
+    __trap();
+  }
+  const int64_t c = blockIdx.x;
+  int t = 0;  // the tensor whose row holds chunk c (block-uniform)
+  while (t + 1 < batch.count && c >= batch.first_chunk[t + 1]) ++t;
+  const int64_t row_bytes = batch.row_bytes[t];
+  const int64_t begin = (c - batch.first_chunk[t]) * kChunkBytes;
+  const int64_t end = begin + kChunkBytes < row_bytes ? begin + kChunkBytes : row_bytes;
+  const char* from = batch.src[t] + e * row_bytes + begin;
+  char* to = batch.dst[t] + s * row_bytes + begin;
+  switch (batch.width[t]) {
+    case 16: copy_span<int4>(from, to, end - begin); break;
+    case 8: copy_span<int2>(from, to, end - begin); break;
+    case 4: copy_span<int>(from, to, end - begin); break;
+    case 2: copy_span<short>(from, to, end - begin); break;
+    default: copy_span<char>(from, to, end - begin); break;
+  }
+}
+
+// The widest access (16, 8, 4, 2 or 1 bytes) dividing the row and both bases.
+int access_width(int64_t row_bytes, const void* from, const void* to) {
+  const uint64_t bits = static_cast<uint64_t>(row_bytes) | reinterpret_cast<uintptr_t>(from) |
+                        reinterpret_cast<uintptr_t>(to);
+  for (int w = 16; w > 1; w /= 2)
+    if (bits % w == 0) return w;
+  return 1;
+}
+
 }  // namespace
+
+int expert_gather_many(const GatherTensor* tensors, int num_tensors, const int64_t* experts,
+                       const int64_t* slots, const bool* valid, int64_t n, int64_t num_experts,
+                       int64_t num_slots, void* stream) {
+  if (num_tensors < 0 || num_tensors > kMaxGatherTensors || n > 65535)
+    return static_cast<int>(cudaErrorInvalidValue);
+  GatherBatch batch{};
+  int64_t chunks = 0;
+  for (int t = 0; t < num_tensors; ++t) {
+    const GatherTensor& g = tensors[t];
+    if (g.row_bytes == 0) continue;
+    const void* src = g.src;
+    if (g.src_on_host) {
+      void* mapped = nullptr;
+      const cudaError_t err = cudaHostGetDevicePointer(&mapped, const_cast<void*>(g.src), 0);
+      if (err != cudaSuccess) return static_cast<int>(err);
+      src = mapped;
+    }
+    const int k = batch.count++;
+    batch.src[k] = static_cast<const char*>(src);
+    batch.dst[k] = static_cast<char*>(g.dst);
+    batch.row_bytes[k] = g.row_bytes;
+    batch.width[k] = access_width(g.row_bytes, src, g.dst);
+    batch.first_chunk[k] = chunks;
+    chunks += (g.row_bytes + kChunkBytes - 1) / kChunkBytes;
+  }
+  batch.first_chunk[batch.count] = chunks;
+  if (n == 0 || batch.count == 0) return 0;
+  if (chunks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(n));
+  expert_gather_many_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      batch, experts, slots, valid, num_experts, num_slots);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int expert_gather(const void* src, bool src_on_host, void* dst, const int64_t* experts,
                   const int64_t* slots, const bool* valid, int64_t n, int64_t num_experts,

@@ -60,11 +60,15 @@ def test_module_registers_the_ops(built):
     build, _ = built
     [lib] = build.glob("_C*.so")
     code = ("import torch, sys; torch.ops.load_library(sys.argv[1]); "
-            "print(torch.ops._C.expert_gather.default._schema)")
+            "print(torch.ops._C.expert_gather.default._schema); "
+            "print(torch.ops._C.expert_gather_many.default._schema)")
     proc = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == ("_C::expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, "
-                                   "Tensor slots, Tensor valid) -> ()")
+    assert proc.stdout.strip().splitlines() == [
+        "_C::expert_gather(Tensor src, Tensor(a!) dst, Tensor experts, Tensor slots, "
+        "Tensor valid) -> ()",
+        "_C::expert_gather_many(Tensor[] srcs, Tensor(a!)[] dsts, Tensor experts, Tensor slots, "
+        "Tensor valid) -> ()"]
 
 
 def test_module_imports_as_vllm_C(built, tmp_path):

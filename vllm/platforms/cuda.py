@@ -158,6 +158,9 @@ class CudaPlatform(Platform):
     def expert_copy_kernel(self) -> Callable[..., None] | None:
         return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else _triton_expert_gather()
 
+    def expert_copy_many_kernel(self) -> Callable[..., None] | None:
+        return cuda_ops.expert_gather_many if cuda_ops.has_expert_gather_many() else None
+
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return _triton_residency_step()
 

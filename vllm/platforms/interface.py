@@ -156,6 +156,12 @@ class Platform:
         with torch ops (``expert_cache/copy.py``)."""
         return None
 
+    def expert_copy_many_kernel(self) -> Callable[..., None] | None:
+        """``expert_copy_kernel`` for all of a layer's tensors in one launch
+        (``kernels/cuda/ops.expert_gather_many``'s contract: lists of srcs and dsts), or None:
+        the cache then calls ``expert_copy_kernel`` once per tensor."""
+        return None
+
     def residency_step_kernel(self) -> Callable[..., None] | None:
         """The expert cache's fused residency step on this platform
         (``vllm.kernels.cpu.moe_cache.residency_step``'s contract), or None: the cache then runs

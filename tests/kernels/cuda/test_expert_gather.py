@@ -114,6 +114,75 @@ def test_a_zero_byte_src_needs_no_pinning_and_copies_nothing(ops):
 
 
 def test_cuda_platform_hands_it_to_the_expert_cache(ops):
-    """The CUDA platform hands the kernel to the expert cache's copy engine."""
+    """The CUDA platform hands the kernels to the expert cache's copy engine."""
     from vllm.platforms import platform_for
     assert platform_for("cuda").expert_copy_kernel() is ops.expert_gather
+    if ops.has_expert_gather_many():
+        assert platform_for("cuda").expert_copy_many_kernel() is ops.expert_gather_many
+
+
+def _layer(g, E, pinned_host):
+    """A GPTQ-like layer's tensors with E experts: every access width (rows of 6144, 60, 91,
+    2048, 40 and 6 bytes) and dtype, plus 12 more small ones (18 tensors: two launches)."""
+    shapes = [(torch.bfloat16, (64, 48)), (torch.float32, (3, 5)), (torch.uint8, (7, 13)),
+              (torch.int32, (16, 32)), (torch.float32, (2, 5)), (torch.float16, (3,))]
+    shapes += [(torch.int32, (i + 1,)) for i in range(12)]
+    srcs = [torch.randn(E, *row, generator=g).mul(100).to(dtype) for dtype, row in shapes]
+    return [s.pin_memory() if pinned_host else s.cuda() for s in srcs]
+
+
+@pytest.mark.parametrize("pinned_host", [True, False])
+def test_many_matches_the_reference_for_every_tensor(ops, pinned_host):
+    if not ops.has_expert_gather_many():
+        pytest.skip("this vllm._C predates expert_gather_many: rebuild it")
+    g = torch.Generator().manual_seed(4)
+    E, N = 11, 6
+    srcs = _layer(g, E, pinned_host)
+    dsts = [torch.full((N, *s.shape[1:]), 7, dtype=s.dtype, device="cuda") for s in srcs]
+    experts, slots, valid = plan(E, N, 4, g, "cuda")
+    before = [d.cpu().clone() for d in dsts]
+    ops.expert_gather_many(srcs, dsts, experts, slots, valid)
+    torch.cuda.synchronize()
+    for src, dst, old in zip(srcs, dsts, before):
+        assert torch.equal(dst.cpu(), reference(src, old, experts, slots, valid))
+
+
+def test_many_is_graph_capturable_without_a_host_sync(ops):
+    if not ops.has_expert_gather_many():
+        pytest.skip("this vllm._C predates expert_gather_many: rebuild it")
+    g = torch.Generator().manual_seed(5)
+    srcs = _layer(g, 8, True)
+    dsts = [torch.zeros(4, *s.shape[1:], dtype=s.dtype, device="cuda") for s in srcs]
+    experts, slots, valid = plan(8, 4, 3, g, "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.expert_gather_many(srcs, dsts, experts, slots, valid)      # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ops.expert_gather_many(srcs, dsts, experts, slots, valid)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for d in dsts:
+        d.zero_()
+    new = plan(8, 4, 4, torch.Generator().manual_seed(6), "cuda")
+    for t, v in zip((experts, slots, valid), new):
+        t.copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    for src, dst in zip(srcs, dsts):
+        assert torch.equal(dst.cpu(), reference(src, torch.zeros_like(dst.cpu()), *new))
+
+
+def test_many_refuses_tensors_that_disagree(ops):
+    if not ops.has_expert_gather_many():
+        pytest.skip("this vllm._C predates expert_gather_many: rebuild it")
+    ids = torch.zeros(2, dtype=torch.long, device="cuda")
+    ok = torch.ones(2, dtype=torch.bool, device="cuda")
+    a, b = torch.zeros(4, 8).pin_memory(), torch.zeros(5, 8).pin_memory()
+    dst = [torch.zeros(2, 8, device="cuda"), torch.zeros(2, 8, device="cuda")]
+    with pytest.raises(RuntimeError, match="tensor 1 has 5 experts"):
+        ops.expert_gather_many([a, b], dst, ids, ids, ok)
+    with pytest.raises(RuntimeError, match="1 srcs but 2 dsts"):
+        ops.expert_gather_many([a], dst, ids, ids, ok)
+    with pytest.raises(RuntimeError, match="host src must be pinned"):
+        ops.expert_gather_many([torch.zeros(4, 8)], dst[:1], ids, ids, ok)

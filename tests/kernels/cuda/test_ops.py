@@ -34,6 +34,7 @@ def _triton_gather():
 def test_without_a_cuda_build_there_are_no_ops(fresh_loader):
     assert ops.load_cuda_ops() is False
     assert platform_for("cuda").expert_copy_kernel() is _triton_gather()
+    assert platform_for("cuda").expert_copy_many_kernel() is None
 
 
 def test_vllm_cuda_ops_0_turns_them_off(fresh_loader, monkeypatch):
@@ -68,6 +69,37 @@ def test_cuda_copy_calls_the_platform_kernel_once_per_tensor(monkeypatch):
     assert [(c[0] is store.tensors[n], c[1] is slots[n]) for c, n in zip(calls, store.tensors)] \
         == [(True, True)] * 2
     assert all(c[2] is plan.experts and c[3] is plan.slots and c[4] is plan.valid for c in calls)
+
+
+def test_cuda_copy_launches_once_for_all_tensors_with_the_many_kernel(monkeypatch):
+    """With ``expert_gather_many`` (a CUDA build) a layer's tensors go in one call, in the
+    store's order, paired with their slots; the one-tensor kernel is not called."""
+    many_calls, one_calls = [], []
+    cuda = type(platform_for("cuda"))
+    monkeypatch.setattr(cuda, "expert_copy_many_kernel",
+                        lambda self: lambda *args: many_calls.append(args))
+    monkeypatch.setattr(cuda, "expert_copy_kernel",
+                        lambda self: lambda *args: one_calls.append(args))
+    store, slots, plan = _store_slots_plan()
+    copy_mod._copy_cuda(store, slots, plan)
+    assert len(many_calls) == 1 and not one_calls
+    srcs, dsts, experts, slot_ids, valid = many_calls[0]
+    assert [s is store.tensors[n] for s, n in zip(srcs, store.tensors)] == [True, True]
+    assert [d is slots[n] for d, n in zip(dsts, store.tensors)] == [True, True]
+    assert experts is plan.experts and slot_ids is plan.slots and valid is plan.valid
+
+
+def test_a_registered_copy_kernel_takes_precedence_over_the_many_kernel(monkeypatch):
+    many_calls, registered = [], []
+    monkeypatch.setattr(type(platform_for("cuda")), "expert_copy_many_kernel",
+                        lambda self: lambda *args: many_calls.append(args))
+    copy_mod.register_cuda_copy_kernel(lambda *args: registered.append(args))
+    try:
+        store, slots, plan = _store_slots_plan()
+        copy_mod._copy_cuda(store, slots, plan)
+    finally:
+        copy_mod.register_cuda_copy_kernel(None)
+    assert len(registered) == 2 and not many_calls
 
 
 def test_cuda_copy_without_a_kernel_falls_back_to_torch(monkeypatch):

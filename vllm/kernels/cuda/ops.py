@@ -55,6 +55,20 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
     torch.ops._C.expert_gather(src, dst, experts, slots, valid)
 
 
+def expert_gather_many(srcs: list[torch.Tensor], dsts: list[torch.Tensor],
+                       experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
+    """``expert_gather`` for every (srcs[t], dsts[t]) of a layer in one launch (16 tensors per
+    launch, at most): its weights, scales, zeros... Every src has the same experts, every dst
+    the same slots on one device; otherwise the same contract."""
+    torch.ops._C.expert_gather_many(list(srcs), list(dsts), experts, slots, valid)
+
+
+def has_expert_gather_many() -> bool:
+    """Whether ``vllm._C`` has ``expert_gather_many`` (builds before it have only the
+    one-tensor op)."""
+    return load_cuda_ops() and hasattr(torch.ops._C, "expert_gather_many")
+
+
 def has_empty_pinned() -> bool:
     """Whether ``vllm._C`` has the exact-size pinned allocator (``empty_pinned``)."""
     return load_cuda_ops() and hasattr(torch.ops._C, "empty_pinned")

@@ -12,12 +12,15 @@ Paths, chosen once per provider from the slots' device (``select_copy``):
     sync, traceable with ``torch.compile(fullgraph=True)`` given
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True`` (nonzero's length is data
     dependent).
-  * CUDA slots with a pinned store (``CudaKernelCopy``): one launch per tensor reading the
-    pinned store in place, no host sync. The kernel is one installed with
-    ``register_cuda_copy_kernel``, else ``Platform.expert_copy_kernel``: ``vllm._C``'s
-    ``expert_gather`` where a CUDA build made it, else the Triton gather
-    (``vllm/kernels/triton/expert_gather.py``: needs only the ``triton`` package). NOT YET RUN
-    ON A GPU: the ``gpu`` tests of tests/kernels/cuda/test_expert_gather.py and
+  * CUDA slots with a pinned store (``CudaKernelCopy``): kernels reading the pinned store in
+    place, no host sync: one launch for all the layer's tensors with
+    ``Platform.expert_copy_many_kernel`` (``vllm._C``'s ``expert_gather_many``), else one per
+    tensor with a kernel installed with ``register_cuda_copy_kernel`` (it takes precedence), or
+    ``Platform.expert_copy_kernel``: ``vllm._C``'s ``expert_gather``, else the Triton gather
+    (``vllm/kernels/triton/expert_gather.py``: needs only the ``triton`` package). A decode
+    step that hits everywhere still launches the copy (its blocks exit on invalid entries):
+    with GPTQ's eight tensors per layer that is one launch instead of eight. NOT YET RUN ON A
+    GPU: the ``gpu`` tests of tests/kernels/cuda/test_expert_gather.py and
     tests/kernels/triton/test_triton_expert_gather.py check them.
   * otherwise (CUDA without a kernel, i.e. neither vllm._C nor triton; an unpinned store; other
     accelerators): a plain torch fallback that reads the plan on the host (ONE sync per wave)
@@ -124,7 +127,13 @@ def select_copy(store: HostStore, device: torch.device) -> CopyMisses:
 
 
 def _copy_cuda(store: HostStore, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
-    kernel = _cuda_copy_kernel or platform_for("cuda").expert_copy_kernel()
+    platform = platform_for("cuda")
+    many = None if _cuda_copy_kernel is not None else platform.expert_copy_many_kernel()
+    if many is not None:         # one launch for all the layer's tensors, hit or miss
+        many(list(store.tensors.values()), [slots[name] for name in store.tensors],
+             plan.experts, plan.slots, plan.valid)
+        return
+    kernel = _cuda_copy_kernel or platform.expert_copy_kernel()
     if kernel is None:
         _copy_torch_fallback(store, slots, plan, non_blocking=True)
         return
