@@ -135,6 +135,19 @@ def test_work_list_from_host_lists_and_from_the_device():
     assert torch.equal(again.seq, skipped.seq) and torch.equal(again.start, skipped.start)
 
 
+def test_work_list_moves_through_the_given_upload():
+    """The attention layer passes its platform's upload (which pins only where the platform
+    allows: not under WSL); the work list goes through it in one call."""
+    calls = []
+
+    def upload(t, device):
+        calls.append((t.tolist(), device))
+        return t.to(device)
+    tiles = pp.query_tiles([1, 0, 5, 3], 2, DEVICE, upload=upload)
+    assert calls == [([[0, 2, 2, 2, 3, 3], [0, 1, 3, 5, 6, 8]], torch.device(DEVICE))]
+    assert tiles.seq.tolist() == [0, 2, 2, 2, 3, 3]
+
+
 def test_given_work_list_and_empty_sequences():
     """A precomputed work list is used as given (same bits as the one built from the device, and
     in reverse order: a tile writes its own tokens only, not the padded rows' next tokens), a

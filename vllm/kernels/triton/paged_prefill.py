@@ -51,7 +51,7 @@ registry refuses it on SM120). SM90 16-bit tiles of 64+ rows lower to wgmma, SM1
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -73,10 +73,13 @@ class QueryTiles(NamedTuple):
 
 
 def query_tiles(query_lens: list[int], tile_m: int, device: torch.device | str,
-                skip: int = 0) -> QueryTiles:
+                skip: int = 0, upload: Callable[[torch.Tensor, torch.device], torch.Tensor]
+                | None = None) -> QueryTiles:
     """Tiles of up to ``tile_m`` consecutive query tokens of one sequence, from the host list of
     query lengths per sequence (tokens of a sequence contiguous, in sequence order, the first
-    at token 0); the first ``skip`` sequences (decodes run elsewhere) get none."""
+    at token 0); the first ``skip`` sequences (decodes run elsewhere) get none. ``upload``
+    moves the host work list to ``device`` (the platform's ``Platform.upload``, which knows
+    where pinning is allowed: not under WSL); default ``_upload``, which pins for any GPU."""
     if tile_m < 1:
         raise ValueError(f"triton paged_prefill: tile_m={tile_m} must be >= 1")
     seq: list[int] = []
@@ -87,15 +90,15 @@ def query_tiles(query_lens: list[int], tile_m: int, device: torch.device | str,
         seq += [b] * len(tiles)
         start += tiles
         first += n
-    both = _upload([seq, start], device)                            # [2, n_tiles], one copy
+    both = (upload or _upload)(torch.tensor([seq, start], dtype=torch.int64),
+                               torch.device(device))                 # [2, n_tiles], one copy
     return QueryTiles(both[0], both[1], tile_m)
 
 
-def _upload(values: list[list[int]], device: torch.device | str) -> torch.Tensor:
-    """int64 on ``device``; to a GPU through pinned memory without blocking (a plain copy of a
-    host list would drain the stream in the middle of the step's layers)."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host ``t`` on ``device``; to a GPU through pinned memory without blocking (a plain copy
+    of a host list would drain the stream in the middle of the step's layers)."""
+    if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

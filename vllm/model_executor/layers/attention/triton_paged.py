@@ -18,7 +18,7 @@ import torch
 
 from vllm.model_executor.forward_context import AttentionMetadata
 from vllm.model_executor.layers.attention.interface import AttentionImpl, AttentionOptions
-from vllm.platforms import Platform
+from vllm.platforms import Platform, platform_for
 
 
 def shared_memory_refusal(dtype: torch.dtype, head_dim: int, sm: int) -> str | None:
@@ -65,8 +65,9 @@ class TritonPagedAttention(AttentionImpl):
         if not decode_only:  # the tiled kernel's work list (decodes run apart), once per step
             tile_m = self._prefill.prefill_tile_m(q.shape[2], q.shape[1] // kv_cache.shape[3],
                                                   kv_cache.dtype, q.device)
+            dev = md.query_start_loc.device
             tiles = md.per_step(("triton_query_tiles", tile_m), lambda: self._prefill.query_tiles(
-                md.query_lens_cpu, tile_m, md.query_start_loc.device, skip=nd))
+                md.query_lens_cpu, tile_m, dev, skip=nd, upload=platform_for(dev).upload))
         return self._ops.paged_attention(
             q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, self.scale,
             decode_only=decode_only, window=self.options.sliding_window, sinks=sinks,
