@@ -20,15 +20,15 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kChunkBytes = 64 * 1024;
 
-template <typename T>
-__global__ void expert_gather_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                                     const int64_t* __restrict__ experts,
-                                     const int64_t* __restrict__ slots,
-                                     const bool* __restrict__ valid, int64_t num_experts,
-                                     int64_t num_slots, int64_t row_bytes) {
+// This block's plan entry (blockIdx.y): false where it is not valid (its ids unread); else its
+// expert e and slot s. Out-of-range ids (the residency code never makes one) trap.
+__device__ bool plan_entry(const int64_t* __restrict__ experts, const int64_t* __restrict__ slots,
+                           const bool* __restrict__ valid, int64_t num_experts,
+                           int64_t num_slots, int64_t& e, int64_t& s) {
   const int64_t i = blockIdx.y;
-  if (!valid[i]) return;
-  const int64_t e = experts[i], s = slots[i];
+  if (!valid[i]) return false;
+  e = experts[i];
+  s = slots[i];
   if (e < 0 || e >= num_experts || s < 0 || s >= num_slots) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
       printf("expert_gather: entry %lld has expert %lld (of %lld), slot %lld (of %lld)\n",
@@ -36,6 +36,17 @@ __global__ void expert_gather_kernel(const char* __restrict__ src, char* __restr
              (long long)num_slots);
     __trap();
   }
+  return true;
+}
+
+template <typename T>
+__global__ void expert_gather_kernel(const char* __restrict__ src, char* __restrict__ dst,
+                                     const int64_t* __restrict__ experts,
+                                     const int64_t* __restrict__ slots,
+                                     const bool* __restrict__ valid, int64_t num_experts,
+                                     int64_t num_slots, int64_t row_bytes) {
+  int64_t e, s;
+  if (!plan_entry(experts, slots, valid, num_experts, num_slots, e, s)) return;
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunkBytes;
   const int64_t end = begin + kChunkBytes < row_bytes ? begin + kChunkBytes : row_bytes;
   const T* from = reinterpret_cast<const T*>(src + e * row_bytes + begin);
@@ -69,16 +80,8 @@ __global__ void expert_gather_many_kernel(const GatherBatch batch,
                                           const int64_t* __restrict__ slots,
                                           const bool* __restrict__ valid, int64_t num_experts,
                                           int64_t num_slots) {
-  const int64_t i = blockIdx.y;
-  if (!valid[i]) return;
-  const int64_t e = experts[i], s = slots[i];
-  if (e < 0 || e >= num_experts || s < 0 || s >= num_slots) {
-    if (threadIdx.x == 0 && blockIdx.x == 0)
-      printf("expert_gather_many: entry %lld has expert %lld (of %lld), slot %lld (of %lld)\n",
-             (long long)i, (long long)e, (long long)num_experts, (long long)s,
-             (long long)num_slots);
-    __trap();
-  }
+  int64_t e, s;
+  if (!plan_entry(experts, slots, valid, num_experts, num_slots, e, s)) return;
   const int64_t c = blockIdx.x;
   int t = 0;  // the tensor whose row holds chunk c (block-uniform)
   while (t + 1 < batch.count && c >= batch.first_chunk[t + 1]) ++t;
