@@ -70,7 +70,7 @@ def rehearsal(monkeypatch):
 def _run(path, **kw):
     llm = LLM(path, device="cpu", max_num_seqs=4, cuda_graph_sizes=[1, 2, 4], **kw)
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [250, 7], [11] * 9)]
-    params = [SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True) for i in range(3)]
+    params = [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(3)]
     outs = llm.generate(prompts, params)
     return [o.outputs[0].token_ids for o in outs], llm.llm_engine.runner
 
