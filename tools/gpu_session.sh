@@ -92,7 +92,8 @@ triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$SUMMARY"
     grep -E "CUDA architectures|W4A16 grouped GEMM|error:|Error" "$LOGS/build.log" | tail -n 20 \
         | tee -a "$SUMMARY"
     python3 -c "import torch, vllm._C; print('vllm._C:', {n: hasattr(torch.ops._C, n)
-for n in ('expert_gather', 'empty_pinned', 'w4a16_moe_mm')})" 2>&1 | tail -n 1 | tee -a "$SUMMARY"
+for n in ('expert_gather', 'expert_gather_many', 'empty_pinned', 'w4a16_moe_mm')})" 2>&1 \
+        | tail -n 1 | tee -a "$SUMMARY"
     pack
 }
 
