@@ -67,3 +67,33 @@ def test_row_offsets_are_64_bit(compiled, cc):
         if name.startswith(f"{cc}/"):
             assert re.search(r"\b(mul|mad)\.lo\.s64\b", k["ptx"]), name
             assert not re.search(r"\b(mul|mad)\.lo\.[su]32\b", k["ptx"]), name
+
+
+# expert_gather_many's kernel (vllm/kernels/triton/expert_gather_many.py), as the JIT
+# specializes a launch of 18 tensors (T = 18), per word type.
+MANY_SCRIPT = r"""
+import triton.language as tl
+from vllm.kernels.triton import expert_gather as g, expert_gather_many as m
+values = dict(table_ptr="*i64", experts_ptr="*i64", slots_ptr="*i64", valid_ptr="*u8", E=64,
+              N=16, T=18)
+for cc in (90, 120):
+    for name, word in (("i64", tl.int64), ("u8", tl.uint8)):
+        consts = dict(WORD=word, BLOCK=g.BLOCK, ITERS=g.ITERS)
+        out[f"{cc}/{name}"] = compile_like_jit(m._expert_gather_many_kernel, values, consts, cc,
+                                               g.LAUNCH_OPTIONS)
+"""
+
+
+@pytest.fixture(scope="module")
+def many():
+    return compile_in_subprocess(MANY_SCRIPT)
+
+
+@pytest.mark.parametrize("cc", [90, 120])
+def test_the_many_kernel_compiles_without_spills(many, cc):
+    """Its tensors' addresses come from a device table (int64 cast to pointers): it compiles
+    for both targets with 64-bit row offsets and no spilled registers."""
+    for word in ("i64", "u8"):
+        k = many[f"{cc}/{word}"]
+        assert f".target sm_{cc}a" in k["ptx"] and k["stack"] == 0, (word, k["stack"])
+        assert re.search(r"\b(mul|mad)\.lo\.s64\b", k["ptx"]), word

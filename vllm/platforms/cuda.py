@@ -60,6 +60,17 @@ def _triton_expert_gather() -> Callable[..., None] | None:
 
 
 @functools.cache
+def _triton_expert_gather_many() -> Callable[..., None] | None:
+    """The Triton twin of ``expert_gather_many``, or None where triton is not installed (the
+    one-tensor path above then says why)."""
+    try:
+        from vllm.kernels.triton.expert_gather_many import expert_gather_many
+    except ImportError:
+        return None
+    return expert_gather_many
+
+
+@functools.cache
 def _triton_elementwise_ops() -> ElementwiseOps | None:
     """The Triton RMSNorm / gated activations / rotary, or None (with one warning naming the
     package) where triton is not installed: the layers then run their torch ops."""
@@ -159,7 +170,10 @@ class CudaPlatform(Platform):
         return cuda_ops.expert_gather if cuda_ops.load_cuda_ops() else _triton_expert_gather()
 
     def expert_copy_many_kernel(self) -> Callable[..., None] | None:
-        return cuda_ops.expert_gather_many if cuda_ops.has_expert_gather_many() else None
+        if cuda_ops.has_expert_gather_many():
+            return cuda_ops.expert_gather_many
+        # An older vllm._C without it keeps its one-tensor op (the gather it was tested with).
+        return None if cuda_ops.load_cuda_ops() else _triton_expert_gather_many()
 
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return _triton_residency_step()

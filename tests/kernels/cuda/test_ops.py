@@ -34,7 +34,12 @@ def _triton_gather():
 def test_without_a_cuda_build_there_are_no_ops(fresh_loader):
     assert ops.load_cuda_ops() is False
     assert platform_for("cuda").expert_copy_kernel() is _triton_gather()
-    assert platform_for("cuda").expert_copy_many_kernel() is None
+    many = platform_for("cuda").expert_copy_many_kernel()
+    if importlib.util.find_spec("triton") is None:
+        assert many is None
+    else:
+        from vllm.kernels.triton.expert_gather_many import expert_gather_many
+        assert many is expert_gather_many
 
 
 def test_vllm_cuda_ops_0_turns_them_off(fresh_loader, monkeypatch):
@@ -64,6 +69,7 @@ def test_cuda_copy_calls_the_platform_kernel_once_per_tensor(monkeypatch):
     def fake(src, dst, experts, slots, valid):
         calls.append((src, dst, experts, slots, valid))
     monkeypatch.setattr(type(platform_for("cuda")), "expert_copy_kernel", lambda self: fake)
+    monkeypatch.setattr(type(platform_for("cuda")), "expert_copy_many_kernel", lambda self: None)
     store, slots, plan = _store_slots_plan()
     copy_mod._copy_cuda(store, slots, plan)
     assert [(c[0] is store.tensors[n], c[1] is slots[n]) for c, n in zip(calls, store.tensors)] \
@@ -104,6 +110,7 @@ def test_a_registered_copy_kernel_takes_precedence_over_the_many_kernel(monkeypa
 
 def test_cuda_copy_without_a_kernel_falls_back_to_torch(monkeypatch):
     monkeypatch.setattr(type(platform_for("cuda")), "expert_copy_kernel", lambda self: None)
+    monkeypatch.setattr(type(platform_for("cuda")), "expert_copy_many_kernel", lambda self: None)
     store, slots, plan = _store_slots_plan()
     copy_mod._copy_cuda(store, slots, plan)
     assert torch.equal(slots["w13_weight"][1], store.tensors["w13_weight"][3])

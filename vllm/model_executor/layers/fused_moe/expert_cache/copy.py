@@ -14,10 +14,11 @@ Paths, chosen once per provider from the slots' device (``select_copy``):
     dependent).
   * CUDA slots with a pinned store (``CudaKernelCopy``): kernels reading the pinned store in
     place, no host sync: one launch for all the layer's tensors with
-    ``Platform.expert_copy_many_kernel`` (``vllm._C``'s ``expert_gather_many``), else one per
-    tensor with a kernel installed with ``register_cuda_copy_kernel`` (it takes precedence), or
-    ``Platform.expert_copy_kernel``: ``vllm._C``'s ``expert_gather``, else the Triton gather
-    (``vllm/kernels/triton/expert_gather.py``: needs only the ``triton`` package). A decode
+    ``Platform.expert_copy_many_kernel`` (``vllm._C``'s ``expert_gather_many``, else its Triton
+    twin ``vllm/kernels/triton/expert_gather_many.py``), else one per tensor with a kernel
+    installed with ``register_cuda_copy_kernel`` (it takes precedence), or
+    ``Platform.expert_copy_kernel``: ``vllm._C``'s ``expert_gather`` (an older build without
+    the many op), else the Triton gather (``vllm/kernels/triton/expert_gather.py``). A decode
     step that hits everywhere still launches the copy (its blocks exit on invalid entries):
     with GPTQ's eight tensors per layer that is one launch instead of eight. NOT YET RUN ON A
     GPU: the ``gpu`` tests of tests/kernels/cuda/test_expert_gather.py and
