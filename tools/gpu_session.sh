@@ -105,6 +105,7 @@ PYTEST=(python3 -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-
 # exactness), the rest after.
 GPU_KEY=(tests/kernels/triton/test_residency_step.py
          tests/kernels/triton/test_triton_expert_gather.py
+         tests/kernels/triton/test_triton_expert_gather_many.py
          tests/kernels/cuda/test_expert_gather.py tests/worker/test_cuda_graphs.py
          tests/model_executor/layers/fused_moe/expert_cache/test_overlap.py
          tests/engine/test_gpu_exactness.py)
