@@ -148,29 +148,14 @@ def test_many_matches_the_reference_for_every_tensor(ops, pinned_host):
 
 
 def test_many_is_graph_capturable_without_a_host_sync(ops):
+    from gather_replay import check_graph_replay
     if not ops.has_expert_gather_many():
         pytest.skip("this vllm._C predates expert_gather_many: rebuild it")
     g = torch.Generator().manual_seed(5)
     srcs = _layer(g, 8, True)
     dsts = [torch.zeros(4, *s.shape[1:], dtype=s.dtype, device="cuda") for s in srcs]
-    experts, slots, valid = plan(8, 4, 3, g, "cuda")
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        ops.expert_gather_many(srcs, dsts, experts, slots, valid)      # warm-up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            ops.expert_gather_many(srcs, dsts, experts, slots, valid)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for d in dsts:
-        d.zero_()
-    new = plan(8, 4, 4, torch.Generator().manual_seed(6), "cuda")
-    for t, v in zip((experts, slots, valid), new):
-        t.copy_(v)
-    graph.replay()
-    torch.cuda.synchronize()
-    for src, dst in zip(srcs, dsts):
-        assert torch.equal(dst.cpu(), reference(src, torch.zeros_like(dst.cpu()), *new))
+    check_graph_replay(ops.expert_gather_many, srcs, dsts, plan(8, 4, 3, g, "cuda"),
+                       plan(8, 4, 4, torch.Generator().manual_seed(6), "cuda"), reference)
 
 
 def test_many_refuses_tensors_that_disagree(ops):

@@ -90,20 +90,9 @@ def test_bad_arguments_name_the_problem(egm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_graph_replays_the_copy_with_new_plans(egm):
+    from gather_replay import check_graph_replay
     g = torch.Generator().manual_seed(2)
     srcs = [s.pin_memory() for s in layer(8, g)]
     dsts = [torch.zeros(4, *s.shape[1:], dtype=s.dtype, device="cuda") for s in srcs]
-    experts, slots, valid = plan(4, 8, 4, g, "cuda")
-    egm.expert_gather_many(srcs, dsts, experts, slots, valid)      # warm-up: makes the tables
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        egm.expert_gather_many(srcs, dsts, experts, slots, valid)
-    for d in dsts:
-        d.zero_()
-    new = plan(4, 8, 4, torch.Generator().manual_seed(3), "cuda")
-    for t, v in zip((experts, slots, valid), new):
-        t.copy_(v)
-    graph.replay()
-    torch.cuda.synchronize()
-    for src, dst in zip(srcs, dsts):
-        assert torch.equal(dst.cpu(), reference(src, torch.zeros_like(dst.cpu()), *new))
+    check_graph_replay(egm.expert_gather_many, srcs, dsts, plan(4, 8, 4, g, "cuda"),
+                       plan(4, 8, 4, torch.Generator().manual_seed(3), "cuda"), reference)
