@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton.fused_moe import _pair_block, _pair_rows, _store_pairs
-from vllm.kernels.triton.fused_moe_quant import _block_k, _check_inputs, dequant_warps, run_pairs
+from vllm.kernels.triton.fused_moe_quant import (_block_k, _check_inputs, dequant_warps,
+                                                 load_packed_codes, run_pairs)
 
 FP4_GROUPS = {"nvfp4": 16, "mxfp4": 32}
 """Fp4Projection.kind -> inputs per scale byte (the GEMM's GROUP constexpr)."""
@@ -96,14 +97,9 @@ def _fp4_tile(q_ptr, s_ptr, gs_ptr, e, k0, offs_n, n_ok, K, half_rows, stride_qe
               BLOCK_N: tl.constexpr):
     """fp32 [BLOCK_K, BLOCK_N] tile of W[e]^T, input columns k0.. and output rows offs_n (int64);
     e int64. GROUP divides BLOCK_K and K, so the tile holds whole scale groups."""
-    # Each byte once ([BLOCK_K / 2, BLOCK_N]), its two codes split in registers: row 2 w + j
-    # of the tile is nibble j of byte row w (k0 is a multiple of BLOCK_K, itself even).
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(q_ptr + e * stride_qe + offs_n[None, :] * stride_qn
-                   + offs_b[:, None] * stride_qk,
-                   mask=(offs_b < K // 2)[:, None] & n_ok[None, :], other=0).to(tl.int32)
-    codes = (byte[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
-    vals = _e2m1_to_f32(tl.reshape(codes, (BLOCK_K, BLOCK_N)))        # [BLOCK_K, BLOCK_N]
+    codes = load_packed_codes(q_ptr, e, k0, offs_n, n_ok, K, stride_qe, stride_qn, stride_qk,
+                              2, BLOCK_K, BLOCK_N)                    # two codes per byte
+    vals = _e2m1_to_f32(codes)                                        # [BLOCK_K, BLOCK_N]
     GPT: tl.constexpr = BLOCK_K // GROUP                                # scale groups per tile
     offs_g = k0 // GROUP + tl.arange(0, GPT)
     sb = tl.load(s_ptr + e * stride_se + offs_n[None, :] * stride_sn

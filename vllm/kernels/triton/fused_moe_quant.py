@@ -99,6 +99,22 @@ def _fp8_tile(q_ptr, s_ptr, e, k0, offs_n, n_ok, K, half_rows, rows_per_half, bl
 
 
 @triton.jit
+def load_packed_codes(q_ptr, e, k0, offs_n, n_ok, K, stride_qe, stride_qn, stride_qk,
+                      PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int32 [BLOCK_K, BLOCK_N] 4-bit codes of input columns k0.. and output rows offs_n of
+    W[e], packed PER to a word along the input (code j at bits [4 j, 4 j + 4)): each word
+    loaded once ([BLOCK_K / PER, BLOCK_N]) and split in registers, so row PER w + j of the tile
+    is code j of word row w (k0 is a multiple of BLOCK_K, itself of PER). A word loaded once
+    per code put the INT4 and NVFP4 GEMMs at 255 registers with spills on SM90."""
+    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    words = tl.load(q_ptr + e * stride_qe + offs_n[None, :] * stride_qn
+                    + offs_w[:, None] * stride_qk,
+                    mask=(offs_w < K // PER)[:, None] & n_ok[None, :], other=0).to(tl.int32)
+    codes = (words[:, None, :] >> (tl.arange(0, PER) * 4)[None, :, None]) & 0xF
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows, zero_offset,
                group_size, stride_qe, stride_qn, stride_qk, stride_se, stride_sn, stride_sg,
                stride_ze, stride_zn, stride_zg, stride_ge, stride_gh, stride_gk,
@@ -108,14 +124,8 @@ def _int4_tile(q_ptr, s_ptr, z_ptr, g_ptr, e, k0, offs_n, n_ok, K, half_rows, ze
     g_idx has one row (w2), so both group loads stay in bounds. GROUP_PER_TILE: g_idx is
     c // group_size and the tile's columns lie in group k0 // group_size (no g_idx read, one
     scale and zero per row)."""
-    # Each word once ([BLOCK_K / 8, BLOCK_N]), its 8 nibbles split in registers: row 8 w + j
-    # of the tile is nibble j of word row w (k0 is a multiple of BLOCK_K, itself of 8).
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(q_ptr + e * stride_qe + offs_n[None, :] * stride_qn
-                    + offs_w[:, None] * stride_qk,
-                    mask=(offs_w < K // 8)[:, None] & n_ok[None, :], other=0)
-    nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-    q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))                      # [BLOCK_K, BLOCK_N]
+    q = load_packed_codes(q_ptr, e, k0, offs_n, n_ok, K, stride_qe, stride_qn, stride_qk, 8,
+                          BLOCK_K, BLOCK_N)                          # [BLOCK_K, BLOCK_N]
     if GROUP_PER_TILE:
         grp1 = k0 // group_size
         s1 = tl.load(s_ptr + e * stride_se + offs_n * stride_sn + grp1 * stride_sg, mask=n_ok,
