@@ -84,9 +84,11 @@ class SamplingMetadata:
         nothing in it that changes from step to step (penalties read the output tokens;
         min_tokens masks change as outputs grow, and once a batch has none it never gets one
         back)."""
-        if self.output_token_ids is not None or self.min_tokens_rows is not None:
-            return False
-        return self._same_rows([s for s in seqs if s.do_sample])
+        return not self._changes_each_step and self._same_rows([s for s in seqs if s.do_sample])
+
+    @property
+    def _changes_each_step(self) -> bool:
+        return self.output_token_ids is not None or self.min_tokens_rows is not None
 
     def _same_rows(self, rows: list[ScheduledSequence]) -> bool:
         """The same requests in the same order, each decoding (a request id reused by a new
@@ -106,10 +108,10 @@ class SamplingMetadata:
         a row's padding may now sit before its last token, which counts ignore) and the
         min_tokens pairs recomputed on the host."""
         rows = [s for s in seqs if s.do_sample]
-        if self.reusable_for(rows):
-            return self
         if not self._same_rows(rows):
             return None
+        if not self._changes_each_step:
+            return self                              # reusable_for
         lens = [len(s.output_token_ids) for s in rows]
         outputs = self.output_token_ids
         if outputs is not None:

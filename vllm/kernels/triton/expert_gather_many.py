@@ -19,6 +19,7 @@ one ``expert_gather`` launch per tensor.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -61,17 +62,15 @@ def _expert_gather_many_kernel(table_ptr, experts_ptr, slots_ptr, valid_ptr, E, 
                 tl.store(dst + w, tl.load(src + w, mask=inb), mask=inb)
 
 
-def _table(rows: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor | None:
-    """The [T, 4] table of (src address, dst address, words) rows on ``device``, made once;
-    None where it is missing and the current stream is capturing."""
+def _table(rows: list[tuple[int, int, int]], first: list[int],
+           device: torch.device) -> torch.Tensor | None:
+    """The [T, 4] table of (src address, dst address, words, first chunk) rows on ``device``,
+    made once; None where it is missing and the current stream is capturing."""
     key = (str(device), tuple(rows))
     table = _TABLES.get(key)
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        first = [0]
-        for _, _, words in rows:
-            first.append(first[-1] + triton.cdiv(words, BLOCK * ITERS))
         table = torch.tensor([[*r, f] for r, f in zip(rows, first)], dtype=torch.int64)
         _TABLES[key] = table = table.to(device)
     return table
@@ -114,12 +113,13 @@ def _launch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], size: int,
     """One launch for tensors whose rows and bases all divide into ``size``-byte words."""
     rows = [(s.data_ptr(), d.data_ptr(), math.prod(s.shape[1:]) * s.element_size() // size)
             for s, d in zip(srcs, dsts)]
-    table = _table(rows, dsts[0].device)
+    first = list(itertools.accumulate((triton.cdiv(words, BLOCK * ITERS) for *_, words in rows),
+                                      initial=0))     # [T + 1] chunk offsets
+    table = _table(rows, first, dsts[0].device)
     if table is None:                          # capturing, no table yet: per-tensor launches
         for src, dst in zip(srcs, dsts):
             expert_gather(src, dst, experts, slots, valid)
         return
-    chunks = sum(triton.cdiv(words, BLOCK * ITERS) for _, _, words in rows)
-    _expert_gather_many_kernel[(chunks, n)](
+    _expert_gather_many_kernel[(first[-1], n)](
         table, experts, slots, valid.view(torch.uint8), srcs[0].shape[0], dsts[0].shape[0],
         len(rows), WORD=_WORD_TYPES[size], BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)
