@@ -70,6 +70,64 @@ def compile_like_jit(fn, values, consts, cc, options):
     return {"ptx": k.asm["ptx"], "shared": k.metadata.shared, **resource_usage(k.asm["cubin"])}
 
 
+def compile_with_spills(fn, values, consts, cc, options):
+    # compile_like_jit's result plus "spills": the bytes of spill stores per thread in ptxas's
+    # log (the cubin's stack also holds local arrays, e.g. libdevice's sin/cos reduction). The
+    # kernel is compiled even when cached, so that ptxas runs and logs.
+    import contextlib, io, re
+    knobs = triton.knobs
+    saved = knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log
+    knobs.compilation.always_compile = knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            k = compile_like_jit(fn, values, consts, cc, options)
+    finally:
+        knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = saved
+    stores = re.findall(r"(\d+) bytes spill stores", log.getvalue())
+    assert stores, "ptxas logged no spill stores line"
+    return dict(k, spills=int(stores[-1]))
+
+
+def capture_launches(kernels, call):
+    # Runs call() with each (module, name) kernel of kernels replaced by a recorder, so that a
+    # launcher runs (on "meta" tensors: no data, no device) and its launches are kept, not run.
+    # Returns [(name, values, consts, options)] in launch order, as compile_like_jit takes them:
+    # a tensor becomes its pointer type ("*bf16"), options are the launch's other keywords.
+    from triton.backends.compiler import BaseBackend
+    from triton._C.libtriton import native_specialize_impl
+    launches, saved = [], {(mod, n): getattr(mod, n) for mod, n in kernels}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, args, kw))
+    for mod, n in kernels:
+        setattr(mod, n, Recorder(n))
+    try:
+        call()
+    finally:
+        for (mod, n), fn in saved.items():
+            setattr(mod, n, fn)
+    fns, out = {n: fn for (_, n), fn in saved.items()}, []
+    for name, args, kw in launches:
+        fn = fns[name]
+        given = {**dict(zip(fn.arg_names, args)), **kw}
+        values, consts = {}, {}
+        for p in fn.params:
+            v = given.get(p.name, p.default)
+            if p.is_constexpr:
+                consts[p.name] = v
+            else:
+                values[p.name] = native_specialize_impl(BaseBackend, v, False, True, True)[0] \
+                    if hasattr(v, "data_ptr") else v
+        options = {k: v for k, v in kw.items() if k not in fn.arg_names}
+        out.append((name, values, consts, options))
+    return out
+
+
 def resource_usage(cubin):
     # Registers and stack bytes (register spills) per thread, from the cubin (Triton's cuobjdump).
     import re, subprocess, tempfile

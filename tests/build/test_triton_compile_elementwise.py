@@ -1,10 +1,14 @@
 """The Triton elementwise kernels (``vllm/kernels/triton/elementwise.py``) compile for each CI
 architecture (SM90, SM120) without a GPU, in every dtype, and their PTX keeps the precision the
 module promises: precise sin/cos in rotary (no ``sin.approx`` / ``cos.approx``), IEEE sqrt and
-division in RMSNorm, round-to-nearest float32 -> bf16/fp16 casts. Compiling is not running: the
-results are checked on a GPU by the ``gpu`` tests of tests/kernels/triton/test_elementwise.py."""
+division in RMSNorm, round-to-nearest float32 -> bf16/fp16 casts. Each kernel is compiled as
+Triton's JIT specializes the launch its wrapper makes (tests/triton_compile.py
+``capture_launches``, ``compile_like_jit``) at the probe model's shapes: hidden 2048, 32 query
+and 4 kv heads of head_dim 128, an MLP of 768. Compiling is not running: the results are
+checked on a GPU by the ``gpu`` tests of tests/kernels/triton/test_elementwise.py."""
 from __future__ import annotations
 
+import re
 
 import pytest
 from triton_compile import compile_in_subprocess
@@ -12,40 +16,49 @@ from triton_compile import compile_in_subprocess
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = pytest.mark.triton
 
-# The body of a script run by compile_in_subprocess (tests/triton_compile.py).
+# The body of a script run by compile_in_subprocess (tests/triton_compile.py): each wrapper
+# called on meta tensors of T = 16 tokens, its one launch compiled.
 SCRIPT = r"""
+import torch
 from vllm.kernels.triton import elementwise as m
 
-FLOATS = {"eps": "fp32", "scaling": "fp32"}
-INTS = {"N", "x_stride", "g_stride", "u_stride", "q_stride", "k_stride", "HQ", "HK"}
+T = 16
+DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-def compile_one(fn, dtype, consts, cc, ptr_types=None):
-    ptr_types = ptr_types or {}
-    def arg_type(a):
-        if a in consts:
-            return "constexpr"
-        if a in FLOATS:
-            return FLOATS[a]
-        if a in INTS:
-            return "i32"
-        return ptr_types.get(a, "*" + dtype)
-    sig = {a: arg_type(a) for a in fn.arg_names}
-    return compile_kernel(fn, sig, consts, cc, m.LAUNCH_OPTIONS)
+def empty(*shape, dtype):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+def compile_call(kernel, call, cc):
+    ((_, values, consts, options),) = capture_launches([(m, kernel)], call)
+    return compile_with_spills(getattr(m, kernel), values, consts, cc, options)
+
+def rms(H, rows, dt, cc):          # rows of H: the hidden state, or q / k heads (q_norm)
+    x, w = empty(rows, H, dtype=DT[dt]), empty(H, dtype=DT[dt])
+    return compile_call("_rms_norm_kernel", lambda: m.rms_norm(x, w, 1e-6), cc)
+
+def rope(hq, hk, head_dim, rotary_dim, dt, pos, cc):
+    positions = empty(T, dtype=pos)
+    q, k = empty(T, hq * head_dim, dtype=DT[dt]), empty(T, hk * head_dim, dtype=DT[dt])
+    inv = empty(rotary_dim // 2, dtype=torch.float32)
+    return compile_call("_rotary_kernel", lambda: m.rotary_embedding(
+        positions, q, k, inv, 1.0, head_dim, rotary_dim), cc)
+
+def act(name, N, cc):
+    gate, up = empty(T, N, dtype=torch.bfloat16), empty(T, N, dtype=torch.bfloat16)
+    return compile_call("_act_and_mul_kernel", lambda: m.act_and_mul(gate, up, name), cc)
 
 for cc in (90, 120):
     for dt in ("fp32", "fp16", "bf16"):
-        out[f"{cc}/rms/{dt}"] = compile_one(m._rms_norm_kernel, dt, {"BLOCK": 1024}, cc)
-        out[f"{cc}/rope/{dt}"] = compile_one(
-            m._rotary_kernel, dt, dict(D=80, HALF=20, BLOCK_HALF=32, PASS=40, BLOCK_PASS=64,
-                                       HB=32), cc,
-            {"pos_ptr": "*i64", "inv_ptr": "*fp32"})
-    out[f"{cc}/rms/N=1"] = compile_one(m._rms_norm_kernel, "fp32", {"N": 1, "BLOCK": 1}, cc)
-    out[f"{cc}/rope/full"] = compile_one(
-        m._rotary_kernel, "fp16", dict(D=128, HALF=64, BLOCK_HALF=64, PASS=0, BLOCK_PASS=1,
-                                       HB=32), cc, {"pos_ptr": "*i32", "inv_ptr": "*fp32"})
-    for act, code in m.ACTS.items():
-        out[f"{cc}/act/{act}"] = compile_one(m._act_and_mul_kernel, "bf16",
-                                             {"ACT": code, "BLOCK": 1024}, cc)
+        out[f"{cc}/rms/{dt}"] = rms(2048, T, dt, cc)
+        out[f"{cc}/rope/{dt}"] = rope(32, 4, 128, 128, dt, torch.int64, cc)
+    out[f"{cc}/rms/qk_norm"] = rms(128, T * 32, "bf16", cc)
+    out[f"{cc}/rms/H=1"] = rms(1, T, "fp32", cc)            # N = 1 and unit stride: constexprs
+    # Partial rotary, Phi-2's (32 + 32 heads of 80, rotary_dim 32: 48 dims copied), and the
+    # old test's head_dim 80 / rotary_dim 40 (16 + 16 heads); int32 positions
+    out[f"{cc}/rope/phi2"] = rope(32, 32, 80, 32, "fp16", torch.int32, cc)
+    out[f"{cc}/rope/partial40"] = rope(16, 16, 80, 40, "fp16", torch.int32, cc)
+    for name in m.ACTS:
+        out[f"{cc}/act/{name}"] = act(name, 768, cc)
 """
 
 
@@ -61,9 +74,9 @@ def _kernels(compiled, cc, kind):
 @pytest.mark.parametrize("cc", [90, 120])
 def test_every_kernel_compiles(compiled, cc):
     mine = {k: v for k, v in compiled.items() if k.startswith(f"{cc}/")}
-    assert len(mine) == 11
+    assert len(mine) == 13
     for name, k in mine.items():
-        assert k["cubin"] > 0, name
+        assert k["registers"] > 0, name
         assert f".target sm_{cc}a" in k["ptx"], name
 
 
@@ -83,9 +96,32 @@ def test_rms_norm_divides_and_roots_in_ieee(compiled, cc):
 
 @pytest.mark.parametrize("cc", [90, 120])
 def test_downcasts_round_to_nearest(compiled, cc):
-    """float32 -> bf16 / fp16 stores round to nearest even (the interpreter truncates bf16)."""
-    for kind, dt, cvt in (("rms", "bf16", "cvt.rn.bf16"), ("rms", "fp16", "cvt.rn.f16.f32"),
-                          ("rope", "bf16", "cvt.rn.bf16"), ("rope", "fp16", "cvt.rn.f16.f32")):
-        assert cvt in compiled[f"{cc}/{kind}/{dt}"]["ptx"], (kind, dt)
+    """float32 -> bf16 / fp16 stores round to nearest even (the interpreter truncates bf16);
+    at the launches' 16-divisible rows, two at a time (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32)."""
+    bf16, fp16 = r"cvt\.rn\.bf16(x2)?\.f32", r"cvt\.rn\.f16(x2)?\.f32"
+    for kind, dt, cvt in (("rms", "bf16", bf16), ("rms", "fp16", fp16), ("rope", "bf16", bf16),
+                          ("rope", "fp16", fp16), ("rope", "phi2", fp16)):
+        assert re.search(cvt, compiled[f"{cc}/{kind}/{dt}"]["ptx"]), (kind, dt)
     for act in ("silu", "gelu", "gelu_tanh"):
-        assert "cvt.rn.bf16" in compiled[f"{cc}/act/{act}"]["ptx"], act
+        assert re.search(bf16, compiled[f"{cc}/act/{act}"]["ptx"]), act
+
+
+SPILLS = {"120/rope/fp16": 4, "120/rope/bf16": 4, "120/rope/phi2": 4}
+"""Spilled bytes per thread allowed (else 0): the rotary kernel on SM120 spills 4 B at the probe
+shape in fp16 / bf16 under Triton 3.6 (the GPU machine's; 48 registers) and at Phi-2's under
+3.9 (64 registers); 0 elsewhere. Documents the current value: not an accepted cost."""
+
+
+@pytest.mark.parametrize("cc", [90, 120])
+def test_no_kernel_spills(compiled, cc):
+    """At the launches the wrappers make: no spilled bytes (ptxas's spill stores) but the few of
+    ``SPILLS``, and no stack but rotary's (under Triton 3.6 libdevice's precise sin/cos keep a
+    32-byte local array for their slow argument reduction), well under the 255-register cap.
+    Measured under 3.6 and 3.9: 17-40 registers for RMSNorm and the activations, 44-67 for
+    rotary."""
+    got = {k: (v["registers"], v["spills"], v["stack"]) for k, v in compiled.items()
+           if k.startswith(f"{cc}/")}
+    assert all(regs < 128 and spills <= SPILLS.get(k, 0) for k, (regs, spills, _) in got.items()
+               ), got
+    assert all(stack == 0 for k, (_, _, stack) in got.items() if "/rope/" not in k), got
+    assert all(stack <= 40 for _, _, stack in got.values()), got
