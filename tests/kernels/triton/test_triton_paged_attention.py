@@ -143,6 +143,23 @@ def test_kv_shared_and_head_dims(d, bs):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("d", [96, 192, 576])
+def test_split_head_dims_at_defaults(d):
+    """Head dims held in two column tiles (paged_tiles.py: 64 + 32, 128 + 64, MLA's one plane
+    of 512 + 64) through ``paged_attention`` at its defaults, decode-only and mixed (decodes on
+    the decode kernels, the rest on the tiled one), with a window and sinks; and the split rule
+    (powers of two, D = 24 and D = 80 keep one tile)."""
+    from vllm.kernels.triton.paged_tiles import head_split, tile_width
+    assert [head_split(x) for x in (576, 192, 96, 80, 128, 24, 8)] == [
+        (512, 64), (128, 64), (64, 32), (128, 0), (128, 0), (32, 0), (16, 0)]
+    assert tile_width(576) == 576 and tile_width(80) == 128
+    for seqs in (([(9, 1), (3, 1)], 2), ([(9, 1), (12, 5)], 1)):
+        case = Case(*seqs, hq=2, hkv=1, d=d, shared=d == 576, window=6, use_sinks=True,
+                    seed=d).to(DEVICE)
+        case.check(case.run(num_decodes=0 if case.num_decodes == 2 else 1))
+
+
+@pytest.mark.triton
 def test_mixed_batch_with_padded_metadata_buffers():
     """Buffers wider than the step (as a graph's static buffers): block-table rows past the
     sequences, seq_lens past B, query_start_loc past B + 1 filled with T."""

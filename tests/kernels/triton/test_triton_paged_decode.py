@@ -241,3 +241,13 @@ def test_writes_into_a_given_output():
     for bad in (out[:-1], out.double(), out.transpose(0, 1).contiguous().transpose(0, 1)):
         with pytest.raises(ValueError, match="out must be a contiguous"):
             decode(case, out=bad)
+
+
+@pytest.mark.parametrize("d,opts", [(80, "window5"), (96, "sinks"), (192, "window3_sinks"),
+                                    (576, "shared_sinks")])
+def test_head_dims_split_in_two_tiles(d, opts):
+    """Head dims that are not powers of two: 96 = 64 + 32 and 192 = 128 + 64 column tiles, MLA's
+    one plane of 576 = 512 + 64 (values = keys), and 80 padded to 128 (``head_split``); fp32,
+    GQA 2:1, 16 keys per step over 2 chunks."""
+    case = make([(37, 1), (5, 1)], hq=2, hkv=1, d=d, seed=d, **OPTIONS[opts])
+    case.check(decode(case, block_n=16, min_chunk=32))

@@ -229,3 +229,13 @@ def test_on_cuda_at_model_shapes(dtype):
         case = Case(*seqs, hq=32, hkv=8, d=128, bs=16, dtype=dtype, **opts).to("cuda")
         case.check(case.run(num_decodes=2))
         case.check(case.run())
+
+
+@pytest.mark.parametrize("d,opts", [(80, "window5"), (96, "sinks"), (192, "window3_sinks"),
+                                    (576, "shared_sinks")])
+def test_head_dims_split_in_two_tiles(d, opts):
+    """Head dims that are not powers of two: 96 = 64 + 32 and 192 = 128 + 64 column tiles, MLA's
+    one plane of 576 = 512 + 64 (values = keys), and 80 padded to 128 (``head_split``); fp32,
+    GQA 2:1, 5 tokens per tile, 16 keys per step."""
+    case = make(([(9, 1), (20, 7)], 1), hq=2, hkv=1, d=d, seed=d, **OPTIONS[opts])
+    case.check(case.run(block_m=5, block_n=16))

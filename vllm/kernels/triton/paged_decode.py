@@ -17,7 +17,10 @@ row with n = 0 (and no sink) writes zeros.
   [c * chunk_t, (c + 1) * chunk_t) & [lo, n), ``block_n`` keys per step (a tile of max(16,
   block_n) rows), q cast to the cache's dtype for the dot, online softmax in base 2 from the
   f32 scores times scale * log2(e); it writes the chunk's running max m, sum l and acc [D]
-  (f32) to scratch. A chunk with no keys writes (-inf, 0, 0).
+  (f32) to scratch. A chunk with no keys writes (-inf, 0, 0). Its q, K/V and acc tiles hold
+  the head dim in one or two power-of-two column tiles (``paged_tiles.head_split``: MLA's
+  576 = 512 + 64, not 1024); the scratch keeps one [D] row per (token, head, chunk), which
+  the reduce reads in one next_power_of_2(D) vector (a [D] row per program: no tile to save).
 - ``_decode_reduce_kernel``, grid (T, Hq): M = max(m_c, sink), L = 2^(sink - M) + sum_c
   l_c 2^(m_c - M), out = sum_c acc_c 2^(m_c - M) / L, chunks added in order.
 
@@ -44,6 +47,8 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
+from vllm.kernels.triton.paged_tiles import (attend_keys, head_cols, key_loop_consts, q_tiles,
+                                             tile_width)
 
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256                        # keys per chunk of a sequence up to 16 * 256 keys
@@ -75,53 +80,6 @@ def head_rows(pid, GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
     return g, r, r_in, g * GROUP + tl.minimum(j, GROUP - 1)
 
 
-@triton.jit
-def attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi, lo, n, d, d_in,
-                head_off, scale_log2, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, ROW_STRIDE: tl.constexpr, ROW_MASK: tl.constexpr,
-                DOT_F32: tl.constexpr, PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
-    """The online softmax of q [R, BLOCK_D] (in the cache's dtype) over keys [k_lo, k_hi) of one
-    kv head (at ``head_off`` in a cache row of ROW_STRIDE elements), read through the block
-    table ``table``, KEYS keys per step in tiles of BLOCK_N >= KEYS rows, folded into the
-    running (max m [R], sum s_sum [R], acc [R, BLOCK_D]) -> the new three. ROW_MASK: row i keeps
-    only keys [lo[i], n[i]) too (a prefill tile's causal / window mask). Scores in log2 units
-    (f32 scores x scale_log2); P cast to the cache's dtype for the PV dot; under DOT_F32 the
-    K/V/P operands widened to f32. A row with no key so far keeps p = alpha = 0 (no NaN).
-    V_IS_K: a one-plane cache (MLA: the values are the keys), so the key tile is the value
-    tile, loaded once."""
-    jj = tl.arange(0, BLOCK_N)
-    for start in range(k_lo, k_hi, KEYS):
-        j = start + jj                                               # [BLOCK_N] key positions
-        j_in = (jj < KEYS) & (j < k_hi)
-        block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
-        off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * ROW_STRIDE + head_off
-        kv_mask = j_in[:, None] & d_in[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if V_IS_K:
-            v = k
-        else:
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        keep = j_in[None, :]
-        if ROW_MASK:
-            keep = keep & (j[None, :] >= lo[:, None]) & (j[None, :] < n[:, None])
-        s = tl.where(keep, s, float("-inf"))                         # [R, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        pv = p.to(v_cache_ptr.dtype.element_ty)                      # the dot's operand
-        if DOT_F32:
-            pv = pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        m = m_new
-    return m, s_sum, acc
-
-
 # stride_bt (an eager step's table width) and num_chunks vary from step to step: specialising
 # on their values (1, multiples of 16) would compile new variants in the middle of serving.
 @triton.jit(do_not_specialize=["num_chunks", "stride_bt"])
@@ -131,10 +89,11 @@ def _decode_partial_kernel(
         GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
         NUM_KV_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        DOT_F32: tl.constexpr, PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
+        BLOCK_DB: tl.constexpr, SPLIT_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        KEYS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+        PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
     """Program (t, g * S + s, c): (m, l, acc) of query heads g * GROUP + s * HEADS.. over chunk
-    c's keys of row t."""
+    c's keys of row t; acc's columns in tiles A and B (paged_tiles.py)."""
     t = tl.program_id(0).to(tl.int64)
     g, r, r_in, h = head_rows(tl.program_id(1), GROUP, HEADS, ROWS, 1)
     c = tl.program_id(2)
@@ -145,26 +104,24 @@ def _decode_partial_kernel(
     chunk = _sequence_chunk(n, base)
     c_lo = tl.maximum(lo, c.to(tl.int64) * chunk)                   # keys [c_lo, c_hi)
     c_hi = tl.minimum(n, (c + 1).to(tl.int64) * chunk)
-    d = tl.arange(0, BLOCK_D)
-    d_in = d < HEAD_DIM
-    rd_in = r_in[:, None] & d_in[None, :]
-    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=rd_in,
-                other=0.0).to(k_cache_ptr.dtype.element_ty)          # [ROWS, BLOCK_D]
-    if DOT_F32:
-        q = q.to(tl.float32)
-    head_off = g * HEAD_DIM
+    d, d_in, d_b, d_b_in = head_cols(HEAD_DIM, BLOCK_D, BLOCK_DB, SPLIT_D)
+    q, q_b, acc, acc_b = q_tiles(q_ptr + t * stride_qt + h * stride_qh, r_in, d, d_in, d_b,
+                                 d_b_in, k_cache_ptr.dtype.element_ty, ROWS, BLOCK_D, BLOCK_DB,
+                                 DOT_F32, SPLIT_D)                   # [ROWS, BLOCK_D(B)]
     table = block_tables_ptr + t * stride_bt
     m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     s_sum = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, c_lo, c_hi,
-                                c_lo, c_hi, d, d_in, head_off, scale_log2, BLOCK_N, KEYS,
-                                BLOCK_SIZE, NUM_KV_HEADS * HEAD_DIM, False, DOT_F32, PRECISION,
-                                V_IS_K)
+    m, s_sum, acc, acc_b = attend_keys(
+        q, q_b, m, s_sum, acc, acc_b, k_cache_ptr, v_cache_ptr, table, c_lo, c_hi, c_lo, c_hi,
+        d, d_in, d_b, d_b_in, g * HEAD_DIM, scale_log2, BLOCK_N, KEYS, BLOCK_SIZE,
+        NUM_KV_HEADS * HEAD_DIM, False, DOT_F32, PRECISION, V_IS_K, SPLIT_D)
     row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [ROWS] scratch rows
     tl.store(m_ptr + row, m, mask=r_in)
     tl.store(l_ptr + row, s_sum, mask=r_in)
-    tl.store(acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=rd_in)
+    dst = acc_ptr + row * HEAD_DIM                                   # [ROWS] pointers
+    tl.store(dst[:, None] + d[None, :], acc, mask=r_in[:, None] & d_in[None, :])
+    if SPLIT_D:
+        tl.store(dst[:, None] + d_b[None, :], acc_b, mask=r_in[:, None] & d_b_in[None, :])
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -198,8 +155,11 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, sinks_ptr, num_chunks,
 
 
 def decode_block_n(head_dim: int) -> int:
-    """Default keys per step: K and V tiles [BLOCK_N, BLOCK_D] of 8K elements, 16 at least."""
-    return min(64, max(16, 8192 // triton.next_power_of_2(head_dim)))
+    """Default keys per step: K and V tiles [BLOCK_N, D_A + D_B] of up to 8K elements, a power
+    of two in [16, 64]. By ``tile_width`` (the columns the tiles hold since the head-dim split,
+    what their shared memory scales with), not next_power_of_2(D): 8192 // 1024 at D = 576
+    was sized for zero columns no tile holds any more."""
+    return min(64, max(16, 1 << ((8192 // tile_width(head_dim)).bit_length() - 1)))
 
 
 def decode_chunks(max_ctx: int, block_n: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
@@ -224,21 +184,12 @@ def sequence_chunk(n: int, base: int) -> int:
 
 
 def decode_launch(head_dim: int, f32_cache: bool) -> dict:
-    """Launch options: 4 warps up to D = 128, 8 above (the [ROWS, BLOCK_D] f32
-    accumulator); f32 caches above D = 128 unpipelined (1 stage: their cp.async K/V stages
-    would pass SM120's 99 KiB of shared memory), else Triton's 3 stages."""
-    wide = triton.next_power_of_2(head_dim) > 128
+    """Launch options: 4 warps up to a tile width (``tile_width``, D_A + D_B: the f32
+    accumulators' columns, what sets their registers per thread) of 128, 8 above; f32 caches
+    above 128 unpipelined (1 stage: their cp.async K/V stages would pass SM120's 99 KiB of
+    shared memory), else Triton's 3 stages."""
+    wide = tile_width(head_dim) > 128
     return dict(num_warps=8 if wide else 4, num_stages=1 if wide and f32_cache else 3)
-
-
-def key_loop_consts(head_dim: int, keys: int, f32_cache: bool, dot_f32: bool,
-                    v_is_k: bool = False) -> dict:
-    """The constexprs ``attend_keys`` takes from its kernel (decode and prefill alike): the
-    padded head dim, keys per step in a tile of at least 16 rows, the dot's precision (fp32
-    caches IEEE, not TF32), and whether the cache has one plane (values = keys)."""
-    return dict(HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                BLOCK_N=max(16, keys), KEYS=keys, DOT_F32=dot_f32,
-                PRECISION="ieee" if f32_cache or dot_f32 else "tf32", V_IS_K=v_is_k)
 
 
 def heads_per_program(group: int, rows: int) -> int:
@@ -257,14 +208,15 @@ def checked_heads(who: str, heads: int, group: int) -> int:
 
 
 def decode_heads(group: int, head_dim: int, f32_cache: bool) -> int:
-    """``heads_per_program`` for the partial kernel: rows of [ROWS, BLOCK_D] q and accumulator
-    tiles up to 128 at BLOCK_D <= 128, 64 at 256, 16 above (MLA's D = 576 pads to 1024: 128
-    heads there need 320 KiB of shared memory, over SM90's 227); fp32 caches 32, 16 above 128."""
-    block_d = triton.next_power_of_2(head_dim)
+    """``heads_per_program`` for the partial kernel: rows of [ROWS, D_A + D_B] q and
+    accumulator tiles (``tile_width``: their registers and shared memory) up to 128 at widths
+    <= 128, 64 up to 256, 16 above (MLA's D = 576: 128 heads in one program would need over
+    SM90's 227 KiB of shared memory); fp32 caches 32, 16 above 128."""
+    width = tile_width(head_dim)
     if f32_cache:
-        rows = 32 if block_d <= 128 else 16
+        rows = 32 if width <= 128 else 16
     else:
-        rows = 128 if block_d <= 128 else 64 if block_d <= 256 else 16
+        rows = 128 if width <= 128 else 64 if width <= 256 else 16
     return heads_per_program(group, rows)
 
 

@@ -36,15 +36,17 @@ Block sizes (``prefill_config``; not tuned, no GPU run yet; chosen by the regist
 ptxas/cuobjdump report for the compiled kernels here, Triton 3.9, window and sinks on, on
 compiles without the JIT's specialization, which overstate spills: as the JIT specializes a
 launch, MHA at D = 128 with window and sinks has none under Triton 3.6 or 3.9, 240 and 219
-registers). 16-bit caches ROWS (TILE_M * GROUP, padded) 128
-for BLOCK_D <= 64, and at 128 on SM90 (64 on SM120, which spills at 128), 64 at 256, 16 above
-(MLA's D = 576), KEYS 64 up to BLOCK_D = 128, 32 at 256, 16 above, 8 warps when the
-[ROWS, BLOCK_D] f32 accumulator holds 8K elements or more, else 4; fp32 caches ROWS 32 up to
-BLOCK_D = 128 (16 above), KEYS 64 / 32 / 16 at 64 / 128 / 256, 8 warps at BLOCK_D <= 64;
-num_stages 2. TILE_M = target rows // the next power of two of GROUP, at least 1; a GROUP
-over the target gets one token per tile and HEADS = the target (``heads_per_program``). All
-within SM120's 99 KiB of shared memory: D = 64, 128 and 256 compile for SM90 and SM120 in fp16,
-bf16 and fp32, D = 576 in 16-bit at GQA 16:1, 64:1 and 128:1
+registers). By the tiles' width W = D_A + D_B (``paged_tiles.tile_width``: the head dim's
+column tiles, MLA's 576 = 512 + 64, next_power_of_2(D) where it is not split). 16-bit caches
+ROWS (TILE_M * GROUP, padded) 128 for W <= 64, and up to 128 on SM90 (64 on SM120, which
+spills at 128), 64 up to 256 (32 on SM120 for two column tiles past 128), 16 above (MLA),
+KEYS 64 up to W = 128, 32 up to 576, 16 above, 8 warps when the [ROWS, W] f32 accumulators
+hold more than 4K elements, else 4; fp32 caches ROWS 32 up to W = 128 (16 above), KEYS
+64 / 32 / 16 at 64 / 128 / above, 8 warps at W <= 64; num_stages 2. TILE_M = target rows //
+the next power of two of GROUP, at least 1; a GROUP over the target gets one token per tile
+and HEADS = the target (``heads_per_program``). All within SM120's 99 KiB of shared memory:
+D = 64, 128 and 256 compile for SM90 and SM120 in fp16, bf16 and fp32, D = 576 in 16-bit at
+GQA 16:1, 64:1 and 128:1, D = 192 and 96 in 16-bit
 (tests/build/test_triton_compile_paged_prefill.py); fp32 at D = 576 is not compiled there (the
 registry refuses it on SM120). SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
 """
@@ -58,8 +60,9 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
-from vllm.kernels.triton.paged_decode import (attend_keys, checked_heads, head_rows,
-                                              heads_per_program, key_loop_consts)
+from vllm.kernels.triton.paged_decode import checked_heads, head_rows, heads_per_program
+from vllm.kernels.triton.paged_tiles import (attend_keys, head_cols, key_loop_consts, normalized,
+                                             q_tiles, tile_width)
 
 LOG2E = 1.4426950408889634
 
@@ -117,18 +120,25 @@ def prefill_config(head_dim: int, group: int, f32_cache: bool, sm: int = 90) -> 
     """Default tile shape and launch options for D = ``head_dim``, GROUP query heads per kv head,
     compute capability ``sm`` (90, 120; module docstring): TILE_M tokens per tile, HEADS query
     heads per program, ROWS, KEYS per step, num_warps, num_stages. Chosen so ptxas spills no
-    registers at GQA 1:1 to 8:1."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    registers at GQA 1:1 to 8:1. Sized by the tiles' real width ``tile_width`` (D_A + D_B
+    columns since the head-dim split, paged_tiles.py), which sets their registers and shared
+    memory: at D = 576 the [ROWS, 576] accumulators, not [ROWS, 1024]."""
+    width = tile_width(head_dim)
     if f32_cache:                                     # f32 Q/K/V tiles: fewer rows and keys
-        rows = 32 if block_d <= 128 else 16
-        keys = 64 if block_d <= 64 else 32 if block_d <= 128 else 16
-        warps = 8 if block_d <= 64 else 4
+        rows = 32 if width <= 128 else 16
+        keys = 64 if width <= 64 else 32 if width <= 128 else 16
+        warps = 8 if width <= 64 else 4
     else:
-        # SM120 (64K registers per SM, no wgmma) spills at 128 rows x 128 dims.
-        rows = 128 if block_d <= 64 or (block_d <= 128 and sm < 100) else \
-            64 if block_d <= 256 else 16
-        keys = 64 if block_d <= 128 else 32 if block_d <= 256 else 16
-        warps = 8 if rows * block_d >= 8192 else 4
+        # SM120 (64K registers per SM, no wgmma) spills at 128 rows x 128 dims, and at 64 rows
+        # of two column tiles past 128 (D = 192: 255 registers, 120 B spilled).
+        split = width & (width - 1) != 0
+        rows = 128 if width <= 64 or (width <= 128 and sm < 100) else \
+            64 if width <= 256 and not (split and width > 128 and sm >= 100) else \
+            32 if width <= 256 else 16
+        # K/V tiles [KEYS, width]: at MLA's 576 columns 32 keys (36 KB in 16 bit, about the
+        # [16, 1024] tile the padded head dim had; 16 keys there spill on SM120).
+        keys = 64 if width <= 128 else 32 if width <= 576 else 16
+        warps = 8 if rows * width > 4096 else 4          # powers of two: >= 8192
     heads = heads_per_program(group, rows)
     tile_m = max(1, rows // triton.next_power_of_2(heads))
     rows = max(16, triton.next_power_of_2(tile_m * heads))
@@ -185,38 +195,38 @@ def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         tile_seq_ptr, tile_start_ptr, sinks_ptr, scale_log2, window, stride_qt, stride_qh,
         stride_bt, GROUP: tl.constexpr, HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DB: tl.constexpr, SPLIT_D: tl.constexpr, TILE_M: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr,
         HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_F32: tl.constexpr,
         PRECISION: tl.constexpr, V_IS_K: tl.constexpr):
     """Program (i, g * S + s): out rows of tile i's tokens x HEADS query heads of kv head g
-    (module docstring)."""
+    (module docstring), columns in tiles A and B (paged_tiles.py)."""
     g, b, t, h, r_in, lo, n, k_lo, k_hi = _tile_rows(tile_seq_ptr, tile_start_ptr, qsl_ptr,
                                                      seq_lens_ptr, window, GROUP, HEADS, TILE_M,
                                                      ROWS, HAS_WINDOW)
-    d = tl.arange(0, BLOCK_D)
-    d_in = d < HEAD_DIM
-    rd_in = r_in[:, None] & d_in[None, :]
-    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=rd_in, other=0.0).to(k_cache_ptr.dtype.element_ty)   # [ROWS, BLOCK_D]
-    if DOT_F32:
-        q = q.to(tl.float32)
+    d, d_in, d_b, d_b_in = head_cols(HEAD_DIM, BLOCK_D, BLOCK_DB, SPLIT_D)
+    q, q_b, acc, acc_b = q_tiles(q_ptr + t * stride_qt + h * stride_qh, r_in, d, d_in, d_b,
+                                 d_b_in, k_cache_ptr.dtype.element_ty, ROWS, BLOCK_D, BLOCK_DB,
+                                 DOT_F32, SPLIT_D)                   # [ROWS, BLOCK_D(B)]
     if HAS_SINKS:
         m = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         s_sum = tl.full([ROWS], 1.0, dtype=tl.float32)               # exp2(sink - m) = 1
     else:
         m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         s_sum = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + b * stride_bt
-    head_off = g * HEAD_DIM
-    m, s_sum, acc = attend_keys(q, m, s_sum, acc, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi,
-                                lo, n, d, d_in, head_off, scale_log2, BLOCK_N, KEYS, BLOCK_SIZE,
-                                NUM_KV_HEADS * HEAD_DIM, True, DOT_F32, PRECISION, V_IS_K)
-    out = tl.where(s_sum[:, None] > 0, acc / tl.maximum(s_sum, 1e-30)[:, None], 0.0)
-    tl.store(out_ptr + (t[:, None] * (NUM_KV_HEADS * GROUP) + h[:, None]) * HEAD_DIM + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rd_in)
+    m, s_sum, acc, acc_b = attend_keys(
+        q, q_b, m, s_sum, acc, acc_b, k_cache_ptr, v_cache_ptr, table, k_lo, k_hi, lo, n, d,
+        d_in, d_b, d_b_in, g * HEAD_DIM, scale_log2, BLOCK_N, KEYS, BLOCK_SIZE,
+        NUM_KV_HEADS * HEAD_DIM, True, DOT_F32, PRECISION, V_IS_K, SPLIT_D)
+    dst = out_ptr + (t * (NUM_KV_HEADS * GROUP) + h) * HEAD_DIM      # [ROWS] pointers, int64
+    tl.store(dst[:, None] + d[None, :], normalized(acc, s_sum).to(out_ptr.dtype.element_ty),
+             mask=r_in[:, None] & d_in[None, :])
+    if SPLIT_D:
+        tl.store(dst[:, None] + d_b[None, :],
+                 normalized(acc_b, s_sum).to(out_ptr.dtype.element_ty),
+                 mask=r_in[:, None] & d_b_in[None, :])
 
 
 def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, *,
