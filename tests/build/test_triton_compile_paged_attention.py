@@ -63,8 +63,6 @@ from vllm.kernels.triton import paged_decode as pd
 for cc in (90, 120):
     for dtype in ("bf16", "fp16", "fp32"):
         for group, hkv, d in ((1, 8, 128), (8, 1, 128), (16, 1, 576), (128, 1, 576)):
-            if (cc, dtype, d) == (120, "fp32", 576):
-                continue                                   # over SM120's shared memory
             consts = pd.partial_consts(group, hkv, d, 16, pd.decode_block_n(d),
                                        f32_cache=dtype == "fp32", has_window=group == 8,
                                        v_is_k=d == 576)    # MLA's one plane
@@ -106,13 +104,12 @@ def test_write_kv_cache_compiles(compiled, cc, dtype, d):
 @pytest.mark.triton
 @pytest.mark.parametrize("cc,dtype,group,d", [
     (cc, dtype, group, d) for cc in (90, 120) for dtype in ("bf16", "fp16", "fp32")
-    for group, d in ((1, 128), (8, 128), (16, 576), (128, 576))
-    if (cc, dtype, d) != (120, "fp32", 576)])
+    for group, d in ((1, 128), (8, 128), (16, 576), (128, 576))])
 def test_paged_decode_compiles(compiled, cc, dtype, group, d):
     """The split-context decode kernels (paged_decode.py): GQA 1:1 (16 padded rows) and 8:1 with
     a window and sinks at D = 128, MLA-like 16:1 and DeepSeek-V2's 128:1 (split over 8
-    programs of 16 heads) at D = 576 (not fp32 on SM120: 132 KB of shared memory, over its
-    limit); 16-bit caches on the tensor cores, fp32 ones with no TF32."""
+    programs of 16 heads) at D = 576, one plane (fp32 too: 74,816 B on SM120, its two column
+    tiles); 16-bit caches on the tensor cores, fp32 ones with no TF32."""
     for name in ("decode", "reduce"):
         k = compiled[f"{name}/{cc}/{dtype}/{group}/{d}"]
         assert k["cubin"] > 0 and f".target sm_{cc}a" in k["ptx"]
@@ -182,3 +179,52 @@ def test_paged_decode_does_not_spill(decode_spills, kernel, shape, cc):
         assert k["shared"] <= 40 * 1024, k["shared"]
         padded = PADDED_MLA_PARTIAL_REGISTERS.get(decode_spills["triton"][:3], {}).get(cc, 255)
         assert k["registers"] < padded, (k["registers"], padded)
+
+
+# fp32 caches on SM120 around its 99 KiB: (planes, D), fitting and not.
+FP32_WIDE = [(1, 576), (1, 768), (1, 1024), (2, 512), (2, 576)]
+
+FP32_SCRIPT = r"""
+from vllm.kernels.triton import paged_decode as pd, paged_prefill as pp
+
+DEC = {"scale_log2": "fp32", "window": "i32", "base": "i32", "num_chunks": "i32"}
+PRE = {"scale_log2": "fp32", "window": "i32"}
+PRE_INDEX = {"block_tables_ptr", "seq_lens_ptr", "qsl_ptr", "tile_seq_ptr", "tile_start_ptr"}
+for planes, d in FP32_WIDE:
+    vk = planes == 1
+    consts = pd.partial_consts(16, 1, d, 16, pd.decode_block_n(d), f32_cache=True,
+                               has_window=False, v_is_k=vk)
+    sig = kernel_signature(pd._decode_partial_kernel, consts, "fp32", DEC,
+                           ("block_tables_ptr", "seq_lens_ptr"),
+                           ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr"))
+    dec = compile_kernel(pd._decode_partial_kernel, sig, consts, 120, pd.decode_launch(d, True))
+    cfg = pp.prefill_config(d, 16, True, 120)
+    consts = pp.prefill_consts(16, 1, d, 16, tile_m=cfg["TILE_M"], keys=cfg["KEYS"],
+                               f32_cache=True, has_window=False, has_sinks=False,
+                               heads=cfg["HEADS"], v_is_k=vk)
+    sig = kernel_signature(pp._prefill_kernel, consts, "fp32", PRE, PRE_INDEX)
+    pre = compile_kernel(pp._prefill_kernel, sig, consts, 120,
+                         {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    out[f"{planes}/{d}"] = {"decode": dec["shared"], "prefill": pre["shared"]}
+"""
+
+
+@pytest.fixture(scope="module")
+def fp32_wide():
+    return compile_in_subprocess(f"FP32_WIDE = {FP32_WIDE!r}\n" + FP32_SCRIPT)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("planes,d", FP32_WIDE)
+def test_sm120_refuses_exactly_the_fp32_caches_whose_tiles_pass_its_shared_memory(
+        fp32_wide, planes, d):
+    """``shared_memory_refusal`` (the registry's rule on SM120) against the shared memory the
+    decode and prefill kernels compile to: refused exactly where one of them passes 99 KiB, and
+    ``fp32_tile_bytes`` is the larger one to within 4 KB, never under it."""
+    import torch
+    from vllm.model_executor.layers.attention.triton_paged import (fp32_tile_bytes,
+                                                                   shared_memory_refusal)
+    need = max(fp32_wide[f"{planes}/{d}"].values())
+    refused = shared_memory_refusal(torch.float32, d, 120, planes) is not None
+    assert refused == (need > SHARED_LIMIT[120]), (need, refused)
+    assert 0 <= fp32_tile_bytes(d, planes) - need <= 4096, (fp32_tile_bytes(d, planes), need)

@@ -33,9 +33,9 @@ sequence's bits depend on its own rows only (empty chunks add exact zeros): not 
 size, the other rows, nor the table's width (an eager step's tables are as wide as its longest
 sequence, a graph's as max_model_len).
 
-Limits: an fp32 cache at D > 512 needs 132 KB of shared memory in the partial kernel (its f32
-dot operands), within SM90's 227 KiB, over SM120's 99 KiB: it does not fit SM120, where the
-registry refuses the backend (``triton_paged.shared_memory_refusal``).
+Limits: an fp32 cache's f32 tiles grow with the head dim (one plane at D = 1024: 132 KB of
+shared memory; D = 576: 75 KB), within SM90's 227 KiB; past SM120's 99 KiB the registry refuses
+the backend there (``triton_paged.shared_memory_refusal``, ``fp32_tile_bytes``).
 
 Under the interpreter ``tl.dot`` reads bfloat16 tiles as their uint16 storage: there (only)
 bf16 operands are widened to f32 before the dot, exact for the products as on the tensor cores.

@@ -47,8 +47,8 @@ the next power of two of GROUP, at least 1; a GROUP over the target gets one tok
 and HEADS = the target (``heads_per_program``). All within SM120's 99 KiB of shared memory:
 D = 64, 128 and 256 compile for SM90 and SM120 in fp16, bf16 and fp32, D = 576 in 16-bit at
 GQA 16:1, 64:1 and 128:1, D = 192 and 96 in 16-bit
-(tests/build/test_triton_compile_paged_prefill.py); fp32 at D = 576 is not compiled there (the
-registry refuses it on SM120). SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
+(tests/build/test_triton_compile_paged_prefill.py); fp32 past D = 256 is sized against SM120 in
+test_triton_compile_paged_attention.py (the registry refuses what does not fit there). SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
 """
 from __future__ import annotations
 

@@ -74,21 +74,32 @@ def test_auto_on_cuda_and_graph_safety():
     assert "backend=triton_paged" in repr(layer)
 
 
-def test_fp32_cache_past_head_dim_256_refused_on_sm120_only(monkeypatch):
-    """Its tiles need about 190 KB of shared memory: SM90 has 227 KiB, SM120 99 KiB; "auto"
-    then takes the next backend. Selection asks the device only for that case."""
+def test_fp32_caches_too_wide_for_sm120_are_refused_there_only(monkeypatch):
+    """SM120 has 99 KiB of shared memory a program, SM90 227 KiB. The refused cases are the
+    compiled ones over 99 KiB (tests/build: two planes at D = 576, 111,680 B; one plane at
+    D = 1024, 132,160 B); MLA's one plane at D = 576 (74,816 B) and two planes at D = 512
+    (99,392 B) fit. "auto" takes the next backend. Selection asks the device only for fp32
+    past D = 256."""
     asked = []
 
     def capability(self, device=None):
         asked.append(device)
         return DeviceCapability(*cc)
     monkeypatch.setattr(type(platform_for("cuda")), "get_device_capability", capability)
-    for cc, want in (((9, 0), "triton_paged"), ((12, 0), "torch_sdpa")):
-        assert select_attention_backend(_query(torch.float32, device="cuda", head_dim=576)
-                                        ).name == want
-    with pytest.raises(ValueError, match=r"an fp32 KV cache at head_dim=576 needs about 190 KB "
-                                         r"of shared memory per program, over the 99 KiB of "
-                                         r"SM120; use a 16-bit dtype"):
+    one = frozenset({"kv_shared"})
+    for cc, d, features, want in (((9, 0), 576, frozenset(), "triton_paged"),
+                                  ((12, 0), 576, frozenset(), "torch_sdpa"),
+                                  ((12, 0), 512, frozenset(), "triton_paged"),
+                                  ((12, 0), 576, one, "triton_paged"),
+                                  ((12, 0), 768, one, "triton_paged"),
+                                  ((12, 0), 1024, one, "torch_sdpa"),
+                                  ((9, 0), 1024, one, "triton_paged")):
+        q = _query(torch.float32, device="cuda", head_dim=d, features=features)
+        assert select_attention_backend(q).name == want, (cc, d, features)
+    cc = (12, 0)
+    with pytest.raises(ValueError, match=r"an fp32 KV cache of 2 plane\(s\) at head_dim=576 "
+                                         r"needs about 111 KB of shared memory per program, "
+                                         r"over the 99 KiB of SM120; use a 16-bit dtype"):
         select_attention_backend(_query(torch.float32, device="cuda", head_dim=576),
                                  "triton_paged")
     n = len(asked)

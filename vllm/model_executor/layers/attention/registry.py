@@ -126,7 +126,8 @@ register_attention_backend(AttentionBackend(
 register_attention_backend(AttentionBackend(
     "triton_paged", TritonPagedAttention, dtypes=(torch.float16, torch.bfloat16, torch.float32),
     needs_contiguous_cache=True, features=ATTENTION_FEATURES,
-    check=lambda q: triton_paged_refusal(q.platform, q.dtype, q.head_dim)))
+    check=lambda q: triton_paged_refusal(q.platform, q.dtype, q.head_dim,
+                                         1 if "kv_shared" in q.features else 2)))
 register_attention_backend(AttentionBackend("torch_sdpa", TorchSdpaAttention,
                                             features=ATTENTION_FEATURES))
 # Forced only (auto=False): never run on a GPU yet. ``make`` imports flashinfer; the registry

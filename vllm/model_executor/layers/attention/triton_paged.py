@@ -21,25 +21,48 @@ from vllm.model_executor.layers.attention.interface import AttentionImpl, Attent
 from vllm.platforms import Platform, platform_for
 
 
-def shared_memory_refusal(dtype: torch.dtype, head_dim: int, sm: int) -> str | None:
+SM120_SHARED = 99 * 1024
+"""Shared memory one program may use on SM120 (RTX 50-series); SM90 and SM100 have 227 KiB."""
+
+
+def fp32_tile_bytes(head_dim: int, planes: int) -> int:
+    """Shared memory of the kernels' widest f32 tiles past D = 256 (paged_decode.py,
+    paged_prefill.py): 16 keys of ``tile_width(D)`` columns (paged_tiles.py), the key tile
+    double-buffered, plus the value tile with two planes, plus 1088 bytes of scratch. Fitted to,
+    and checked against, compiles for SM120 (tests/build/test_triton_compile_paged_attention.py):
+    one plane 576 -> 74,816 B, 768 -> 99,392, 1024 -> 132,160; two planes 512 -> 99,392 (the
+    prefill kernel; decode needs less), 576 -> 111,680."""
+    from vllm.kernels.triton.paged_tiles import tile_width    # triton is optional
+    return 16 * tile_width(head_dim) * 4 * (2 if planes == 1 else 3) + 1088
+
+
+def shared_memory_refusal(dtype: torch.dtype, head_dim: int, sm: int, planes: int = 2
+                          ) -> str | None:
     """Why the kernels' tiles do not fit a device of compute capability ``sm`` (90, 120), or
-    None: fp32 caches past D = 256 (MLA's 576 pads to 1024) need about 190 KB of shared memory,
-    within SM90's (and SM100's) 227 KiB, over the 99 KiB of SM120 (RTX 50-series)."""
-    if dtype == torch.float32 and head_dim > 256 and sm >= 120:
-        return (f"an fp32 KV cache at head_dim={head_dim} needs about 190 KB of shared memory "
-                f"per program, over the 99 KiB of SM{sm}; use a 16-bit dtype")
-    return None
+    None. Only fp32 caches past D = 256 on SM120 can pass its 99 KiB (``fp32_tile_bytes``): a
+    one-plane cache (``kv_shared``, MLA's 576) up to D = 768, two planes up to D = 512; 16-bit
+    caches and SM90's (and SM100's) 227 KiB take every head dim a model has."""
+    if dtype != torch.float32 or head_dim <= 256 or sm < 120:
+        return None
+    need = fp32_tile_bytes(head_dim, planes)
+    if need <= SM120_SHARED:
+        return None
+    return (f"an fp32 KV cache of {planes} plane(s) at head_dim={head_dim} needs about "
+            f"{need // 1000} KB of shared memory per program, over the 99 KiB of SM{sm}; use a "
+            "16-bit dtype")
 
 
-def triton_paged_refusal(platform: Platform, dtype: torch.dtype, head_dim: int) -> str | None:
+def triton_paged_refusal(platform: Platform, dtype: torch.dtype, head_dim: int,
+                         planes: int = 2) -> str | None:
     """``triton_refusal`` (the package), then ``shared_memory_refusal`` on a CUDA device."""
     from vllm.kernels.triton import triton_refusal
     why = triton_refusal(platform.device_type)
     # The device is asked only where its size matters (selection touches no device otherwise).
     if why is None and platform.device_type == "cuda" and \
-            shared_memory_refusal(dtype, head_dim, 999):
+            shared_memory_refusal(dtype, head_dim, 999, planes):
         cap = platform.get_device_capability()       # None without a device: nothing to size
-        why = None if cap is None else shared_memory_refusal(dtype, head_dim, cap.to_int())
+        why = None if cap is None else shared_memory_refusal(dtype, head_dim, cap.to_int(),
+                                                             planes)
     return why
 
 
