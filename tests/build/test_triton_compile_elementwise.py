@@ -36,6 +36,10 @@ def rms(H, rows, dt, cc):          # rows of H: the hidden state, or q / k heads
     x, w = empty(rows, H, dtype=DT[dt]), empty(H, dtype=DT[dt])
     return compile_call("_rms_norm_kernel", lambda: m.rms_norm(x, w, 1e-6), cc)
 
+def add_rms(H, dt, cc):            # the residual add fused into the norm (HAS_RESIDUAL)
+    x, r, w = empty(T, H, dtype=DT[dt]), empty(T, H, dtype=DT[dt]), empty(H, dtype=DT[dt])
+    return compile_call("_rms_norm_kernel", lambda: m.add_rms_norm(x, r, w, 1e-6), cc)
+
 def rope(hq, hk, head_dim, rotary_dim, dt, pos, cc):
     positions = empty(T, dtype=pos)
     q, k = empty(T, hq * head_dim, dtype=DT[dt]), empty(T, hk * head_dim, dtype=DT[dt])
@@ -50,6 +54,7 @@ def act(name, N, cc):
 for cc in (90, 120):
     for dt in ("fp32", "fp16", "bf16"):
         out[f"{cc}/rms/{dt}"] = rms(2048, T, dt, cc)
+        out[f"{cc}/rms/add_{dt}"] = add_rms(2048, dt, cc)
         out[f"{cc}/rope/{dt}"] = rope(32, 4, 128, 128, dt, torch.int64, cc)
     out[f"{cc}/rms/qk_norm"] = rms(128, T * 32, "bf16", cc)
     out[f"{cc}/rms/H=1"] = rms(1, T, "fp32", cc)            # N = 1 and unit stride: constexprs
@@ -74,7 +79,7 @@ def _kernels(compiled, cc, kind):
 @pytest.mark.parametrize("cc", [90, 120])
 def test_every_kernel_compiles(compiled, cc):
     mine = {k: v for k, v in compiled.items() if k.startswith(f"{cc}/")}
-    assert len(mine) == 13
+    assert len(mine) == 16
     for name, k in mine.items():
         assert k["registers"] > 0, name
         assert f".target sm_{cc}a" in k["ptx"], name
@@ -99,7 +104,8 @@ def test_downcasts_round_to_nearest(compiled, cc):
     """float32 -> bf16 / fp16 stores round to nearest even (the interpreter truncates bf16);
     at the launches' 16-divisible rows, two at a time (cvt.rn.bf16x2.f32, cvt.rn.f16x2.f32)."""
     bf16, fp16 = r"cvt\.rn\.bf16(x2)?\.f32", r"cvt\.rn\.f16(x2)?\.f32"
-    for kind, dt, cvt in (("rms", "bf16", bf16), ("rms", "fp16", fp16), ("rope", "bf16", bf16),
+    for kind, dt, cvt in (("rms", "bf16", bf16), ("rms", "fp16", fp16), ("rms", "add_bf16", bf16),
+                          ("rms", "add_fp16", fp16), ("rope", "bf16", bf16),
                           ("rope", "fp16", fp16), ("rope", "phi2", fp16)):
         assert re.search(cvt, compiled[f"{cc}/{kind}/{dt}"]["ptx"]), (kind, dt)
     for act in ("silu", "gelu", "gelu_tanh"):

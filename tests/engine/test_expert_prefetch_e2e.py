@@ -73,7 +73,7 @@ def test_prediction_is_next_router_on_this_layers_residual(tiny_model_factory):
     seen = []          # (layer l, h [T, H]) and (layer l+1, predicted ids [T, K]), in order
     for i, layer in enumerate(model.model.layers):
         layer.post_attention_layernorm.register_forward_pre_hook(
-            lambda mod, args, i=i: seen.append(("h", i, args[0].clone())), prepend=True)
+            lambda mod, args, i=i: seen.append(("h", i, args[0] + args[1])), prepend=True)
         provider = layer.mlp.experts.expert_cache
         inner = provider.prefetch
         provider.prefetch = (lambda ids, rs=None, inner=inner, i=i:

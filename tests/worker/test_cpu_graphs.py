@@ -121,13 +121,17 @@ def test_cached_graph_decode_equals_eager_and_uncached(tiny_model_factory, arch,
 
 def test_a_refused_capture_runs_that_batch_size_eagerly(tiny_model_factory, monkeypatch,
                                                          vllm_log):
-    """A torch op without a graph node in the forward (here a scale added to the final norm)
+    """A torch op without a graph node in the forward (here a scale added to every norm)
     refuses the capture; the step runs eagerly and its tokens are still right."""
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     prompts, params = _requests(vocab=200, n=4)
     from vllm.model_executor.layers.layernorm import RMSNorm
     orig = RMSNorm.forward
-    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: orig(self, x) * 1.0)
+
+    def scaled(self, x, residual=None):
+        out = orig(self, x, residual)
+        return (out[0] * 1.0, out[1]) if residual is not None else out * 1.0
+    monkeypatch.setattr(RMSNorm, "forward", scaled)
     eager, _ = _generate(path, prompts, params, enforce_eager=True)
     got, runner = _generate(path, prompts, params)
     assert got == eager

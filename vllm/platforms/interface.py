@@ -69,6 +69,9 @@ class ElementwiseOps:
     topk_softmax: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     """(logits [T, E], top_k, renormalize) -> (weights [T, k] f32, ids [T, k] int64): plain
     softmax routing, largest first, ties to the lower id (``fused_moe/router.py``)."""
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(x, residual [..., H], weight [H], eps) -> (rms_norm(s), s), s = x + residual rounded to
+    the dtype once: bitwise the add, then ``rms_norm`` (``RMSNorm.forward`` with a residual)."""
 
 
 class SideStream(Protocol):

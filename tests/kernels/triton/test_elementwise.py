@@ -95,6 +95,35 @@ def test_rms_norm_strided_and_3d(ew, dtype):
     _close(ew.rms_norm(plain, w2, 1e-5), ref_rms_norm(plain, w2, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,H", [(1, 96), (7, 129), (3, 4099)])
+def test_add_rms_norm_is_the_add_then_the_norm_bitwise(ew, dtype, rows, H):
+    """The fused residual add: its sum is torch's x + residual bit for bit (one rounding to the
+    dtype; bf16 under the interpreter, which truncates, within an ulp: the gpu test below checks
+    its bits), its output the unfused kernel's on that sum bit for bit, and close to the torch
+    reference; 4099 columns loop over two chunks. The residual may be a strided view."""
+    x = _randn(rows, H, dtype=dtype, scale=3.0)
+    buf = _randn(rows, H + 5, dtype=dtype, seed=4, scale=3.0)
+    res = buf[:, 2:2 + H]                                     # rows strided by H + 5
+    w = _randn(H, dtype=dtype, seed=1)
+    out, total = ew.add_rms_norm(x, res, w, 1e-6)
+    assert total.is_contiguous()
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        torch.testing.assert_close(total, x + res, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(total, x + res)
+    assert torch.equal(out, ew.rms_norm(total, w, 1e-6))
+    _close(out, ref_rms_norm(total, w, 1e-6))
+
+
+def test_add_rms_norm_refuses_a_mismatched_residual(ew):
+    x = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"residual \(\(2, 7\), torch.float32, .*\) must match x"):
+        ew.add_rms_norm(x, x[:, :7], torch.ones(8, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match=r"residual .*torch.float16.* must match x"):
+        ew.add_rms_norm(x, x.half(), torch.ones(8, device=DEVICE), 1e-6)
+
+
 def test_zero_rows_launch_nothing(ew):
     x = torch.empty(0, 64, device=DEVICE)
     assert ew.rms_norm(x, torch.ones(64, device=DEVICE), 1e-6).shape == (0, 64)
@@ -182,6 +211,16 @@ def test_bad_input_is_refused_naming_the_value(ew):
         ew.rotary_embedding(pos, x, x, inv, 1.0, 8, 4)
     with pytest.raises(ValueError, match=r"positions must be \[T\] int32/int64, got torch.float32"):
         ew.rotary_embedding(pos.float(), x, x, inv, 1.0, 8, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_sum_is_torchs_add_bitwise_on_cuda(ew, dtype):
+    """Compiled, the sum rounds to nearest as torch's add does, bf16 included."""
+    x, r = _randn(257, 2048, dtype=dtype, scale=3.0), _randn(257, 2048, dtype=dtype, seed=7)
+    w = _randn(2048, dtype=dtype, seed=1)
+    out, total = ew.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(total, x + r) and torch.equal(out, ew.rms_norm(x + r, w, 1e-6))
 
 
 @pytest.mark.gpu

@@ -56,6 +56,24 @@ def test_layers_call_the_fused_ops_once(spies):
     assert len(spies) == 6
 
 
+def test_a_norm_with_a_residual_calls_the_fused_add_once_or_adds_then_norms(monkeypatch):
+    """``RMSNorm(x, residual)``: the platform's ``add_rms_norm`` where offered; otherwise the
+    add, then the plain norm (here the CPU's), returning (norm(x + residual), x + residual)."""
+    norm, x, r = RMSNorm(16, eps=1e-5), torch.randn(3, 16), torch.randn(3, 16)
+    out, total = norm(x, r)
+    assert torch.equal(total, x + r) and torch.equal(out, norm(x + r))
+    calls = []
+
+    def fused(*args):
+        calls.append(args)
+        return "normed", "sum"
+    ops = ElementwiseOps(DTYPES, None, None, None, None, add_rms_norm=fused)
+    monkeypatch.setattr(type(platform_for("cpu")), "elementwise_ops", lambda self: ops)
+    assert norm(x, r) == ("normed", "sum")
+    assert len(calls) == 1 and calls[0][0] is x and calls[0][1] is r
+    assert calls[0][2] is norm.weight and calls[0][3] == 1e-5
+
+
 def test_other_dtypes_and_mismatches_keep_the_old_paths(spies):
     norm = RMSNorm(16)
     x64 = torch.randn(3, 16, dtype=torch.float64)

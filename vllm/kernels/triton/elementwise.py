@@ -8,6 +8,8 @@ NOT YET RUN ON A GPU: checked only under Triton's interpreter against torch refe
 Semantics are the layers' torch paths (``vllm/model_executor/layers``):
 - ``rms_norm``: Hugging Face's: x in float32 times 1 / sqrt(mean(x^2) + eps) (IEEE sqrt and
   division), rounded to x's dtype, then times weight (x's dtype: one rounding of the product).
+  ``add_rms_norm``: the same of s = x + residual (rounded to the dtype once, as torch's add),
+  returning s too: the pre-norm block's residual add fused into the next norm.
 - ``silu_and_mul`` / ``gelu_and_mul``: act(gate) in float32 rounded to the dtype, times up,
   rounded (torch's two roundings). On a GPU silu's exp and division are the fast approximate
   instructions (ex2.approx, div.full: 2 ulp in float32), so fp16 / bf16 results may differ from
@@ -40,20 +42,37 @@ ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, x_stride, eps, BLOCK: tl.constexpr):
-    """Row r of x [R, N] (row stride x_stride) -> out [R, N] contiguous; grid (R,)."""
+def _norm_input(x_row, r_row, s_row, c, N, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+    """Columns c of the row to normalise, in float32: x, or x + residual rounded to x's dtype
+    once (torch's add: the sum in float32, one rounding), stored to the sum row if STORE_SUM."""
+    x = tl.load(x_row + c, mask=c < N, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_row + c, mask=c < N, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(s_row.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(s_row + c, x, mask=c < N)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, N, x_stride, r_stride, eps,
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Row r of x [R, N] (row stride x_stride) -> out [R, N] contiguous; grid (R,). With
+    HAS_RESIDUAL the row normalised is x + residual (row stride r_stride), rounded to the dtype
+    and also written to sum [R, N] contiguous (the next residual)."""
     row = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + row * x_stride, out_ptr + row * N
+    r_row, s_row = r_ptr + row * r_stride, sum_ptr + row * N
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, N, BLOCK):
         c = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + c, mask=c < N, other=0.0).to(tl.float32)
+        x = _norm_input(x_row, r_row, s_row, c, N, HAS_RESIDUAL, True)
         acc += x * x
     mean = tl.div_rn(tl.sum(acc, axis=0), N * 1.0)            # N may be a constexpr 1
     inv = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
     for start in range(0, N, BLOCK):
         c = start + tl.arange(0, BLOCK)
-        x = tl.load(x_row + c, mask=c < N, other=0.0).to(tl.float32)
+        x = _norm_input(x_row, r_row, s_row, c, N, HAS_RESIDUAL, False)
         y = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)     # HF: cast back first
         w = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
         tl.store(out_row + c, (y * w).to(out_ptr.dtype.element_ty), mask=c < N)
@@ -147,22 +166,53 @@ def _num_warps(elements: int) -> int:
     return max(1, min(8, elements // 256))
 
 
+def _check_norm_weight(op: str, x: torch.Tensor, weight: torch.Tensor, H: int) -> None:
+    if weight.dtype != x.dtype or weight.numel() != H or weight.device != x.device:
+        raise ValueError(f"triton {op}: weight ({weight.dtype}, {weight.numel()} elements, "
+                         f"{weight.device}) must be x's dtype {x.dtype}, {H} elements, on "
+                         f"{x.device}")
+
+
+def _launch_norm(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor, total: torch.Tensor | None) -> None:
+    R, H = x2.shape
+    if R and H:
+        block = min(triton.next_power_of_2(H), MAX_NORM_BLOCK)
+        _rms_norm_kernel[(R,)](x2, x2 if r2 is None else r2, weight.contiguous(), out,
+                               out if total is None else total, H, x2.stride(0),
+                               x2.stride(0) if r2 is None else r2.stride(0), float(eps),
+                               BLOCK=block, HAS_RESIDUAL=r2 is not None,
+                               num_warps=_num_warps(block), **LAUNCH_OPTIONS)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., H], weight [H] of x's dtype and device -> [..., H] (module docstring)."""
     H = x.shape[-1] if x.dim() else 0
     _check_dtype("rms_norm", "x", x)
-    if weight.dtype != x.dtype or weight.numel() != H or weight.device != x.device:
-        raise ValueError(f"triton rms_norm: weight ({weight.dtype}, {weight.numel()} elements, "
-                         f"{weight.device}) must be x's dtype {x.dtype}, {H} elements, on "
-                         f"{x.device}")
+    _check_norm_weight("rms_norm", x, weight, H)
     x2 = _rows(x, H)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0] and H:
-        block = min(triton.next_power_of_2(H), MAX_NORM_BLOCK)
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, H, x2.stride(0),
-                                         float(eps), BLOCK=block, num_warps=_num_warps(block),
-                                         **LAUNCH_OPTIONS)
+    _launch_norm(x2, None, weight, eps, out, None)
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., H] of one dtype and device -> (rms_norm(s), s) with s = x + residual
+    rounded to the dtype (bitwise torch's ``x + residual``, then ``rms_norm`` of it), both
+    [..., H] contiguous: a decoder layer's residual add and the next norm in one launch."""
+    H = x.shape[-1] if x.dim() else 0
+    _check_dtype("add_rms_norm", "x", x)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"triton add_rms_norm: residual ({tuple(residual.shape)}, "
+                         f"{residual.dtype}, {residual.device}) must match x "
+                         f"({tuple(x.shape)}, {x.dtype}, {x.device})")
+    _check_norm_weight("add_rms_norm", x, weight, H)
+    x2, r2 = _rows(x, H), _rows(residual, H)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x2, r2, weight, eps, out, total)
+    return out.view(x.shape), total.view(x.shape)
 
 
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:

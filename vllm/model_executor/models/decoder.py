@@ -130,7 +130,11 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp_name`` matches the checkpoint."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp_name`` matches the checkpoint.
+
+    As vLLM's: the block returns (mlp output, residual) and the next norm adds them, so each add
+    and the norm after it are one ``RMSNorm(x, residual)`` call (one launch on CUDA); layer 0
+    gets residual None (its input is the embedding), the model's final norm adds the last."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
                  mlp_name: str = "mlp"):
@@ -141,9 +145,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        h = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_states, residual) [T, H] -> the next pair; their sum is the block's output."""
+        if residual is None:
+            x, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            x, residual = self.input_layernorm(hidden_states, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        return getattr(self, self.mlp_name)(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -154,10 +164,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        return self.norm(h, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

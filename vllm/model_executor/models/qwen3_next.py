@@ -88,14 +88,19 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = self.input_layernorm(hidden_states)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_states, residual) -> the next pair (``DecoderLayer``'s protocol)."""
+        if residual is None:
+            x, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            x, residual = self.input_layernorm(hidden_states, residual)
         if self.mixer_name == "linear_attn":
             x = self.linear_attn(x)
         else:
             x = self.self_attn(positions, x)
-        h = hidden_states + x
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen3NextForCausalLM(DecoderForCausalLM):

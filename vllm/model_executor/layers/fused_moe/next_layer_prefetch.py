@@ -8,7 +8,8 @@ router of layer l+1 still decides, so outputs are bitwise unchanged; only hits a
 Model files stay plain modules: after loading, ``wire_next_layer_prefetch`` finds, for every
 FusedMoE in model order, its block's router (a child Linear named ``gate`` or ``router``) and
 the norm that feeds the block (``post_attention_layernorm``, or ``norm`` for one-mixer blocks
-such as Nemotron-H's), and registers a forward pre-hook on layer l's norm. The hook receives h,
+such as Nemotron-H's), and registers a forward pre-hook on layer l's norm. The hook receives h
+(or, where the block adds its residual inside the norm's call, the two terms of h, and adds them),
 runs ``norm_{l+1}.forward(h)`` (``forward`` skips hooks, so layer l+1's own hook does not fire
 on layer l's h), casts to the router's dtype (as the models do: DeepSeek's f32 gate takes
 ``x.float()``), takes the router logits and ``select_experts`` with layer l+1's routing
@@ -89,7 +90,9 @@ class NextLayerPrefetch:
                               nxt.moe.e_score_correction_bias)[1]
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
-        h = args[0]
+        # A pre-norm block calls its norm as norm(x, residual) (the add fused into it): the
+        # residual stream h is their sum, rounded as the norm rounds it.
+        h = args[0] if len(args) < 2 or args[1] is None else args[0] + args[1]
         md = get_attn_metadata()
         row_slots = md.slot_mapping if md is not None and \
             md.slot_mapping.shape[0] == h.shape[0] else None
