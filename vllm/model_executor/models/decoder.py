@@ -129,6 +129,15 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+def input_norm(norm: RMSNorm, hidden_states: torch.Tensor, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's first norm under the (hidden_states, residual) protocol: the first block's
+    input is the residual itself (residual None); later ones add the two inside the norm."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    return norm(hidden_states, residual)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp_name`` matches the checkpoint.
 
@@ -148,10 +157,7 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden_states, residual) [T, H] -> the next pair; their sum is the block's output."""
-        if residual is None:
-            x, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            x, residual = self.input_layernorm(hidden_states, residual)
+        x, residual = input_norm(self.input_layernorm, hidden_states, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
         return getattr(self, self.mlp_name)(x), residual
 

@@ -28,7 +28,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.decoder import (DecoderForCausalLM, GatedMLP, SparseMoeBlock,
-                                                head_dim_of)
+                                                head_dim_of, input_norm)
 from vllm.model_executor.models.qwen3_moe import is_moe_layer
 from vllm.model_executor.models.weight_loading import load_decoder_weights
 
@@ -91,10 +91,7 @@ class HybridDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden_states, residual) -> the next pair (``DecoderLayer``'s protocol)."""
-        if residual is None:
-            x, residual = self.input_layernorm(hidden_states), hidden_states
-        else:
-            x, residual = self.input_layernorm(hidden_states, residual)
+        x, residual = input_norm(self.input_layernorm, hidden_states, residual)
         if self.mixer_name == "linear_attn":
             x = self.linear_attn(x)
         else:
