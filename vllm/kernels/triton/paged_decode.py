@@ -48,7 +48,7 @@ import triton.language as tl
 
 from vllm.kernels.triton import interpreting
 from vllm.kernels.triton.paged_tiles import (attend_keys, head_cols, key_loop_consts, q_tiles,
-                                             tile_width)
+                                             store_cols, tile_width)
 
 LOG2E = 1.4426950408889634
 MIN_CHUNK = 256                        # keys per chunk of a sequence up to 16 * 256 keys
@@ -118,10 +118,7 @@ def _decode_partial_kernel(
     row = (t * (NUM_KV_HEADS * GROUP) + h) * num_chunks + c          # [ROWS] scratch rows
     tl.store(m_ptr + row, m, mask=r_in)
     tl.store(l_ptr + row, s_sum, mask=r_in)
-    dst = acc_ptr + row * HEAD_DIM                                   # [ROWS] pointers
-    tl.store(dst[:, None] + d[None, :], acc, mask=r_in[:, None] & d_in[None, :])
-    if SPLIT_D:
-        tl.store(dst[:, None] + d_b[None, :], acc_b, mask=r_in[:, None] & d_b_in[None, :])
+    store_cols(acc_ptr + row * HEAD_DIM, r_in, d, d_in, d_b, d_b_in, acc, acc_b, SPLIT_D)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])

@@ -48,7 +48,8 @@ and HEADS = the target (``heads_per_program``). All within SM120's 99 KiB of sha
 D = 64, 128 and 256 compile for SM90 and SM120 in fp16, bf16 and fp32, D = 576 in 16-bit at
 GQA 16:1, 64:1 and 128:1, D = 192 and 96 in 16-bit
 (tests/build/test_triton_compile_paged_prefill.py); fp32 past D = 256 is sized against SM120 in
-test_triton_compile_paged_attention.py (the registry refuses what does not fit there). SM90 16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
+test_triton_compile_paged_attention.py (the registry refuses what does not fit there). SM90
+16-bit tiles of 64+ rows lower to wgmma, SM120's to mma.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ import triton.language as tl
 from vllm.kernels.triton import interpreting
 from vllm.kernels.triton.paged_decode import checked_heads, head_rows, heads_per_program
 from vllm.kernels.triton.paged_tiles import (attend_keys, head_cols, key_loop_consts, normalized,
-                                             q_tiles, tile_width)
+                                             q_tiles, store_cols, tile_width)
 
 LOG2E = 1.4426950408889634
 
@@ -221,12 +222,9 @@ def _prefill_kernel(
         d_in, d_b, d_b_in, g * HEAD_DIM, scale_log2, BLOCK_N, KEYS, BLOCK_SIZE,
         NUM_KV_HEADS * HEAD_DIM, True, DOT_F32, PRECISION, V_IS_K, SPLIT_D)
     dst = out_ptr + (t * (NUM_KV_HEADS * GROUP) + h) * HEAD_DIM      # [ROWS] pointers, int64
-    tl.store(dst[:, None] + d[None, :], normalized(acc, s_sum).to(out_ptr.dtype.element_ty),
-             mask=r_in[:, None] & d_in[None, :])
-    if SPLIT_D:
-        tl.store(dst[:, None] + d_b[None, :],
-                 normalized(acc_b, s_sum).to(out_ptr.dtype.element_ty),
-                 mask=r_in[:, None] & d_b_in[None, :])
+    store_cols(dst, r_in, d, d_in, d_b, d_b_in,
+               normalized(acc, s_sum).to(out_ptr.dtype.element_ty),
+               normalized(acc_b, s_sum).to(out_ptr.dtype.element_ty), SPLIT_D)
 
 
 def prefill_consts(group: int, num_kv_heads: int, head_dim: int, block_size: int, *,

@@ -79,6 +79,15 @@ def load_cols(rows, r_in, d, d_in, dtype: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def store_cols(rows, r_in, d, d_in, d_b, d_b_in, x, x_b, SPLIT_D: tl.constexpr):
+    """x [R, len(d)] into columns d of the rows at pointers ``rows`` [R], and x_b into columns
+    d_b under SPLIT_D; masked rows and columns are left as they are."""
+    tl.store(rows[:, None] + d[None, :], x, mask=r_in[:, None] & d_in[None, :])
+    if SPLIT_D:
+        tl.store(rows[:, None] + d_b[None, :], x_b, mask=r_in[:, None] & d_b_in[None, :])
+
+
+@triton.jit
 def q_tiles(rows, r_in, d, d_in, d_b, d_b_in, dtype: tl.constexpr, ROWS: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DB: tl.constexpr, DOT_F32: tl.constexpr,
             SPLIT_D: tl.constexpr):
@@ -92,15 +101,6 @@ def q_tiles(rows, r_in, d, d_in, d_b, d_b_in, dtype: tl.constexpr, ROWS: tl.cons
         q_b = load_cols(rows, r_in, d_b, d_b_in, dtype, DOT_F32)
         acc_b = tl.zeros([ROWS, BLOCK_DB], dtype=tl.float32)
     return q, q_b, acc, acc_b
-
-
-@triton.jit
-def _kv_tile(ptr, off, j_in, d, d_in, DOT_F32: tl.constexpr):
-    """[BLOCK_N, len(d)]: columns d of the key rows at element offsets ``off`` [BLOCK_N]."""
-    x = tl.load(ptr + off[:, None] + d[None, :], mask=j_in[:, None] & d_in[None, :], other=0.0)
-    if DOT_F32:
-        x = x.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -124,16 +124,20 @@ def attend_keys(q, q_b, m, s_sum, acc, acc_b, k_cache_ptr, v_cache_ptr, table, k
         j_in = (jj < KEYS) & (j < k_hi)
         block = tl.load(table + j // BLOCK_SIZE, mask=j_in, other=0)
         off = (block * BLOCK_SIZE + j % BLOCK_SIZE) * ROW_STRIDE + head_off
-        k = _kv_tile(k_cache_ptr, off, j_in, d, d_in, DOT_F32)      # [BLOCK_N, BLOCK_D]
+        k = load_cols(k_cache_ptr + off, j_in, d, d_in, k_cache_ptr.dtype.element_ty,
+                      DOT_F32)                                       # [BLOCK_N, BLOCK_D]
         v = k
         if not V_IS_K:
-            v = _kv_tile(v_cache_ptr, off, j_in, d, d_in, DOT_F32)
+            v = load_cols(v_cache_ptr + off, j_in, d, d_in, v_cache_ptr.dtype.element_ty,
+                          DOT_F32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if SPLIT_D:
-            k_b = _kv_tile(k_cache_ptr, off, j_in, d_b, d_b_in, DOT_F32)   # [BLOCK_N, BLOCK_DB]
+            k_b = load_cols(k_cache_ptr + off, j_in, d_b, d_b_in,
+                            k_cache_ptr.dtype.element_ty, DOT_F32)  # [BLOCK_N, BLOCK_DB]
             v_b = k_b
             if not V_IS_K:
-                v_b = _kv_tile(v_cache_ptr, off, j_in, d_b, d_b_in, DOT_F32)
+                v_b = load_cols(v_cache_ptr + off, j_in, d_b, d_b_in,
+                                v_cache_ptr.dtype.element_ty, DOT_F32)
             s = tl.dot(q_b, tl.trans(k_b), acc=s, input_precision=PRECISION)
         s = s * scale_log2
         keep = j_in[None, :]
