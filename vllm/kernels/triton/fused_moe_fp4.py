@@ -64,13 +64,21 @@ class Fp4Projection:
 
 
 @triton.jit
+def _with_sign(mag, sign_bit):
+    """float32 mag with int32 sign_bit (0 or 1 << 31) ORed into its bits. Not tl.where(s, -mag,
+    mag): Triton 3.6 (the GPU image's) lowers float negation as 0 - x, which makes -0 (e2m1
+    code 8, e4m3 0x80) +0."""
+    return (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1_to_f32(code):
     """int32 codes in [0, 16) -> float32, exact: magnitude m < 2 is m / 2, else
     (2 + (m & 1)) * 2^((m >> 1) - 1) / 2; bit 3 the sign (code 8 is -0)."""
     m = code & 7
     twice = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
     v = twice.to(tl.float32) * 0.5
-    return tl.where((code & 8) != 0, -v, v)
+    return _with_sign(v, (code & 8) << 28)
 
 
 @triton.jit
@@ -80,7 +88,7 @@ def _e4m3_to_f32(b):
     mag_bits = tl.where((b & 0x7F) == 0x7F, 0x7FC00000, ((b & 0x7F) << 20) + (120 << 23))
     mag = tl.where((b & 0x78) == 0, (b & 7).to(tl.float32) * 0.001953125,
                    mag_bits.to(tl.float32, bitcast=True))
-    return tl.where((b & 0x80) != 0, -mag, mag)
+    return _with_sign(mag, (b & 0x80) << 24)
 
 
 @triton.jit
