@@ -79,7 +79,9 @@ def test_command_names_what_exists(label, argv):
         for i, a in enumerate(args):
             if a == "-m":
                 assert args[i + 1] in _markers(), f"{label}: marker {args[i + 1]!r}"
-            elif not a.startswith("-") and (i == 0 or args[i - 1] != "-m"):
+            elif a == "-n":                                     # pytest-xdist's worker count
+                assert args[i + 1].isdigit() or args[i + 1] == "auto", f"{label}: -n {args[i + 1]}"
+            elif not a.startswith("-") and (i == 0 or args[i - 1] not in ("-m", "-n")):
                 assert (ROOT / a.split("::")[0]).exists(), f"{label}: {a} does not exist"
     elif argv[0].startswith("python") and argv[1].endswith(".py"):
         assert (ROOT / argv[1]).is_file(), f"{label}: {argv[1]} does not exist"
