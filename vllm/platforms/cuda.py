@@ -83,7 +83,8 @@ def _triton_elementwise_ops() -> ElementwiseOps | None:
                        "triton", e)
         return None
     return ElementwiseOps(ew.DTYPES, ew.rms_norm, ew.silu_and_mul, ew.gelu_and_mul,
-                          ew.rotary_embedding, topk_softmax, ew.add_rms_norm)
+                          ew.rotary_embedding, topk_softmax, ew.add_rms_norm,
+                          ew.qk_norm_rotary)
 
 
 class CudaSideStream:

@@ -72,6 +72,10 @@ class ElementwiseOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     """(x, residual [..., H], weight [H], eps) -> (rms_norm(s), s), s = x + residual rounded to
     the dtype once: bitwise the add, then ``rms_norm`` (``RMSNorm.forward`` with a residual)."""
+    qk_norm_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    """(positions, q, k, q_weight [D], k_weight [D], eps, inv_freq, scaling, D, rd) -> (q, k):
+    each head RMS-normalised (Qwen3's q_norm / k_norm), then rotated as ``rotary_embedding``;
+    one launch for the three (``RotaryEmbedding.forward`` with norms)."""
 
 
 class SideStream(Protocol):

@@ -190,6 +190,43 @@ def test_rotary_int32_positions(ew):
     assert torch.equal(qo[0], q[0])                           # position 0: the identity
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hk,D,rd", ROPE_SHAPES)
+def test_qk_norm_rotary(ew, dtype, T, Hq, Hk, D, rd):
+    """Qwen3's per-head q/k RMSNorm then rotary, one launch: against the two references composed
+    (q's and k's norm weights differ, so a swap fails), and within an ulp of the norm and rotary
+    kernels run one after the other."""
+    g = torch.Generator().manual_seed(D + rd)
+    positions = torch.randint(0, 100_000, (T,), generator=g).to(DEVICE)
+    qkv = _randn(T, (Hq + 2 * Hk) * D, dtype=dtype, seed=T, scale=3.0)
+    q, k = qkv[:, :Hq * D], qkv[:, Hq * D:(Hq + Hk) * D]
+    wq, wk = _randn(D, dtype=dtype, seed=1) + 1, _randn(D, dtype=dtype, seed=2)
+    inv = _inv_freq(rd).to(DEVICE)
+    qo, ko = ew.qk_norm_rotary(positions, q, k, wq, wk, 1e-6, inv, 0.7, D, rd)
+    assert qo.is_contiguous() and ko.is_contiguous()
+    # The interpreter truncates bf16 at each of the three roundings (norm, weight, rotation),
+    # which the rotation can amplify where it cancels: 4x the tolerance there, not on a GPU.
+    slack = 4 if dtype == torch.bfloat16 and DEVICE == "cpu" else 1
+    for out, x, w in ((qo, q, wq), (ko, k, wk)):
+        ref = ref_rotary(positions, ref_rms_norm(x.reshape(T, -1, D), w, 1e-6).reshape(T, -1),
+                         inv, 0.7, D, rd)
+        tol = TOL[dtype] * slack
+        torch.testing.assert_close(out.cpu().double(), ref.cpu().double(), rtol=tol, atol=tol)
+    nq, nk = (ew.rms_norm(x.reshape(T, -1, D), w, 1e-6).reshape(T, -1) for x, w in ((q, wq),
+                                                                                 (k, wk)))
+    for out, unfused in zip((qo, ko), ew.rotary_embedding(positions, nq, nk, inv, 0.7, D, rd)):
+        _close(out, unfused)
+
+
+def test_qk_norm_rotary_refuses_a_bad_norm_weight(ew):
+    pos, inv = torch.zeros(2, dtype=torch.int64, device=DEVICE), _inv_freq(8).to(DEVICE)
+    x, w = torch.zeros(2, 16, device=DEVICE), torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"qk_norm_rotary: weight .*7 elements.* 8 elements"):
+        ew.qk_norm_rotary(pos, x, x, w, w[:7], 1e-6, inv, 1.0, 8, 8)
+    with pytest.raises(ValueError, match=r"weight \(torch.float16.* must be x's dtype"):
+        ew.qk_norm_rotary(pos, x, x, w.half(), w, 1e-6, inv, 1.0, 8, 8)
+
+
 def test_bad_input_is_refused_naming_the_value(ew):
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"dtype=torch.float64 is not supported"):

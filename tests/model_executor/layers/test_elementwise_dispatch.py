@@ -74,6 +74,35 @@ def test_a_norm_with_a_residual_calls_the_fused_add_once_or_adds_then_norms(monk
     assert calls[0][2] is norm.weight and calls[0][3] == 1e-5
 
 
+def test_rotary_with_qk_norms_calls_the_fused_op_once_or_norms_then_rotates(monkeypatch):
+    """``rope(pos, q, k, q_norm, k_norm)`` (Qwen3): the platform's ``qk_norm_rotary`` where
+    offered (the norms' weights and eps passed); otherwise each head normalised by the norms,
+    then rotated (here the CPU's kernels); norms of another eps or dtype keep that path."""
+    rope, pos = _rope(), torch.arange(3)
+    q, k = torch.randn(3, 32), torch.randn(3, 16)
+    qn, kn = RMSNorm(16, eps=1e-5), RMSNorm(16, eps=1e-5)
+    qn.weight.data.normal_(), kn.weight.data.normal_()
+    want = rope(pos, qn(q.view(3, 2, 16)).view(3, 32), kn(k.view(3, 1, 16)).view(3, 16))
+    for got, ref in zip(rope(pos, q, k, qn, kn), want):
+        assert torch.equal(got, ref)
+    calls = []
+
+    def spy(name, result):
+        return lambda *args: calls.append((name, args)) or result(*args)
+    ops = ElementwiseOps(DTYPES, spy("rms_norm", lambda x, w, eps: x), None, None,
+                         spy("rotary", lambda *a: ("rotated",)),
+                         qk_norm_rotary=spy("fused", lambda *a: ("q", "k")))
+    monkeypatch.setattr(type(platform_for("cpu")), "elementwise_ops", lambda self: ops)
+    assert rope(pos, q, k, qn, kn) == ("q", "k") and [c[0] for c in calls] == ["fused"]
+    args = calls[0][1]
+    assert args[0] is pos and args[1] is q and args[2] is k
+    assert args[3] is qn.weight and args[4] is kn.weight and args[5] == 1e-5
+    assert args[6] is rope.inv_freq and args[7:] == (0.9, 16, 8)
+    kn.variance_epsilon = 1e-6                  # one eps in the kernel: the unfused path
+    assert rope(pos, q, k, qn, kn) == ("rotated",)
+    assert [c[0] for c in calls] == ["fused", "rms_norm", "rms_norm", "rotary"]
+
+
 def test_other_dtypes_and_mismatches_keep_the_old_paths(spies):
     norm = RMSNorm(16)
     x64 = torch.randn(3, 16, dtype=torch.float64)
@@ -122,4 +151,9 @@ def test_layers_over_the_triton_ops_match_their_torch_paths(interpreted_triton, 
     pos = torch.tensor([0, 3, 17, 100, 2048])
     q, k = torch.randn(5, 48, generator=g).to(dtype), torch.randn(5, 16, generator=g).to(dtype)
     for out, ref in zip(rope(pos, q, k), rope.forward_torch(pos, q, k)):
+        torch.testing.assert_close(out, ref, **tol)
+    qn, kn = RMSNorm(16, eps=1e-5).to(dtype), RMSNorm(16, eps=1e-5).to(dtype)
+    qn.weight.data.normal_(generator=g), kn.weight.data.normal_(generator=g)
+    normed = qn.forward_torch(q.view(5, 3, 16)).view(5, 48), kn.forward_torch(k)
+    for out, ref in zip(rope(pos, q, k, qn, kn), rope.forward_torch(pos, *normed)):
         torch.testing.assert_close(out, ref, **tol)

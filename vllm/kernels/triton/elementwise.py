@@ -1,5 +1,6 @@
 """A decoder layer's small ops as one Triton launch each (CUDA): RMSNorm, the gated activations
-(silu / gelu of gate times up) and rotary embedding of q and k together.
+(silu / gelu of gate times up) and rotary embedding of q and k together (with Qwen3's per-head
+q/k RMSNorm before it: ``qk_norm_rotary``).
 
 NOT YET RUN ON A GPU: checked only under Triton's interpreter against torch references
 (``tests/kernels/triton/test_elementwise.py``) and compiled for SM90 / SM120
@@ -119,12 +120,25 @@ def _store_heads(qo_ptr, ko_ptr, qo_off, ko_off, cols, mq, mk, y):
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, inv_ptr, scaling, q_ptr, k_ptr, qo_ptr, ko_ptr, q_stride, k_stride,
-                   HQ, HK, D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, HB: tl.constexpr):
+def _head_norm(x, inv, qw_ptr, kw_ptr, cols, mq, mk, DT: tl.constexpr):
+    """[HB, C] float32 columns cols of each head times its inv (1 / rms), rounded to DT, times
+    q_norm's weight on q's lanes or k_norm's on k's, rounded: RMSNorm's two roundings."""
+    y = (x * inv).to(DT).to(tl.float32)
+    wq = tl.load(qw_ptr + cols[None, :], mask=mq, other=0.0)
+    wk = tl.load(kw_ptr + cols[None, :], mask=mk, other=0.0)
+    return (y * tl.where(mq, wq, wk).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, inv_ptr, scaling, q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, eps,
+                   q_stride, k_stride, HQ, HK, D: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr,
+                   HB: tl.constexpr, HAS_NORM: tl.constexpr):
     """Token t, heads [HB * j, HB * (j + 1)) of q's HQ then k's HK heads; grid (T, cdiv(HQ + HK,
     HB)). q [T, HQ * D], k [T, HK * D] (row strides q_stride, k_stride) -> qo, ko contiguous.
-    Dims [0, HALF) pair with [HALF, 2 * HALF); dims [2 * HALF, D) (PASS of them) are copied."""
+    Dims [0, HALF) pair with [HALF, 2 * HALF); dims [2 * HALF, D) (PASS of them) are copied.
+    HAS_NORM: each head is first RMS-normalised over its D dims (eps; weights qw [D] for q's
+    heads, kw [D] for k's), rounded to the dtype as RMSNorm rounds, then rotated."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)                       # [HB]
     is_q, is_k = h < HQ, (h >= HQ) & (h < HQ + HK)
@@ -132,6 +146,7 @@ def _rotary_kernel(pos_ptr, inv_ptr, scaling, q_ptr, k_ptr, qo_ptr, ko_ptr, q_st
     hq = tl.where(is_q, h, 0).to(tl.int64)
     q_off, k_off = t * q_stride + hq * D, t * k_stride + hk * D
     qo_off, ko_off = t * (HQ * D) + hq * D, t * (HK * D) + hk * D
+    DT: tl.constexpr = qo_ptr.dtype.element_ty
     i = tl.arange(0, BLOCK_HALF)
     ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + i, mask=i < HALF, other=0.0)
     c = (tl.cos(ang) * scaling)[None, :]                               # [1, BLOCK_HALF]
@@ -140,14 +155,24 @@ def _rotary_kernel(pos_ptr, inv_ptr, scaling, q_ptr, k_ptr, qo_ptr, ko_ptr, q_st
     mk = is_k[:, None] & (i < HALF)[None, :]
     x1 = _load_heads(q_ptr, k_ptr, q_off, k_off, i, mq, mk)
     x2 = _load_heads(q_ptr, k_ptr, q_off, k_off, i + HALF, mq, mk)
+    if PASS > 0:
+        j = 2 * HALF + tl.arange(0, BLOCK_PASS)
+        pq = is_q[:, None] & (j < D)[None, :]
+        pk = is_k[:, None] & (j < D)[None, :]
+        xp = _load_heads(q_ptr, k_ptr, q_off, k_off, j, pq, pk)
+    if HAS_NORM:
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)        # [HB]; masked lanes 0
+        if PASS > 0:
+            ss += tl.sum(xp * xp, axis=1)
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, D * 1.0) + eps))[:, None]
+        x1 = _head_norm(x1, inv, qw_ptr, kw_ptr, i, mq, mk, DT)
+        x2 = _head_norm(x2, inv, qw_ptr, kw_ptr, i + HALF, mq, mk, DT)
+        if PASS > 0:
+            xp = _head_norm(xp, inv, qw_ptr, kw_ptr, j, pq, pk, DT)
     _store_heads(qo_ptr, ko_ptr, qo_off, ko_off, i, mq, mk, x1 * c - x2 * s)
     _store_heads(qo_ptr, ko_ptr, qo_off, ko_off, i + HALF, mq, mk, x2 * c + x1 * s)
     if PASS > 0:
-        j = tl.arange(0, BLOCK_PASS)
-        pq = is_q[:, None] & (j < PASS)[None, :]
-        pk = is_k[:, None] & (j < PASS)[None, :]
-        x = _load_heads(q_ptr, k_ptr, q_off, k_off, 2 * HALF + j, pq, pk)
-        _store_heads(qo_ptr, ko_ptr, qo_off, ko_off, 2 * HALF + j, pq, pk, x)
+        _store_heads(qo_ptr, ko_ptr, qo_off, ko_off, j, pq, pk, xp)
 
 
 def _check_dtype(op: str, what: str, t: torch.Tensor) -> None:
@@ -273,12 +298,8 @@ def _check_rotary(positions, q, k, inv_freq, head_dim: int, rotary_dim: int) -> 
                          "share one device")
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     inv_freq: torch.Tensor, scaling: float, head_dim: int,
-                     rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] int; q [T, Hq * head_dim], k [T, Hkv * head_dim] (one dtype); inv_freq
-    [rotary_dim / 2] float32 -> new (q, k), contiguous, same shapes. One launch for both."""
-    _check_rotary(positions, q, k, inv_freq, head_dim, rotary_dim)
+def _launch_rotary(positions, q, k, inv_freq, scaling, head_dim, rotary_dim, norm=None):
+    """norm: None, or (q_weight, k_weight, eps) of the heads' RMSNorm before the rotation."""
     q2, k2 = _rows(q, q.shape[1]), _rows(k, k.shape[1])
     qo = torch.empty(q2.shape, dtype=q.dtype, device=q.device)
     ko = torch.empty(k2.shape, dtype=k.dtype, device=k.device)
@@ -288,9 +309,35 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     half, rest = rotary_dim // 2, head_dim - rotary_dim
     block_half = triton.next_power_of_2(max(half, 1))
     hb = min(triton.next_power_of_2(HQ + HK), max(1, MAX_ROPE_TILE // block_half))
+    qw, kw, eps = norm if norm is not None else (qo, ko, 0.0)     # unread without HAS_NORM
     _rotary_kernel[(T, triton.cdiv(HQ + HK, hb))](
         positions.contiguous(), inv_freq.contiguous(), float(scaling), q2, k2, qo, ko,
-        q2.stride(0), k2.stride(0), HQ, HK, D=head_dim, HALF=half, BLOCK_HALF=block_half,
-        PASS=rest, BLOCK_PASS=triton.next_power_of_2(max(rest, 1)), HB=hb,
+        qw.contiguous(), kw.contiguous(), float(eps), q2.stride(0), k2.stride(0), HQ, HK,
+        D=head_dim, HALF=half, BLOCK_HALF=block_half, PASS=rest,
+        BLOCK_PASS=triton.next_power_of_2(max(rest, 1)), HB=hb, HAS_NORM=norm is not None,
         num_warps=_num_warps(hb * block_half), **LAUNCH_OPTIONS)
     return qo, ko
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     inv_freq: torch.Tensor, scaling: float, head_dim: int,
+                     rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int; q [T, Hq * head_dim], k [T, Hkv * head_dim] (one dtype); inv_freq
+    [rotary_dim / 2] float32 -> new (q, k), contiguous, same shapes. One launch for both."""
+    _check_rotary(positions, q, k, inv_freq, head_dim, rotary_dim)
+    return _launch_rotary(positions, q, k, inv_freq, scaling, head_dim, rotary_dim)
+
+
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   inv_freq: torch.Tensor, scaling: float, head_dim: int,
+                   rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_embedding`` of q and k whose heads are first RMS-normalised over head_dim with
+    q_weight / k_weight [head_dim] (q's dtype; Qwen3's q_norm and k_norm, one eps): one launch
+    instead of three. Each head as ``rms_norm`` of it would give, to rounding of the sum of
+    squares (summed in another order), then rotated as ``rotary_embedding``."""
+    _check_rotary(positions, q, k, inv_freq, head_dim, rotary_dim)
+    _check_norm_weight("qk_norm_rotary", q, q_weight, head_dim)
+    _check_norm_weight("qk_norm_rotary", k, k_weight, head_dim)
+    return _launch_rotary(positions, q, k, inv_freq, scaling, head_dim, rotary_dim,
+                          norm=(q_weight, k_weight, eps))

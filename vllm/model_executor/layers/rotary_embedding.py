@@ -126,10 +126,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._freq_key = (tuple(self.inv_freq.tolist()), attention_scaling)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
         """positions [T] int64; q [T, Hq*D], k [T, Hkv*D] -> rotated (q, k), same shapes/dtypes.
         One launch of the platform's fused kernel (CUDA: Triton, cos/sin made in the kernel),
-        else one C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch."""
+        else one C kernel call on CPU (f32/bf16, ``vllm/kernels/cpu/rotary.c``), else torch.
+        With q_norm and k_norm (``RMSNorm(D)``, Qwen3's), each head is normalised first: in the
+        rotary launch where the platform fuses them (``qk_norm_rotary``), else by the norms."""
+        if q_norm is not None:
+            fused = self._fused_qk_norm(q, k, q_norm, k_norm)
+            if fused is not None:
+                return fused.qk_norm_rotary(positions, q, k, q_norm.weight, k_norm.weight,
+                                            q_norm.variance_epsilon, self.inv_freq,
+                                            self.attention_scaling, self.head_dim,
+                                            self.rotary_dim)
+            T = q.shape[0]
+            q = q_norm(q.view(T, -1, self.head_dim)).view(T, -1)
+            k = k_norm(k.view(T, -1, self.head_dim)).view(T, -1)
         if q.dtype == k.dtype:
             fused = elementwise_ops(q.dtype, q.device)
             if fused is not None:
@@ -140,6 +153,15 @@ class RotaryEmbedding(nn.Module):
                 return rotary_embedding(self._cos_sin(positions), q, k, self.head_dim,
                                         self.rotary_dim)
         return self.forward_torch(positions, q, k)
+
+    @staticmethod
+    def _fused_qk_norm(q, k, q_norm, k_norm):
+        """The platform's ops if they fuse the q/k norms into the rotation for these tensors."""
+        if not (q.dtype == k.dtype == q_norm.weight.dtype == k_norm.weight.dtype
+                and q_norm.variance_epsilon == k_norm.variance_epsilon):
+            return None
+        fused = elementwise_ops(q.dtype, q.device)
+        return fused if fused is not None and fused.qk_norm_rotary is not None else None
 
     def _cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
         """[T, rd] cos/sin rows for the kernel. The layers of one forward pass share the

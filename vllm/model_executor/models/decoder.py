@@ -92,12 +92,9 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [T], hidden_states [T, H] -> [T, H]."""
-        T = hidden_states.shape[0]
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
-        if self.qk_norm:
-            q = self.q_norm(q.view(T, -1, self.head_dim)).view(T, -1)
-            k = self.k_norm(k.view(T, -1, self.head_dim)).view(T, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        q, k = self.rotary_emb(positions, q, k, *norms)
         return self.o_proj(self.attn(q, k, v))
 
 
