@@ -284,3 +284,12 @@ def test_rotary_far_positions_on_cuda(ew, dtype):
     qo, ko = ew.rotary_embedding(positions, q, k, inv, 1.0, D, D)
     _close(qo, ref_rotary(positions, q, inv, 1.0, D, D))
     _close(ko, ref_rotary(positions, k, inv, 1.0, D, D))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rotary_on_cuda(ew, dtype):
+    """Compiled, at the probe model's heads (32 + 4 of 128) over 4096 tokens, and Phi-2-like
+    partial rotary: the interpreter test's checks (bf16 without its slack)."""
+    test_qk_norm_rotary(ew, dtype, 4096, 32, 4, 128, 128)
+    test_qk_norm_rotary(ew, dtype, 257, 32, 32, 80, 32)
