@@ -17,8 +17,6 @@ from torch import nn
 
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.models.registry import get_model_class
 
 logger = init_logger(__name__)
@@ -77,9 +75,12 @@ def get_model(vllm_config: VllmConfig) -> nn.Module:
         model.requires_grad_(False)
         with torch.no_grad():
             model.load_weights(iterate_safetensors(files))
-            for module in model.modules():
-                if isinstance(module, (FusedMoE, Linear)):
-                    module.finish_loading(device)
+            # Parents before their children (pre-order): DecoderAttention fuses its q/k/v
+            # weights before the Linears would pack them.
+            for module in list(model.modules()):
+                finish = getattr(module, "finish_loading", None)
+                if callable(finish):
+                    finish(device)
     qc = getattr(vllm_config, "quant_config", None)
     logger.info("Loaded %s from %d safetensors file(s) (dtype %s, device %s, quantization %s)",
                 mc.architecture, len(files), mc.dtype, device, qc.describe() if qc else "none")

@@ -3,8 +3,14 @@
 On the CPU with the C kernels available (f32/bf16), ``finish_loading`` swaps ``weight`` for its
 packed layout (``vllm/kernels/cpu/ops.prepack``) and ``forward`` runs ``dense_linear``; elsewhere
 the layer is ``nn.Linear``. One copy of the weight exists either way.
+
+``fuse_linears`` joins projections of one input (q/k/v) into one weight where they run as
+``nn.Linear`` (a GPU: one GEMM launch instead of three); the members keep their parameter names
+as views of it. Where they are packed for the C kernel they stay apart (same bits as before).
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,3 +41,29 @@ class Linear(nn.Linear):
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return dense_linear(x, packed, self.out_features, self.bias)
+
+
+def fuse_linears(linears: Sequence[Linear], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """After loading, before ``finish_loading``: the members' weights (and biases) concatenated
+    along the output dim, [sum(out), in], each member's parameter re-pointed to its rows (views:
+    one copy); or None, changing nothing, where the members will run the packed C kernel or do
+    not share input size, dtype and bias presence. ``F.linear(x, w, b).split(outs, -1)`` is then
+    the members' outputs (as column views of one [T, sum(out)] result)."""
+    first = linears[0]
+    if any("packed_weight" in m._buffers for m in linears) or native_kernels(first.weight.dtype,
+                                                                             device):
+        return None
+    if any(m.in_features != first.in_features or m.weight.dtype != first.weight.dtype
+           or (m.bias is None) != (first.bias is None) for m in linears):
+        return None
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = None if first.bias is None else torch.cat([m.bias.data for m in linears])
+    row = 0
+    for m in linears:
+        rows = slice(row, row + m.out_features)
+        m.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[rows], requires_grad=False)
+        row += m.out_features
+    return weight, bias

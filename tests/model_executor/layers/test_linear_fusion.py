@@ -1,0 +1,84 @@
+"""``fuse_linears``: q/k/v joined into one weight where the Linears run as nn.Linear (one GEMM on
+a GPU), left apart where the C kernel packs them; and the loader applying it to DecoderAttention."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.model_executor.layers.linear import Linear, fuse_linears
+from vllm.platforms import native_kernels
+
+CPU = torch.device("cpu")
+
+
+def _linears(dtype, sizes=(32, 8, 8), bias=True, n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for rows in sizes:
+        m = Linear(n, rows, bias=bias, dtype=dtype)
+        m.weight.data.copy_(torch.randn(rows, n, generator=g))
+        if bias:
+            m.bias.data.copy_(torch.randn(rows, generator=g))
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_weight_is_the_members_rows_and_their_parameters_view_it(bias):
+    """float64 on CPU runs as nn.Linear: one weight [48, 16], the members' parameters its rows
+    (no second copy), and the one GEMM split by columns equals each member's output."""
+    members = _linears(torch.float64, bias=bias)
+    want_w = [m.weight.detach().clone() for m in members]
+    want_b = [m.bias.detach().clone() for m in members] if bias else None
+    x = torch.randn(5, 16, dtype=torch.float64)
+    want = [F.linear(x, w, None if want_b is None else b)
+            for w, b in zip(want_w, want_b or [None] * 3)]
+    weight, b = fuse_linears(members, CPU)
+    assert weight.shape == (48, 16) and torch.equal(weight, torch.cat(want_w))
+    assert (b is None) == (not bias) and (b is None or torch.equal(b, torch.cat(want_b)))
+    for i, m in enumerate(members):
+        assert m.weight.data_ptr() == weight.data_ptr() + 16 * sum((32, 8, 8)[:i]) * 8
+        assert torch.equal(m.weight, want_w[i])
+    for got, ref in zip(F.linear(x, weight, b).split((32, 8, 8), -1), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_packed_or_mismatched_members_are_left_apart():
+    if native_kernels(torch.float32, CPU):        # the C kernel will pack them: no fusion
+        members = _linears(torch.float32)
+        ptrs = [m.weight.data_ptr() for m in members]
+        assert fuse_linears(members, CPU) is None
+        assert [m.weight.data_ptr() for m in members] == ptrs
+    mixed = _linears(torch.float64)[:2] + _linears(torch.float64, sizes=(8,), bias=False)
+    assert fuse_linears(mixed, CPU) is None                         # bias on two of three
+    wide = _linears(torch.float64)[:2] + _linears(torch.float64, sizes=(8,), n=24)
+    assert fuse_linears(wide, CPU) is None                          # another input size
+
+
+def test_the_loader_fuses_decoder_attention_where_not_packed(tiny_model_factory, monkeypatch):
+    """Loaded in float16 on CPU (no C kernel for it): every DecoderAttention holds one q/k/v
+    weight whose rows the three projections view, and greedy tokens equal those of the same
+    engine with the fusion turned off (three GEMMs)."""
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.models.decoder import DecoderAttention
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [250, 7]}]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def run():
+        llm = LLM(path, device="cpu", dtype="float16", enforce_eager=True)
+        attns = [m for m in llm.llm_engine.runner.model.modules()
+                 if isinstance(m, DecoderAttention)]
+        return attns, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    attns, fused = run()
+    assert attns
+    for a in attns:
+        w = a.qkv_weight
+        assert w.shape[0] == sum(p.out_features for p in (a.q_proj, a.k_proj, a.v_proj))
+        assert a.q_proj.weight.data_ptr() == w.data_ptr()
+        assert torch.equal(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), w)
+    monkeypatch.setattr(DecoderAttention, "finish_loading", lambda self, device: None)
+    attns, apart = run()
+    assert all("qkv_weight" not in a._buffers for a in attns)
+    assert fused == apart
