@@ -56,20 +56,21 @@ def test_packed_or_mismatched_members_are_left_apart():
     assert fuse_linears(wide, CPU) is None                          # another input size
 
 
-def test_the_loader_fuses_decoder_attention_where_not_packed(tiny_model_factory, monkeypatch):
-    """Loaded in float16 on CPU (no C kernel for it): every DecoderAttention holds one q/k/v
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
+def test_the_loader_fuses_attention_where_not_packed(tiny_model_factory, monkeypatch, arch):
+    """Loaded in float16 on CPU (no C kernel for it): every attention module holds one q/k/v
     weight whose rows the three projections view, and greedy tokens equal those of the same
-    engine with the fusion turned off (three GEMMs)."""
+    engine with the fusion turned off (three GEMMs). (Nemotron-H's attention: its
+    ``test_torch_paths``, against transformers, where nothing is packed.)"""
     from vllm import LLM, SamplingParams
-    from vllm.model_executor.models.decoder import DecoderAttention
-    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    from vllm.model_executor.layers import linear
+    path = tiny_model_factory(arch)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [250, 7]}]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def run():
         llm = LLM(path, device="cpu", dtype="float16", enforce_eager=True)
-        attns = [m for m in llm.llm_engine.runner.model.modules()
-                 if isinstance(m, DecoderAttention)]
+        attns = [m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "v_proj")]
         return attns, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     attns, fused = run()
     assert attns
@@ -78,7 +79,7 @@ def test_the_loader_fuses_decoder_attention_where_not_packed(tiny_model_factory,
         assert w.shape[0] == sum(p.out_features for p in (a.q_proj, a.k_proj, a.v_proj))
         assert a.q_proj.weight.data_ptr() == w.data_ptr()
         assert torch.equal(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), w)
-    monkeypatch.setattr(DecoderAttention, "finish_loading", lambda self, device: None)
+    monkeypatch.setattr(linear, "fuse_linears", lambda linears, device: None)
     attns, apart = run()
     assert all("qkv_weight" not in a._buffers for a in attns)
     assert fused == apart

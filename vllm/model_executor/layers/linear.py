@@ -67,3 +67,23 @@ def fuse_linears(linears: Sequence[Linear], device: torch.device
             m.bias = nn.Parameter(bias[rows], requires_grad=False)
         row += m.out_features
     return weight, bias
+
+
+def fuse_qkv(attn: nn.Module, device: torch.device) -> None:
+    """``fuse_linears`` of ``attn``'s q_proj, k_proj and v_proj (an attention module's
+    ``finish_loading``); where it applies, the joined weight and bias are ``attn``'s
+    ``qkv_weight`` / ``qkv_bias`` buffers, which ``project_qkv`` then uses."""
+    fused = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], device)
+    if fused is not None:
+        attn.register_buffer("qkv_weight", fused[0], persistent=False)
+        attn.register_buffer("qkv_bias", fused[1], persistent=False)
+
+
+def project_qkv(attn: nn.Module, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] -> q, k, v: column views [T, n] of one GEMM's output after ``fuse_qkv``, else
+    the three projections' own outputs."""
+    if "qkv_weight" in attn._buffers:
+        sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        return F.linear(x, attn.qkv_weight, attn.qkv_bias).split(sizes, -1)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)

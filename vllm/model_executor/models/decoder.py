@@ -16,7 +16,7 @@ from vllm.model_executor.layers.activation import get_act_and_mul_fn, sigmoid_ga
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear, fuse_linears
+from vllm.model_executor.layers.linear import Linear, fuse_qkv, project_qkv
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.weight_loading import load_decoder_weights
@@ -91,20 +91,11 @@ class DecoderAttention(nn.Module):
                               prefix=f"{prefix}.attn", sliding_window=window)
 
     def finish_loading(self, device: torch.device) -> None:
-        """q/k/v as one GEMM where the Linears run as nn.Linear (``fuse_linears``)."""
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj], device)
-        if fused is not None:
-            self.register_buffer("qkv_weight", fused[0], persistent=False)
-            self.register_buffer("qkv_bias", fused[1], persistent=False)
+        fuse_qkv(self, device)            # q/k/v as one GEMM where the Linears are nn.Linear
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [T], hidden_states [T, H] -> [T, H]."""
-        if "qkv_weight" in self._buffers:     # q, k, v: column views [T, n] of one GEMM's output
-            sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
-            q, k, v = F.linear(hidden_states, self.qkv_weight, self.qkv_bias).split(sizes, -1)
-        else:
-            q, k, v = (self.q_proj(hidden_states), self.k_proj(hidden_states),
-                       self.v_proj(hidden_states))
+        q, k, v = project_qkv(self, hidden_states)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         q, k = self.rotary_emb(positions, q, k, *norms)
         return self.o_proj(self.attn(q, k, v))
