@@ -1,5 +1,5 @@
-"""``fuse_linears``: q/k/v joined into one weight where the Linears run as nn.Linear (one GEMM on
-a GPU), left apart where the C kernel packs them; and the loader applying it to DecoderAttention."""
+"""``fuse_linears``: q/k/v (gate/up) joined into one weight where the Linears run as nn.Linear (one
+GEMM on a GPU), left apart where the C kernel packs them; and the loader applying it."""
 from __future__ import annotations
 
 import pytest
@@ -56,11 +56,23 @@ def test_packed_or_mismatched_members_are_left_apart():
     assert fuse_linears(wide, CPU) is None                          # another input size
 
 
-@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "GptOssForCausalLM"])
-def test_the_loader_fuses_attention_where_not_packed(tiny_model_factory, monkeypatch, arch):
-    """Loaded in float16 on CPU (no C kernel for it): every attention module holds one q/k/v
-    weight whose rows the three projections view, and greedy tokens equal those of the same
-    engine with the fusion turned off (three GEMMs). (Nemotron-H's attention: its
+def _groups(model):
+    """(module, its Linears of one input) of every module the loader fuses."""
+    from vllm.model_executor.models.decoder import GatedMLP
+    for m in model.modules():
+        if hasattr(m, "v_proj"):
+            yield m, (m.q_proj, m.k_proj, m.v_proj)
+        elif isinstance(m, GatedMLP):
+            yield m, (m.gate_proj, m.up_proj)
+
+
+@pytest.mark.parametrize("arch,mlps", [("Qwen3MoeForCausalLM", 0), ("GptOssForCausalLM", 0),
+                                       ("Qwen2MoeForCausalLM", 2), ("DeepseekV2ForCausalLM", 2)])
+def test_the_loader_fuses_where_not_packed(tiny_model_factory, monkeypatch, arch, mlps):
+    """Loaded in float16 on CPU (no C kernel for it): every attention's q/k/v and every gated
+    MLP's gate/up (Qwen2-MoE's shared expert, DeepSeek's shared experts and dense layer) is
+    one weight whose rows the projections view, and greedy tokens equal those of the same
+    engine with the fusion turned off (a GEMM each). (Nemotron-H's attention: its
     ``test_torch_paths``, against transformers, where nothing is packed.)"""
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers import linear
@@ -70,16 +82,16 @@ def test_the_loader_fuses_attention_where_not_packed(tiny_model_factory, monkeyp
 
     def run():
         llm = LLM(path, device="cpu", dtype="float16", enforce_eager=True)
-        attns = [m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "v_proj")]
-        return attns, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    attns, fused = run()
-    assert attns
-    for a in attns:
-        w = a.qkv_weight
-        assert w.shape[0] == sum(p.out_features for p in (a.q_proj, a.k_proj, a.v_proj))
-        assert a.q_proj.weight.data_ptr() == w.data_ptr()
-        assert torch.equal(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), w)
+        groups = list(_groups(llm.llm_engine.runner.model))
+        return groups, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    groups, fused = run()
+    assert sum(len(ls) == 2 for _, ls in groups) >= mlps and groups
+    for m, linears in groups:
+        w = m.fused_weight
+        assert w.shape[0] == sum(p.out_features for p in linears)
+        assert linears[0].weight.data_ptr() == w.data_ptr()
+        assert torch.equal(torch.cat([p.weight for p in linears]), w)
     monkeypatch.setattr(linear, "fuse_linears", lambda linears, device: None)
-    attns, apart = run()
-    assert all("qkv_weight" not in a._buffers for a in attns)
+    groups, apart = run()
+    assert all("fused_weight" not in m._buffers for m, _ in groups)
     assert fused == apart

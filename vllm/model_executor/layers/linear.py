@@ -4,7 +4,7 @@ On the CPU with the C kernels available (f32/bf16), ``finish_loading`` swaps ``w
 packed layout (``vllm/kernels/cpu/ops.prepack``) and ``forward`` runs ``dense_linear``; elsewhere
 the layer is ``nn.Linear``. One copy of the weight exists either way.
 
-``fuse_linears`` joins projections of one input (q/k/v) into one weight where they run as
+``fuse_linears`` joins projections of one input (q/k/v, gate/up) into one weight where they run as
 ``nn.Linear`` (a GPU: one GEMM launch instead of three); the members keep their parameter names
 as views of it. Where they are packed for the C kernel they stay apart (same bits as before).
 """
@@ -18,6 +18,10 @@ from torch import nn
 
 from vllm.kernels.cpu.ops import dense_linear, prepack
 from vllm.platforms import native_kernels
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+"""An attention module's projections of one input (``fuse_projections``, ``project``)."""
 
 
 class Linear(nn.Linear):
@@ -69,21 +73,22 @@ def fuse_linears(linears: Sequence[Linear], device: torch.device
     return weight, bias
 
 
-def fuse_qkv(attn: nn.Module, device: torch.device) -> None:
-    """``fuse_linears`` of ``attn``'s q_proj, k_proj and v_proj (an attention module's
-    ``finish_loading``); where it applies, the joined weight and bias are ``attn``'s
-    ``qkv_weight`` / ``qkv_bias`` buffers, which ``project_qkv`` then uses."""
-    fused = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], device)
+def fuse_projections(module: nn.Module, names: Sequence[str], device: torch.device) -> None:
+    """``fuse_linears`` of ``module``'s Linears ``names`` (a module's ``finish_loading``: q/k/v
+    of attention, gate/up of a gated MLP); where it applies, the joined weight and bias are
+    ``module``'s ``fused_weight`` / ``fused_bias`` buffers, which ``project`` then uses."""
+    fused = fuse_linears([getattr(module, n) for n in names], device)
     if fused is not None:
-        attn.register_buffer("qkv_weight", fused[0], persistent=False)
-        attn.register_buffer("qkv_bias", fused[1], persistent=False)
+        module.register_buffer("fused_weight", fused[0], persistent=False)
+        module.register_buffer("fused_bias", fused[1], persistent=False)
 
 
-def project_qkv(attn: nn.Module, x: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, H] -> q, k, v: column views [T, n] of one GEMM's output after ``fuse_qkv``, else
-    the three projections' own outputs."""
-    if "qkv_weight" in attn._buffers:
-        sizes = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
-        return F.linear(x, attn.qkv_weight, attn.qkv_bias).split(sizes, -1)
-    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+def project(module: nn.Module, names: Sequence[str], x: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+    """x [T, H] -> each Linear of ``names`` applied to x: column views [T, n] of one GEMM's
+    output after ``fuse_projections``, else the Linears' own outputs."""
+    linears = [getattr(module, n) for n in names]
+    if "fused_weight" in module._buffers:
+        sizes = [m.out_features for m in linears]
+        return F.linear(x, module.fused_weight, module.fused_bias).split(sizes, -1)
+    return tuple(m(x) for m in linears)

@@ -16,7 +16,7 @@ from vllm.model_executor.layers.activation import get_act_and_mul_fn, sigmoid_ga
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear, fuse_qkv, project_qkv
+from vllm.model_executor.layers.linear import QKV, Linear, fuse_projections, project
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.weight_loading import load_decoder_weights
@@ -62,8 +62,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_and_mul = get_act_and_mul_fn(hidden_act)
 
+    def finish_loading(self, device: torch.device) -> None:
+        fuse_projections(self, ("gate_proj", "up_proj"), device)   # as q/k/v: one GEMM
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_and_mul(*project(self, ("gate_proj", "up_proj"), x)))
 
 
 class DecoderAttention(nn.Module):
@@ -91,11 +94,11 @@ class DecoderAttention(nn.Module):
                               prefix=f"{prefix}.attn", sliding_window=window)
 
     def finish_loading(self, device: torch.device) -> None:
-        fuse_qkv(self, device)            # q/k/v as one GEMM where the Linears are nn.Linear
+        fuse_projections(self, QKV, device)   # one GEMM where the Linears are nn.Linear
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [T], hidden_states [T, H] -> [T, H]."""
-        q, k, v = project_qkv(self, hidden_states)
+        q, k, v = project(self, QKV, hidden_states)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         q, k = self.rotary_emb(positions, q, k, *norms)
         return self.o_proj(self.attn(q, k, v))

@@ -22,7 +22,7 @@ from torch import nn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
-from vllm.model_executor.layers.linear import Linear, fuse_qkv, project_qkv
+from vllm.model_executor.layers.linear import QKV, Linear, fuse_projections, project
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.decoder import (DecoderForCausalLM, DecoderLayer, config_attr,
                                                 head_dim_of)
@@ -79,11 +79,11 @@ class GptOssAttention(nn.Module):
                               sliding_window=hf_config.sliding_window if sliding else None)
 
     def finish_loading(self, device: torch.device) -> None:
-        fuse_qkv(self, device)            # q/k/v as one GEMM where the Linears are nn.Linear
+        fuse_projections(self, QKV, device)   # one GEMM where the Linears are nn.Linear
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [T], hidden_states [T, H] -> [T, H]."""
-        q, k, v = project_qkv(self, hidden_states)
+        q, k, v = project(self, QKV, hidden_states)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

@@ -33,7 +33,7 @@ from vllm.model_executor.layers.activation import get_act_fn
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear, fuse_qkv, project_qkv
+from vllm.model_executor.layers.linear import QKV, Linear, fuse_projections, project
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.decoder import config_attr, head_dim_of
@@ -93,10 +93,10 @@ class NemotronHAttention(nn.Module):
         self.attn = Attention(nH, D, nKV, D ** -0.5, prefix=f"{prefix}.attn")
 
     def finish_loading(self, device: torch.device) -> None:
-        fuse_qkv(self, device)            # q/k/v as one GEMM where the Linears are nn.Linear
+        fuse_projections(self, QKV, device)   # one GEMM where the Linears are nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(*project_qkv(self, x)))
+        return self.o_proj(self.attn(*project(self, QKV, x)))
 
 
 class NemotronHMoE(nn.Module):
