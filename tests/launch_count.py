@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 NO_KERNEL = frozenset((
     "empty", "new_empty", "empty_strided", "view", "_unsafe_view", "as_strided", "expand", "t",
     "transpose", "unsqueeze", "squeeze", "slice", "select", "reshape", "permute", "detach",
-    "alias", "split", "split_with_sizes", "unbind", "narrow", "view_as", "_reshape_alias", "set_", "lift_fresh"))
+    "alias", "split", "split_with_sizes", "unbind", "narrow", "view_as", "_reshape_alias", "set_",
+    "lift_fresh"))
 
 
 class Launches:
