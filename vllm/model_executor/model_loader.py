@@ -75,8 +75,8 @@ def get_model(vllm_config: VllmConfig) -> nn.Module:
         model.requires_grad_(False)
         with torch.no_grad():
             model.load_weights(iterate_safetensors(files))
-            # Parents before their children (pre-order): DecoderAttention fuses its q/k/v
-            # weights before the Linears would pack them.
+            # Parents before their children (pre-order): attention (q/k/v) and gated MLPs
+            # (gate/up) fuse their Linears' weights before a Linear would pack its own.
             for module in list(model.modules()):
                 finish = getattr(module, "finish_loading", None)
                 if callable(finish):

@@ -22,6 +22,8 @@ from vllm.platforms import native_kernels
 
 QKV = ("q_proj", "k_proj", "v_proj")
 """An attention module's projections of one input (``fuse_projections``, ``project``)."""
+GATE_UP = ("gate_proj", "up_proj")
+"""A gated MLP's projections of one input."""
 
 
 class Linear(nn.Linear):

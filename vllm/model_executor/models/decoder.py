@@ -16,7 +16,7 @@ from vllm.model_executor.layers.activation import get_act_and_mul_fn, sigmoid_ga
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKV, Linear, fuse_projections, project
+from vllm.model_executor.layers.linear import GATE_UP, QKV, Linear, fuse_projections, project
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_embedding import VocabEmbedding
 from vllm.model_executor.models.weight_loading import load_decoder_weights
@@ -63,10 +63,10 @@ class GatedMLP(nn.Module):
         self.act_and_mul = get_act_and_mul_fn(hidden_act)
 
     def finish_loading(self, device: torch.device) -> None:
-        fuse_projections(self, ("gate_proj", "up_proj"), device)   # as q/k/v: one GEMM
+        fuse_projections(self, GATE_UP, device)   # one GEMM where the Linears are nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(*project(self, ("gate_proj", "up_proj"), x)))
+        return self.down_proj(self.act_and_mul(*project(self, GATE_UP, x)))
 
 
 class DecoderAttention(nn.Module):
