@@ -4,6 +4,7 @@
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
 #                                       # build, the decode headline, the core's gpu tests,
 #                                       # a short offload run, the other gpu tests, the rest
+#   bash tools/gpu_session.sh retry     # after fixes: all gpu tests (-n 6), the quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
 #   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap,
@@ -150,6 +151,16 @@ first)
     step 90 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
         --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
     ;;
+retry)
+    # A second, shorter session after fixes: every gpu test in six processes (a file per
+    # process: the Triton compiles run in parallel, and a crash takes one worker, not the step),
+    # then the quantized figures.
+    step 180 pytest-gpu "${PYTEST[@]}" -m gpu -n 6 --dist loadfile --durations=10
+    step 70 quant "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes fp8-block w4a16-gptq \
+        --out "$OUT/quant.json"
+    step 50 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
+        --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
+    ;;
 check)
     install
     # The gpu tests, then the tests of the GPU path's modules (their CPU parts must pass there).
@@ -192,6 +203,7 @@ tune)
         --experts 64 --top-k 8 --dtype bf16 --search quick --out "$OUT/fused_moe_table.json"
     ;;
 *)
-    echo "unknown stage $stage: first, check, suite, decode, offload, quant or tune"; exit 2 ;;
+    echo "unknown stage $stage: first, retry, check, suite, decode, offload, quant or tune"
+    exit 2 ;;
 esac
 pack

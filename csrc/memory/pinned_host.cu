@@ -10,14 +10,28 @@
 #include "pinned_host.h"
 
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 namespace vllm {
+
+// Bytes of physical memory (0 where the system does not say). No more than this can be locked.
+static size_t physical_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
+}
 
 PinnedHostStatus pinned_host_alloc(size_t bytes, void** ptr, int* device, int* cuda_error) {
   *ptr = nullptr;
   *device = -1;
   *cuda_error = 0;
   if (bytes == 0) return PinnedHostStatus::kOk;
+  // More than the machine has is out of memory without asking the driver: on an H100 (driver
+  // 580) cudaHostAlloc of 256 TiB crashed the process instead of returning an error.
+  const size_t physical = physical_bytes();
+  if (physical != 0 && bytes > physical) {
+    *cuda_error = static_cast<int>(cudaErrorMemoryAllocation);
+    return PinnedHostStatus::kOutOfMemory;
+  }
   // The runtime keeps one unread "last error" per thread. Only if none is pending now is the one
   // a failure leaves behind ours to clear; an earlier call's must stay for torch to report.
   const cudaError_t pending = cudaPeekAtLastError();

@@ -10,7 +10,7 @@ namespace vllm {
 // caller may then fall back to pageable memory. The others are CUDA faults to report as such.
 enum class PinnedHostStatus {
   kOk,
-  kOutOfMemory,  // cudaHostAlloc's cudaErrorMemoryAllocation
+  kOutOfMemory,  // cudaHostAlloc's cudaErrorMemoryAllocation, or more bytes than the machine has
   kError,        // cudaHostAlloc failed otherwise (no device or driver, an earlier kernel's fault)
 };
 

@@ -32,6 +32,7 @@ def test_the_script_is_valid_bash():
 @pytest.mark.parametrize("stage,bench,count", [("first", "benchmark_decode", 2),
                                                ("first", "benchmark_quantization", 2),
                                                ("first", "benchmark_expert_offload", 1),
+                                               ("retry", "benchmark_quantization", 2),
                                                ("decode", "benchmark_decode", 4),
                                                ("offload", "benchmark_expert_offload", 1),
                                                ("quant", "benchmark_quantization", 2),

@@ -144,8 +144,9 @@ def test_triton_step_rejects_wrong_tensors(triton_step):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", POLICIES)
 def test_triton_step_equals_reference_on_cuda(policy):
-    """The compiled kernel on the GPU against the torch reference on the GPU."""
+    """The compiled kernel on the GPU against the torch reference on the GPU. Three shapes: on
+    an H100 each new shape compiled several variants, six shapes took 35 s per policy."""
     from vllm.kernels.triton.residency_step import residency_step
     step = KernelStep(residency_step, "triton", on_host=False)
-    for E, K, N in [(16, 4, 1), (16, 4, 8), (64, 8, 8), (64, 8, 32), (64, 8, 63), (256, 8, 64)]:
-        _run(step, E, K, N, policy, 150, seed=E + N, device="cuda")
+    for E, K, N in [(16, 4, 1), (64, 8, 32), (256, 8, 64)]:
+        _run(step, E, K, N, policy, 80, seed=E + N, device="cuda")

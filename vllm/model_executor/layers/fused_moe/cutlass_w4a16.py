@@ -135,7 +135,7 @@ def _pack_expert(method, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             values[p] = values[p][:, perm]
         if method.desc_act:                     # the permutation the activations are gathered by
             order = perm if perm is not None else torch.arange(g_idx.shape[-1])
-            out[f"{p}_g_idx"] = order.to(torch.int32).expand_as(g_idx).contiguous()
+            out[f"{p}_g_idx"] = order.to(g_idx.device, torch.int32).expand_as(g_idx).contiguous()
         if not (values[f"z{p[1:]}"] == 8).all():
             raise ValueError(f"moe_backend='cutlass_w4a16' runs symmetric GPTQ only (every zero "
                              f"point 8), and {p}_qzeros holds others: {ASYM_REASON}")

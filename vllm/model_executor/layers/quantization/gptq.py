@@ -89,7 +89,7 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
                 raise ValueError(f"{name}_g_idx has values in [{int(g.min())}, {int(g.max())}], "
                                  f"but the layer has {G} group(s) per row: must be in [0, {G - 1}]")
             width = g.shape[-1]
-            want = torch.arange(width, dtype=g.dtype) // self.group_width(width)
+            want = torch.arange(width, dtype=g.dtype, device=g.device) // self.group_width(width)
             self.contiguous_groups[name] = self.contiguous_groups.get(name, True) and \
                 bool(torch.equal(g, want.expand_as(g)))
         return tensors
