@@ -83,7 +83,9 @@ def int4_projection(g, G, R, C, half, group_size, zero_offset, per_tile=False):
     NG = cdiv(C, gs)
     q = torch.randint(0, 16, (G, R, C), generator=g)
     stored = torch.randint(0, 16 - zero_offset, (G, R, NG), generator=g)
-    scales = ((torch.rand(G, R, NG, generator=g) + 0.5) / (4 * C ** 0.5)).half()
+    # ~unit gain per projection (rms |q - zero| ~ 7): outputs of a few units, the scale the
+    # tolerances are for (at 1.7x the gain, bf16 outputs near 60 failed by their own rounding).
+    scales = ((torch.rand(G, R, NG, generator=g) + 0.5) / (8 * C ** 0.5)).half()
     g_idx = torch.empty(G, halves, C, dtype=torch.int32)
     for e in range(G):
         for h in range(halves):                       # columns in a shuffled group order
