@@ -26,13 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.expert_gather import (BLOCK, ITERS, LAUNCH_OPTIONS, _check_plan,
-                                               _check_rows, _fail, _word, expert_gather)
+from vllm.kernels.gather_checks import check_many
+from vllm.kernels.triton.expert_gather import (BLOCK, ITERS, LAUNCH_OPTIONS, _check_rows, _word,
+                                               expert_gather)
 
 MAX_TENSORS = 16
 """Tensors per launch (rows of one table)."""
-_TABLES: dict[tuple, torch.Tensor] = {}
-"""(device, (src address, dst address, words) per tensor) -> its table on the device."""
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+"""(device, (src address, dst address, words) per tensor) -> (its pinned host rows, kept until
+the copy is surely done, and its table on the device)."""
 _WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
@@ -71,26 +73,22 @@ def _table(rows: list[tuple[int, int, int]], first: list[int],
     if table is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        table = torch.tensor([[*r, f] for r, f in zip(rows, first)], dtype=torch.int64)
-        _TABLES[key] = table = table.to(device)
-    return table
+        # Pinned and copied without blocking: making a table must not sync the host either.
+        host = torch.tensor([[*r, f] for r, f in zip(rows, first)], dtype=torch.int64,
+                            pin_memory=device.type == "cuda")
+        table = host.to(device, non_blocking=True)
+        _TABLES[key] = (host, table)           # the host rows outlive their copy
+        return table
+    return table[1]
 
 
 def expert_gather_many(srcs: list[torch.Tensor], dsts: list[torch.Tensor],
                        experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
     """For each i with valid[i] and each t: dsts[t][slots[i]] = srcs[t][experts[i]], one launch
     per word size (module docstring)."""
-    if len(srcs) != len(dsts) or not srcs:
-        _fail(f"expert_gather_many needs as many srcs as dsts, at least one: got {len(srcs)} "
-              f"and {len(dsts)}")
-    for t, (src, dst) in enumerate(zip(srcs, dsts)):
-        _check_rows(src, dst)
-        if (src.shape[0], dst.shape[0], dst.device) != (srcs[0].shape[0], dsts[0].shape[0],
-                                                        dsts[0].device):
-            _fail(f"tensor {t} has {src.shape[0]} experts and {dst.shape[0]} slots on "
-                  f"{dst.device}; tensor 0 has {srcs[0].shape[0]} and {dsts[0].shape[0]} on "
-                  f"{dsts[0].device}")
-    n = _check_plan(dsts[0], experts, slots, valid)
+    n = check_many("triton expert_gather_many", srcs, dsts, experts, slots, valid, cpu_ok=True)
+    for src, dst in zip(srcs, dsts):
+        _check_rows(src, dst)                         # CPU tensors: only under the interpreter
     E, N, device = srcs[0].shape[0], dsts[0].shape[0], dsts[0].device
     if n == 0 or E == 0 or N == 0:
         return
