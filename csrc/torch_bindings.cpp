@@ -5,6 +5,7 @@
 // (tests/build/test_compile_cuda.py).
 #include <Python.h>
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -13,6 +14,8 @@
 
 #include <algorithm>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "memory/pinned_host.h"
@@ -144,21 +147,9 @@ void free_pinned_block(void* ctx) noexcept {
 
 using PinnedBlockPtr = std::unique_ptr<PinnedBlock, void (*)(void*) noexcept>;
 
-// pinned_host_alloc's failure as an error: out of lockable memory is torch.OutOfMemoryError in
-// Python (the expert store falls back to pageable memory on it, and only on it); anything else
-// is a CUDA fault (an earlier kernel's illegal address surfaces here too) and a plain error.
-void check_pinned_alloc(vllm::PinnedHostStatus status, int cuda_error, uint64_t bytes) {
-  using vllm::PinnedHostStatus;
-  TORCH_CHECK_WITH(OutOfMemoryError, status != PinnedHostStatus::kOutOfMemory,
-                   "empty_pinned: cannot page-lock ", bytes, " bytes of host memory: ",
-                   vllm::cuda_error_string(cuda_error));
-  TORCH_CHECK(status == PinnedHostStatus::kOk, "empty_pinned: cudaHostAlloc of ", bytes,
-              " bytes failed with a CUDA error: ", vllm::cuda_error_string(cuda_error));
-}
-
-// See memory/pinned_host.h. An uninitialised CPU tensor of exactly `size` in page-locked memory
-// (torch's pinned allocator would round it up to a power of two), freed with its last reference.
-at::Tensor empty_pinned(c10::IntArrayRef size, c10::ScalarType dtype) {
+// The bytes of `size` elements of `dtype`. The Python wrapper (vllm/kernels/cuda/ops.py) checks
+// first: these are a last resort.
+uint64_t pinned_bytes(c10::IntArrayRef size, c10::ScalarType dtype) {
   uint64_t numel = 1, bytes = 0;
   for (const int64_t d : size) {
     TORCH_CHECK(d >= 0, "empty_pinned: sizes must be non-negative, got ", size);
@@ -167,20 +158,42 @@ at::Tensor empty_pinned(c10::IntArrayRef size, c10::ScalarType dtype) {
   }
   TORCH_CHECK(!c10::mul_overflows(numel, static_cast<uint64_t>(c10::elementSize(dtype)), &bytes),
               "empty_pinned: ", size, " of ", dtype, " overflows");
+  return bytes;
+}
+
+// See memory/pinned_host.h. An uninitialised CPU tensor of exactly `size` in page-locked memory
+// (torch's pinned allocator would round it up to a power of two), freed with its last reference;
+// with (status, cuda_error) = (0, 0). A failed allocation returns an empty tensor, the
+// PinnedHostStatus and the CUDA error instead of throwing: the Python wrapper raises
+// torch.OutOfMemoryError or RuntimeError. (On the H100 image a C++ exception thrown here
+// crashed the process; an allocation failure is an expected outcome, the store's cue to fall
+// back to pageable memory.)
+std::tuple<at::Tensor, int64_t, int64_t> try_empty_pinned(c10::IntArrayRef size,
+                                                          c10::ScalarType dtype) {
+  const uint64_t bytes = pinned_bytes(size, dtype);
   // Owned by this unique_ptr from allocation until the tensor maker takes it, so an exception
   // in between frees the block instead of leaking locked memory.
   PinnedBlockPtr block(new PinnedBlock(), &free_pinned_block);
   int cuda_error = 0;
   const vllm::PinnedHostStatus status = vllm::pinned_host_alloc(
       static_cast<size_t>(bytes), &block->ptr, &block->device, &cuda_error);
-  check_pinned_alloc(status, cuda_error, bytes);
+  if (status != vllm::PinnedHostStatus::kOk) {
+    return {at::empty({0}, at::TensorOptions().dtype(dtype).device(at::kCPU)),
+            static_cast<int64_t>(status), cuda_error};
+  }
   void* const data = block->ptr;
   // for_blob and context() do not throw; from context() on, the maker (then the tensor's
   // DataPtr) owns the block and frees it if make_tensor throws.
-  return at::for_blob(data, size)
-      .context(block.release(), &free_pinned_block)
-      .options(at::TensorOptions().dtype(dtype).device(at::kCPU))
-      .make_tensor();
+  at::Tensor t = at::for_blob(data, size)
+                     .context(block.release(), &free_pinned_block)
+                     .options(at::TensorOptions().dtype(dtype).device(at::kCPU))
+                     .make_tensor();
+  return {t, 0, 0};
+}
+
+// A cudaError_t's text, for the Python wrapper's messages.
+std::string cuda_error_message(int64_t code) {
+  return vllm::cuda_error_string(static_cast<int>(code));
 }
 
 #ifdef VLLM_HAS_W4A16_MOE_MM
@@ -247,8 +260,10 @@ TORCH_LIBRARY(_C, m) {
         " -> ()");
   m.def("expert_gather_many(Tensor[] srcs, Tensor(a!)[] dsts, Tensor experts, Tensor slots, "
         "Tensor valid) -> ()");
-  // No tensor argument: a plain function, as w4a16_moe_mm_workspace_size below.
-  m.def("empty_pinned(int[] size, ScalarType dtype) -> Tensor", &empty_pinned);
+  // No tensor argument: plain functions, as w4a16_moe_mm_workspace_size below.
+  m.def("try_empty_pinned(int[] size, ScalarType dtype) -> (Tensor, int, int)",
+        &try_empty_pinned);
+  m.def("cuda_error_string(int code) -> str", &cuda_error_message);
 #ifdef VLLM_HAS_W4A16_MOE_MM
   m.def("w4a16_moe_mm(Tensor a, Tensor w, Tensor scales, Tensor(a!) d, Tensor expert_offsets, "
         "int group_size, Tensor(b!) workspace) -> ()");

@@ -8,10 +8,11 @@ namespace vllm {
 
 // How pinned_host_alloc ended. Only kOutOfMemory means "no page-locked memory to be had": the
 // caller may then fall back to pageable memory. The others are CUDA faults to report as such.
+// The values are try_empty_pinned's status, which vllm/kernels/cuda/ops.py reads.
 enum class PinnedHostStatus {
-  kOk,
-  kOutOfMemory,  // cudaHostAlloc's cudaErrorMemoryAllocation, or more bytes than the machine has
-  kError,        // cudaHostAlloc failed otherwise (no device or driver, an earlier kernel's fault)
+  kOk = 0,
+  kOutOfMemory = 1,  // cudaHostAlloc's cudaErrorMemoryAllocation, or more bytes than the machine has
+  kError = 2,    // cudaHostAlloc failed otherwise (no device or driver, an earlier kernel's fault)
 };
 
 // Page-locked host memory of `bytes` (the driver rounds to whole pages, nothing more), portable

@@ -2,6 +2,7 @@
 themselves run in test_expert_gather.py, on a GPU)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -264,3 +265,67 @@ def test_torch_s_pin_failure_is_out_of_memory_only_for_want_of_memory(monkeypatc
         assert info.value.__cause__ is error and "cannot page-lock (2, 2)" in str(info.value)
     else:
         assert info.value is error
+
+
+# ---- the Python side of the compiled ops: checks first, failures as statuses ---------------
+
+
+def test_the_gathers_refuse_bad_arguments_before_calling_the_op(monkeypatch):
+    """Bad input never reaches the C++ checks (whose exception crashed the H100 image's
+    process): a ValueError naming the value comes first, and the op is not called."""
+    called = []
+    for name in ("expert_gather", "expert_gather_many"):
+        monkeypatch.setattr(torch.ops._C, name, lambda *a: called.append(a), raising=False)
+    ids = torch.zeros(2, dtype=torch.int64)
+    ok = torch.ones(2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"expert_gather: dst on cpu, src on cpu: dst must be "
+                                         r"a CUDA tensor$"):
+        ops.expert_gather(torch.zeros(4, 8), torch.zeros(2, 8), ids, ids, ok)
+    with pytest.raises(ValueError, match="expert_gather: src dtype torch.float32 != dst dtype "
+                                         "torch.float16"):
+        ops.expert_gather(torch.zeros(4, 8), torch.zeros(2, 8, dtype=torch.float16), ids, ids,
+                          ok)
+    with pytest.raises(ValueError, match="expert_gather_many: needs as many srcs as dsts, at "
+                                         "least one: got 0 and 0"):
+        ops.expert_gather_many([], [], ids, ids, ok)
+    with pytest.raises(ValueError, match="expert_gather_many: dst on cpu, src on cpu"):
+        ops.expert_gather_many([torch.zeros(4, 8)], [torch.zeros(2, 8)], ids, ids, ok)
+    assert called == []
+
+
+@pytest.fixture
+def fake_pinned_op(monkeypatch):
+    """``torch.ops._C.try_empty_pinned`` answering the statuses queued in the returned list
+    (csrc/memory/pinned_host.h: 0 ok, 1 out of memory, 2 another CUDA error)."""
+    answers = []
+
+    def try_empty_pinned(size, dtype):
+        status, error = answers.pop(0)
+        return torch.empty(size if status == 0 else (0,), dtype=dtype), status, error
+    monkeypatch.setattr(torch.ops._C, "try_empty_pinned", try_empty_pinned, raising=False)
+    monkeypatch.setattr(torch.ops._C, "cuda_error_string", lambda code: f"<cuda error {code}>",
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return answers
+
+
+def test_empty_pinned_turns_the_op_status_into_the_right_error(fake_pinned_op):
+    fake_pinned_op += [(1, 2), (2, 999), (0, 0)]
+    with pytest.raises(torch.OutOfMemoryError, match=r"^empty_pinned: cannot page-lock 12 bytes "
+                                                     r"of host memory: <cuda error 2>$"):
+        ops.empty_pinned((3,), torch.float32)
+    with pytest.raises(RuntimeError, match=r"^empty_pinned: cudaHostAlloc of 12 bytes failed "
+                                           r"with a CUDA error: <cuda error 999>$") as fault:
+        ops.empty_pinned((3,), torch.float32)
+    assert not isinstance(fault.value, torch.OutOfMemoryError)   # a fault is not a full machine
+    assert ops.empty_pinned((2, 5), torch.bfloat16).shape == (2, 5)
+
+
+@pytest.mark.parametrize("shape,match", [((3, -1), r"non-negative integers, got \[3, -1\]"),
+                                         ((2.0,), r"non-negative integers, got \[2.0\]"),
+                                         ((True,), r"non-negative integers, got \[True\]"),
+                                         ((1 << 31, 1 << 31), "more than 2\\^63")])
+def test_empty_pinned_refuses_bad_sizes_without_calling_the_op(fake_pinned_op, shape, match):
+    with pytest.raises(ValueError, match=match):
+        ops.empty_pinned(shape, torch.float32)      # no answer queued: a call would fail

@@ -10,12 +10,14 @@ run instead; for ``expert_gather``, its Triton twin ``vllm/kernels/triton/expert
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from vllm.kernels.gather_checks import check_many, check_plan, check_rows
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -51,7 +53,10 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
 
     src [E, ...] contiguous, pinned host or on dst's device; dst [N, ...] contiguous CUDA, same
     dtype and row shape; experts, slots int64 [n] and valid bool [n] on dst's device. Invalid
-    entries are skipped unread; no host sync (capturable in a CUDA graph)."""
+    entries are skipped unread; no host sync (capturable in a CUDA graph). Bad arguments raise
+    ValueError (``gather_checks``) before the op is called."""
+    check_rows("expert_gather", src, dst)
+    check_plan("expert_gather", dst, experts, slots, valid)
     torch.ops._C.expert_gather(src, dst, experts, slots, valid)
 
 
@@ -60,6 +65,7 @@ def expert_gather_many(srcs: list[torch.Tensor], dsts: list[torch.Tensor],
     """``expert_gather`` for every (srcs[t], dsts[t]) of a layer in one launch (16 tensors per
     launch, at most): its weights, scales, zeros... Every src has the same experts, every dst
     the same slots on one device; otherwise the same contract."""
+    check_many("expert_gather_many", srcs, dsts, experts, slots, valid)
     torch.ops._C.expert_gather_many(list(srcs), list(dsts), experts, slots, valid)
 
 
@@ -70,8 +76,8 @@ def has_expert_gather_many() -> bool:
 
 
 def has_empty_pinned() -> bool:
-    """Whether ``vllm._C`` has the exact-size pinned allocator (``empty_pinned``)."""
-    return load_cuda_ops() and hasattr(torch.ops._C, "empty_pinned")
+    """Whether ``vllm._C`` has the exact-size pinned allocator (``try_empty_pinned``)."""
+    return load_cuda_ops() and hasattr(torch.ops._C, "try_empty_pinned")
 
 
 def empty_pinned_missing_reason() -> str:
@@ -80,8 +86,26 @@ def empty_pinned_missing_reason() -> str:
         return "VLLM_CUDA_OPS=0 turns vllm._C's ops off"
     if not load_cuda_ops():
         return _load_failure[-1] if _load_failure else "vllm._C is not built"
-    return ("this vllm._C build predates the exact-size allocator (no _C::empty_pinned): "
+    return ("this vllm._C build predates the exact-size allocator (no _C::try_empty_pinned): "
             "rebuild it")
+
+
+PINNED_OK, PINNED_OUT_OF_MEMORY = 0, 1
+"""``try_empty_pinned``'s status values (csrc/memory/pinned_host.h's PinnedHostStatus; 2: any
+other CUDA error)."""
+
+
+def pinned_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of ``shape`` elements of ``dtype``; ValueError for a negative or non-integer
+    size or more than 2^63 bytes."""
+    bad = [d for d in shape if isinstance(d, bool) or not isinstance(d, int) or d < 0]
+    if bad:
+        raise ValueError(f"empty_pinned: sizes must be non-negative integers, got {list(shape)}")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes >= 2 ** 63:
+        raise ValueError(f"empty_pinned: {list(shape)} of {dtype} is {nbytes} bytes, more than "
+                         f"2^63")
+    return nbytes
 
 
 def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype,
@@ -95,12 +119,22 @@ def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype,
     GPU's context from any thread. Raises torch.OutOfMemoryError (naming the size) where no
     memory is left to lock, and a plain RuntimeError naming the CUDA error for any other
     failure (e.g. an earlier kernel's fault surfacing here), so a fault is never mistaken for a
-    full machine."""
+    full machine. Failures come back as a status, not a C++ exception (csrc/torch_bindings.cpp
+    says why)."""
+    nbytes = pinned_bytes(shape, dtype)
     # torch reports a pointer as pinned (is_pinned, the pinned check of captured copies) only
     # once it has initialised CUDA itself; the allocation alone does not count.
     torch.cuda.init()
     with torch.cuda.device(device):
-        return torch.ops._C.empty_pinned(list(shape), dtype)
+        t, status, error = torch.ops._C.try_empty_pinned(list(shape), dtype)
+    if status == PINNED_OK:
+        return t
+    why = torch.ops._C.cuda_error_string(error)
+    if status == PINNED_OUT_OF_MEMORY:
+        raise torch.OutOfMemoryError(f"empty_pinned: cannot page-lock {nbytes} bytes of host "
+                                     f"memory: {why}")
+    raise RuntimeError(f"empty_pinned: cudaHostAlloc of {nbytes} bytes failed with a CUDA "
+                       f"error: {why}")
 
 
 W4A16_TILE_K = 64

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels.gather_checks import check_plan, check_rows, fail
 from vllm.kernels.triton import interpreting
 
 BLOCK = 1024        # words per load of a program (8 per thread at 4 warps)
@@ -45,8 +46,6 @@ NUM_WARPS = 4
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 """Compile options of every launch (no floating point here: enable_fp_fusion is set only so
 Triton does not warn that its default changes; tests/build compiles with these)."""
-MAX_ENTRIES = 65535
-"""Plan entries per call: the grid's y dimension."""
 WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 """(bytes, dtype) a row may move as, widest first."""
 
@@ -70,57 +69,22 @@ def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, E
                 tl.store(dst_row + w, tl.load(src_row + w, mask=inb), mask=inb)
 
 
+WHO = "triton expert_gather"
+
+
 def _fail(msg: str) -> None:
-    raise ValueError(f"triton expert_gather: {msg}")
-
-
-def _describe(t: torch.Tensor) -> str:
-    return (f"{t.dtype} {tuple(t.shape)} on {t.device}"
-            f"{'' if t.is_contiguous() else ' (non-contiguous)'}")
+    fail(WHO, msg)
 
 
 def _check_plan(dst: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
                 valid: torch.Tensor) -> int:
-    """The number of plan entries n, after checking experts, slots [n] int64, valid [n] bool."""
-    for t, dtype, what in ((experts, torch.int64, "experts"), (slots, torch.int64, "slots"),
-                           (valid, torch.bool, "valid")):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 \
-                or not t.is_contiguous() or t.device != dst.device:
-            got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
-            _fail(f"{what} must be a contiguous 1-D {dtype} tensor on {dst.device} "
-                  f"(dst's device), got {got}")
-    n = experts.shape[0]
-    if slots.shape[0] != n or valid.shape[0] != n:
-        _fail(f"experts, slots and valid must have one entry each per plan entry, got "
-              f"{n}, {slots.shape[0]}, {valid.shape[0]}")
-    if n > MAX_ENTRIES:
-        _fail(f"at most {MAX_ENTRIES} plan entries per call, got {n}")
-    return n
+    return check_plan(WHO, dst, experts, slots, valid)
 
 
 def _check_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """src [E, ...] and dst [N, ...]: contiguous, same dtype and row shape (so same row bytes),
-    on devices the kernel can read and write."""
-    for t, what in ((src, "src"), (dst, "dst")):
-        if not isinstance(t, torch.Tensor) or t.dim() < 1 or not t.is_contiguous():
-            got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
-            _fail(f"{what} must be a contiguous tensor of rows [rows, ...], got {got}")
-    if src.dtype != dst.dtype:
-        _fail(f"src dtype {src.dtype} != dst dtype {dst.dtype}")
-    if src.shape[1:] != dst.shape[1:]:
-        _fail(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must have the same row shape "
-              f"(the same bytes per row)")
-    if dst.is_cuda:
-        if src.is_cuda and src.device != dst.device:
-            _fail(f"src on {src.device} but dst on {dst.device}")
-        # A zero-byte src has nothing to read (expert_gather returns before launching), and
-        # torch may not call its empty storage pinned.
-        if src.device.type == "cpu" and src.numel() > 0 and not src.is_pinned():
-            _fail("a host src must be pinned (page-locked) to be read from the device, got an "
-                  "unpinned cpu tensor")
-        if src.device.type not in ("cpu", "cuda"):
-            _fail(f"src on {src.device}: must be pinned host memory or on {dst.device}")
-    elif not (dst.device.type == "cpu" and src.device.type == "cpu" and interpreting()):
+    """``gather_checks.check_rows``; CPU tensors only under the interpreter."""
+    check_rows(WHO, src, dst, cpu_ok=True)
+    if dst.device.type == "cpu" and not interpreting():
         _fail(f"dst on {dst.device}, src on {src.device}: runs on CUDA dst, or on CPU tensors "
               f"only under TRITON_INTERPRET=1")
 
