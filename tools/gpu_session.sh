@@ -2,9 +2,10 @@
 # One GPU session's checks and figures, in stages that each end inside a 10-minute command.
 #
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
-#                                       # build, the decode headline, the core's gpu tests,
-#                                       # a short offload run, the other gpu tests, the rest
-#   bash tools/gpu_session.sh retry     # after fixes: all gpu tests (-n 6), the quantized figures
+#                                       # build, a C++-exception probe under gdb, every gpu
+#                                       # test (-n 6), the decode headline, the quantized
+#                                       # figures, a short offload run, eager decode
+#   bash tools/gpu_session.sh retry     # after fixes: build, probe, gpu tests, quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
 #   bash tools/gpu_session.sh decode    # benchmark_decode, probe-4.8g: graphs, eager, overlap,
@@ -93,25 +94,28 @@ triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$SUMMARY"
     grep -E "CUDA architectures|W4A16 grouped GEMM|error:|Error" "$LOGS/build.log" | tail -n 20 \
         | tee -a "$SUMMARY"
     python3 -c "import torch, vllm._C; print('vllm._C:', {n: hasattr(torch.ops._C, n)
-for n in ('expert_gather', 'expert_gather_many', 'empty_pinned', 'w4a16_moe_mm')})" 2>&1 \
+for n in ('expert_gather', 'expert_gather_many', 'try_empty_pinned', 'w4a16_moe_mm')})" 2>&1 \
         | tail -n 1 | tee -a "$SUMMARY"
     pack
 }
 
 # The image lacks the server's packages (fastapi, openai, jsonschema): their test modules fail
 # to import, which must not stop the others.
-# -v: a run cut short still shows in its log which tests ran and how they ended.
+# -v: a run cut short still shows in its log which tests ran and how they ended. -n 6, a file
+# per process: the Triton compiles (most of a gpu test's time on a bare machine) run side by
+# side, and a crash takes one worker, not the step (xdist is on the image).
 PYTEST=(python3 -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-errors)
-# The gpu tests of the never-run core first (residency step, miss copy, graphs, overlap,
-# exactness), the rest after.
-GPU_KEY=(tests/kernels/triton/test_residency_step.py
-         tests/kernels/triton/test_triton_expert_gather.py
-         tests/kernels/triton/test_triton_expert_gather_many.py
-         tests/kernels/cuda/test_expert_gather.py tests/worker/test_cuda_graphs.py
-         tests/model_executor/layers/fused_moe/expert_cache/test_overlap.py
-         tests/engine/test_gpu_exactness.py)
-GPU_REST=()
-for f in "${GPU_KEY[@]}"; do GPU_REST+=("--ignore=$f"); done
+PARALLEL=(-n 6 --dist loadfile)
+# Where a C++ exception from vllm._C crashes the process (it did on the H100 image, 2026-11-26),
+# the stack of the crash: the size check of try_empty_pinned throws before any CUDA call.
+PROBE="import torch, vllm._C; torch.ops._C.try_empty_pinned([-1], torch.float32)"
+throw_probe() {  # a step: the probe under gdb, its backtrace and libraries in the log
+    local gdb
+    gdb=$(command -v gdb || command -v cuda-gdb) || {
+        echo "throw-probe skipped: no gdb" >> "$SUMMARY"; return 0; }
+    step 30 throw-probe "$gdb" -q -batch -ex run -ex bt -ex "info sharedlibrary" \
+        --args "$(python3 -c 'import sys; print(sys.executable)')" -c "$PROBE"
+}
 DECODE=(python3 benchmarks/benchmark_decode.py --random-model probe-4.8g --dtype bf16
         --device cuda --checkpoint /tmp/probe --json)
 # One --work for every quant step: the bf16 and quantized checkpoints are built once.
@@ -129,48 +133,47 @@ offload() {  # offload LIMIT ARGS...: the trace-driven benchmark, if the trace w
     fi
 }
 
+quant_steps() {  # quant_steps LIMIT LIMIT: the quantized figures, triton then CUTLASS
+    step "$1" quant "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes fp8-block w4a16-gptq \
+        --out "$OUT/quant.json"
+    # GPTQ on the CUTLASS grouped GEMM (refused, with the reason, where vllm._C lacks it).
+    step "$2" quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
+        --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
+}
+
 case "$stage" in
 first)
     install
-    # Issue 17/26's headline first (it also checks that every cache size gives the same tokens):
-    # graphs, batch 1 and 32, no cache / E/4 / 63 of 64 (all hits at batch 1; at batch 32 the
-    # 256 pairs can need all 64 experts: two waves), its JSON rewritten after every row.
-    step 170 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 16 63 \
+    # Every gpu test first (the never-run core's correctness), then issue 17/26's headline (it
+    # also checks that every cache size gives the same tokens): graphs, batch 1 and 32, no
+    # cache / E/4 / 63 of 64 (at batch 32 the 256 pairs can need all 64 experts: two waves).
+    throw_probe
+    step 200 pytest-gpu "${PYTEST[@]}" -m gpu "${PARALLEL[@]}" --durations=10
+    step 150 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 16 63 \
         --output-len 32 --profile-steps 4 --out "$OUT/decode-graphs.json"
-    step 110 pytest-gpu-key "${PYTEST[@]}" -m gpu --durations=10 "${GPU_KEY[@]}"
-    offload 80 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
+    quant_steps 70 50
+    offload 60 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
         --designs resident sync-lfru uva ours ours+overlap
-    step 150 pytest-gpu "${PYTEST[@]}" -m gpu --durations=10 "${GPU_REST[@]}"
-    step 50 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
+    step 40 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
-    # What is left of the budget (or a second, short command on the warm machine:
-    # SKIP_BUILD=1 BUDGET=200 ... quant|offload).
-    step 120 quant "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes fp8-block w4a16-gptq \
-        --out "$OUT/quant.json"
-    # GPTQ on the CUTLASS grouped GEMM (refused, with the reason, where vllm._C lacks it).
-    step 90 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
-        --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
     ;;
 retry)
-    # A second, shorter session after fixes: every gpu test in six processes (a file per
-    # process: the Triton compiles run in parallel, and a crash takes one worker, not the step),
-    # then the quantized figures.
-    step 180 pytest-gpu "${PYTEST[@]}" -m gpu -n 6 --dist loadfile --durations=10
-    step 70 quant "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes fp8-block w4a16-gptq \
-        --out "$OUT/quant.json"
-    step 50 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
-        --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
+    # A second, shorter session after fixes: every gpu test, then the quantized figures.
+    install
+    throw_probe
+    step 200 pytest-gpu "${PYTEST[@]}" -m gpu "${PARALLEL[@]}" --durations=10
+    quant_steps 70 50
     ;;
 check)
     install
     # The gpu tests, then the tests of the GPU path's modules (their CPU parts must pass there).
-    step 240 pytest-gpu "${PYTEST[@]}" -m gpu --durations=10
-    step 150 pytest-gpu-path "${PYTEST[@]}" -x tests/kernels/triton tests/worker \
+    step 240 pytest-gpu "${PYTEST[@]}" -m gpu "${PARALLEL[@]}" --durations=10
+    step 150 pytest-gpu-path "${PYTEST[@]}" "${PARALLEL[@]}" tests/kernels/triton tests/worker \
         tests/model_executor/layers/fused_moe/expert_cache
     ;;
 suite)
     install
-    step 400 pytest-all "${PYTEST[@]}"
+    step 400 pytest-all "${PYTEST[@]}" "${PARALLEL[@]}"
     ;;
 decode)
     install
