@@ -25,8 +25,8 @@ PinnedHostStatus pinned_host_alloc(size_t bytes, void** ptr, int* device, int* c
   *device = -1;
   *cuda_error = 0;
   if (bytes == 0) return PinnedHostStatus::kOk;
-  // More than the machine has is out of memory without asking the driver: on an H100 (driver
-  // 580) cudaHostAlloc of 256 TiB crashed the process instead of returning an error.
+  // More than the machine has is out of memory without asking the driver (whose answer to an
+  // absurd size is its own: an error, a long wait, or worse).
   const size_t physical = physical_bytes();
   if (physical != 0 && bytes > physical) {
     *cuda_error = static_cast<int>(cudaErrorMemoryAllocation);

@@ -58,7 +58,7 @@ def test_the_gather_kernel_reads_it_in_place(ops):
 def test_a_failed_allocation_is_out_of_memory_and_leaves_no_error_behind(ops):
     """Out of lockable memory is torch.OutOfMemoryError (the store's cue to go pageable), and the
     CUDA error it read is not left for torch's next launch check. 256 TiB is more than any
-    machine has: refused before cudaHostAlloc, which crashed on it on an H100 (driver 580)."""
+    machine has: refused before cudaHostAlloc is asked."""
     with pytest.raises(torch.OutOfMemoryError, match="cannot page-lock 281474976710656 bytes"):
         ops.empty_pinned((1 << 48,), torch.uint8)         # 256 TiB
     t, status, error = torch.ops._C.try_empty_pinned([1 << 48], torch.uint8)
