@@ -301,3 +301,18 @@ def test_expert_from_checkpoint_is_the_loader_layout():
     assert torch.equal(t["w13_g_idx"], torch.stack([gate["g_idx"], up["g_idx"]]))
     with pytest.raises(ValueError, match=r"GptqMoEMethod: 'bias' is not one of its expert"):
         method.expert_from_checkpoint(*({**d, "bias": torch.zeros(1)} for d in (gate, up, down)))
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_quantize_gptq_makes_its_tensors_on_the_weight_s_device(desc_act):
+    """Under a default-device context (a layer built ``with torch.device("cuda")``, as the GPU
+    tests do) the quantizer's own tensors follow the weight: on the H100 they went to the context's
+    device beside a CPU weight and the scatter failed. Here the context is ``meta``: any tensor
+    made there would make the results meta or raise."""
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    plain = quantize_gptq(w, 32, False, desc_act)
+    with torch.device("meta"):
+        inside = quantize_gptq(w, 32, False, desc_act)
+    assert plain.keys() == inside.keys()
+    for name, t in plain.items():
+        assert inside[name].device.type == "cpu" and torch.equal(inside[name], t), name

@@ -151,15 +151,16 @@ def quantize_gptq(w: torch.Tensor, group_size: int, sym: bool, desc_act: bool = 
     weight norm (largest first), a stand-in for GPTQ's Hessian-diagonal order."""
     w = w.float()
     out, inp = w.shape
+    dev = {"device": w.device}                 # w's, not a default device a caller may set
     gs = inp if group_size == -1 else group_size
     order = (w.norm(dim=0).argsort(descending=True, stable=True) if desc_act
-             else torch.arange(inp))
-    g_idx = torch.empty(inp, dtype=torch.int32)
-    g_idx[order] = (torch.arange(inp) // gs).to(torch.int32)            # [in] group of column
+             else torch.arange(inp, **dev))
+    g_idx = torch.empty(inp, dtype=torch.int32, **dev)
+    g_idx[order] = (torch.arange(inp, **dev) // gs).to(torch.int32)     # [in] group of column
     G = ceil_div(inp, gs)
     idx = g_idx.long().unsqueeze(1).expand(inp, out)                    # [in, out]
-    lo = torch.zeros(G, out).scatter_reduce_(0, idx, w.t(), "amin", include_self=False)
-    hi = torch.zeros(G, out).scatter_reduce_(0, idx, w.t(), "amax", include_self=False)
+    lo = torch.zeros(G, out, **dev).scatter_reduce_(0, idx, w.t(), "amin", include_self=False)
+    hi = torch.zeros(G, out, **dev).scatter_reduce_(0, idx, w.t(), "amax", include_self=False)
     if sym:
         scale = (torch.maximum(hi.abs(), lo.abs()) / 7.5).clamp(min=1e-8)   # [G, out]
         zero = torch.full_like(scale, 8.0)

@@ -34,7 +34,7 @@ def pack_int4(q: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError(f"pack_int4: values must be in [0, 15], got [{int(q.min())}, "
                          f"{int(q.max())}]")
-    words = (q.long().reshape(*q.shape[:-1], -1, 8) << _INT4_SHIFTS.long()).sum(-1)
+    words = (q.long().reshape(*q.shape[:-1], -1, 8) << _INT4_SHIFTS.to(q.device).long()).sum(-1)
     # Words are unsigned 32-bit patterns; store them as int32 two's complement.
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     return words.movedim(-1, dim)
