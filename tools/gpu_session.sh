@@ -106,16 +106,9 @@ for n in ('expert_gather', 'expert_gather_many', 'try_empty_pinned', 'w4a16_moe_
 # side, and a crash takes one worker, not the step (xdist is on the image).
 PYTEST=(python3 -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-errors)
 PARALLEL=(-n 6 --dist loadfile)
-# Where a C++ exception from vllm._C crashes the process (it did on the H100 image, 2026-11-26),
-# the stack of the crash: the size check of try_empty_pinned throws before any CUDA call.
-PROBE="import torch, vllm._C; torch.ops._C.try_empty_pinned([-1], torch.float32)"
-throw_probe() {  # a step: the probe under gdb, its backtrace and libraries in the log
-    local gdb
-    gdb=$(command -v gdb || command -v cuda-gdb) || {
-        echo "throw-probe skipped: no gdb" >> "$SUMMARY"; return 0; }
-    step 30 throw-probe "$gdb" -q -batch -ex run -ex bt -ex "info sharedlibrary" \
-        --args "$(python3 -c 'import sys; print(sys.executable)')" -c "$PROBE"
-}
+# Why a C++ exception from vllm._C crashed the process on the H100 image (2026-11-26): the
+# compilers, the loaded runtime libraries, and the throw's backtrace under gdb.
+throw_probe() { step 40 throw-probe bash tools/cpp_throw_probe.sh; }
 DECODE=(python3 benchmarks/benchmark_decode.py --random-model probe-4.8g --dtype bf16
         --device cuda --checkpoint /tmp/probe --json)
 # One --work for every quant step: the bf16 and quantized checkpoints are built once.
