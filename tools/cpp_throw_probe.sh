@@ -10,7 +10,7 @@ PY=$(python3 -c 'import sys; print(sys.executable)')
 echo "== compilers"; for c in g++ /usr/bin/g++ "${CXX:-}"; do
     [ -n "$c" ] && command -v "$c" >/dev/null && echo "$c: $("$c" --version | head -n 1)"; done
 so=$(ls vllm/_C*.so 2>/dev/null | head -n 1)
-echo "== ldd $so"; [ -n "$so" ] && ldd "$so" | grep -E "gcc|stdc|torch|c10|cuda"
+echo "== ldd $so"; [ -n "$so" ] && ldd "$so" | grep -E "libgcc|libstdc|libc10\.|libtorch\.|cudart"
 echo "== libraries a torch process maps"
 "$PY" -c "import torch; print(''.join(sorted({l.split()[-1] + chr(10) for l in
 open('/proc/self/maps') if 'libgcc' in l or 'libstdc' in l})))"
