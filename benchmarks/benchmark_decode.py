@@ -238,7 +238,10 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
             rows.append(dict(_row(n, b, r), graphs=graphs_summary(llm, args.enforce_eager),
                              tokens_match_first_size=same))
             if args.profile_steps:
-                rows[-1]["profile"] = profile_decode_steps(llm, prompts, args.profile_steps)
+                trace = None if args.profile_trace_dir is None else \
+                    os.path.join(args.profile_trace_dir, f"decode-n{n}-b{b}.json")
+                rows[-1]["profile"] = profile_decode_steps(llm, prompts, args.profile_steps,
+                                                           trace)
             if on_row is not None:
                 on_row(rows)
         llm.llm_engine.shutdown()
@@ -301,6 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true", help="no CPU / CUDA graphs")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile this many decode steps per row (launches per step)")
+    ap.add_argument("--profile-trace-dir", default=None,
+                    help="with --profile-steps: write each row's Chrome trace here "
+                         "(decode-n{cache size}-b{batch}.json)")
     ap.add_argument("--moe-expert-overlap", action="store_true",
                     help="copy misses on a side stream while the hit experts compute (CUDA)")
     ap.add_argument("--moe-expert-cpu-compute", choices=["off", "auto", "always"], default="off",
@@ -324,6 +330,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{flag} {values} is invalid: every value must be >= {low}")
     if args.profile_steps < 0:
         ap.error(f"--profile-steps {args.profile_steps} is invalid: must be >= 0")
+    if args.profile_trace_dir is not None:
+        if not args.profile_steps:
+            ap.error("--profile-trace-dir needs --profile-steps K (K > 0)")
+        os.makedirs(args.profile_trace_dir, exist_ok=True)
     for flag, value in (("--output-len", args.output_len), ("--prompt-len", args.prompt_len)):
         if value < 1:
             ap.error(f"{flag} {value} is invalid: must be >= 1")

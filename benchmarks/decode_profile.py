@@ -3,8 +3,10 @@
 Used by ``benchmark_decode.py --profile-steps K``. Per decode step it reports the host-side
 launches (CUDA runtime/driver kernel launches, of torch and of Triton alike, and CUDA graph
 launches: a replayed step is one graph launch plus what runs outside the graph), the kernels the
-GPU ran and their busy time, and the aten ops the host dispatched (on CPU the only column that
-is not zero). The issue-17 baseline (H100, eager, before the GPU path): about 1,870 launches
+GPU ran and their busy time, its copies (memcpy / memset) and their time, the span from the
+first device activity to the last (busy time beside it: the device's idle gaps; wall time beside
+it: the host's time outside), and the aten ops the host dispatched (on CPU the only column that
+is not zero). With a trace path it also writes the Chrome trace. The issue-17 baseline (H100, eager, before the GPU path): about 1,870 launches
 per token, the GPU busy under 5% of the step.
 """
 from __future__ import annotations
@@ -30,8 +32,9 @@ def _device_time_us(event) -> float:
 
 def summarize(events, steps: int, wall_s: float) -> dict:
     """Profiler ``key_averages()`` of ``steps`` decode steps -> per-step counts."""
-    count = {"launches": 0, "graph_launches": 0, "torch_ops": 0, "gpu_kernels": 0}
-    gpu_us = 0.0
+    count = {"launches": 0, "graph_launches": 0, "torch_ops": 0, "gpu_kernels": 0,
+             "gpu_copies": 0}
+    gpu_us = copy_us = 0.0
     for e in events:
         if e.key in KERNEL_LAUNCHES:
             count["launches"] += e.count
@@ -39,15 +42,31 @@ def summarize(events, steps: int, wall_s: float) -> dict:
             count["graph_launches"] += e.count
         elif e.key.startswith("aten::"):
             count["torch_ops"] += e.count
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and \
-                not e.key.startswith(COPIES):
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        if e.key.startswith(COPIES):
+            count["gpu_copies"] += e.count
+            copy_us += _device_time_us(e)
+        else:
             count["gpu_kernels"] += e.count
             gpu_us += _device_time_us(e)
     out = {f"{k}_per_step": v / steps for k, v in count.items()}
     out.update(steps=steps, wall_ms_per_step=wall_s * 1e3 / steps,
                gpu_busy_ms_per_step=gpu_us / 1e3 / steps,
+               gpu_copy_ms_per_step=copy_us / 1e3 / steps,
                gpu_busy_fraction=(gpu_us / 1e6) / wall_s if wall_s > 0 else None)
     return out
+
+
+def device_span_ms(events, steps: int) -> float | None:
+    """Per step, the time from the first device activity (kernel or copy) to the last, over the
+    profiled steps (``prof.events()``): beside the busy time it gives the device's idle gaps
+    inside the steps, and beside the wall time the host's share outside them."""
+    spans = [(e.time_range.start, e.time_range.end) for e in events
+             if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    if not spans:
+        return None
+    return (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e3 / steps
 
 
 def prefilled(engine) -> bool:
@@ -57,9 +76,11 @@ def prefilled(engine) -> bool:
                                  for r in s.running)
 
 
-def profile_decode_steps(llm, prompts: list[list[int]], steps: int) -> dict:
+def profile_decode_steps(llm, prompts: list[list[int]], steps: int,
+                         trace: str | None = None) -> dict:
     """Prefill ``prompts`` (greedy, ``steps + 1`` new tokens each), then profile ``steps``
-    decode steps of the whole batch; the requests finish inside the profile."""
+    decode steps of the whole batch; the requests finish inside the profile. ``trace``: also
+    write the profile's Chrome trace there (a timeline to read in Perfetto)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     engine = llm.llm_engine
@@ -85,4 +106,8 @@ def profile_decode_steps(llm, prompts: list[list[int]], steps: int) -> dict:
         wall = time.perf_counter() - start
     while engine.has_unfinished_requests():
         engine.step()
-    return summarize(prof.key_averages(), max(done, 1), wall)
+    if trace is not None:
+        prof.export_chrome_trace(trace)
+    out = summarize(prof.key_averages(), max(done, 1), wall)
+    out["gpu_span_ms_per_step"] = device_span_ms(prof.events(), max(done, 1))
+    return out

@@ -120,7 +120,9 @@ def test_probe_is_4_8_gigabytes_of_9_4_megabyte_experts():
     (["--random-model", "huge"], "--random-model 'huge' is invalid"),
     (["--random-model", "tiny", "--batch", "0"], r"--batch \[0\] is invalid"),
     (["--random-model", "tiny", "--moe-expert-cache-size", "-1"], "every value must be >= 0"),
-    (["--random-model", "tiny", "--output-len", "0"], "--output-len 0 is invalid")])
+    (["--random-model", "tiny", "--output-len", "0"], "--output-len 0 is invalid"),
+    (["--random-model", "tiny", "--profile-trace-dir", "t"], "--profile-trace-dir needs "
+                                                              "--profile-steps")])
 def test_bad_arguments_name_the_value(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -133,12 +135,15 @@ def test_profile_steps_count_what_a_decode_step_dispatches(tmp_path):
     out = bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
                       "2", "--moe-expert-cache-size", "0", "4", "--output-len", "3",
                       "--prompt-len", "4", "--checkpoint", str(tmp_path / "ckpt"), "--json",
-                      "--profile-steps", "3", "--enforce-eager"])
+                      "--profile-steps", "3", "--enforce-eager",
+                      "--profile-trace-dir", str(tmp_path / "traces")])
     for r in out["rows"]:
         p = r["profile"]
         assert p["steps"] == 3 and p["launches_per_step"] == 0 == p["graph_launches_per_step"]
         assert p["gpu_kernels_per_step"] == 0 and p["torch_ops_per_step"] > 10
-        assert p["wall_ms_per_step"] > 0
+        assert p["wall_ms_per_step"] > 0 and p["gpu_span_ms_per_step"] is None
+        trace = tmp_path / "traces" / f"decode-n{r['moe_expert_cache_size']}-b2.json"
+        assert '"traceEvents"' in trace.read_text()[:4096]
 
 
 def test_profile_summary_counts_launches():
@@ -160,6 +165,23 @@ def test_profile_summary_counts_launches():
     assert got["launches_per_step"] == 10 and got["graph_launches_per_step"] == 1
     assert got["torch_ops_per_step"] == 2 and got["gpu_kernels_per_step"] == 3
     assert got["gpu_busy_ms_per_step"] == 0.5 and got["gpu_busy_fraction"] == 0.2
+    assert got["gpu_copies_per_step"] == 2 and got["gpu_copy_ms_per_step"] == 0.1
+
+
+def test_device_span_runs_from_the_first_device_event_to_the_last():
+    from types import SimpleNamespace
+
+    import torch
+    from decode_profile import device_span_ms
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(device, start, end):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start,
+                                                                              end=end))
+    events = [event(cpu, 0, 50_000), event(cuda, 1_000, 2_000), event(cuda, 7_000, 9_000),
+              event(cuda, 4_000, 5_000)]
+    assert device_span_ms(events, steps=2) == 4.0            # (9000 - 1000) us over 2 steps
+    assert device_span_ms([event(cpu, 0, 10)], steps=1) is None
 
 
 def test_a_run_cut_short_keeps_the_rows_it_measured(result, monkeypatch, tmp_path):
