@@ -19,7 +19,7 @@ Designs (``DESIGNS``):
   uva            kernels read the host store directly, no slots (vLLM main's zero-copy offload).
                  On CPU that is the uncached path over the store (the same memory as resident
                  there); on CUDA the Triton MoE kernels read the pinned store in place over the
-                 link on every use (not yet run on a GPU).
+                 link on every use (run on an H100, 2026-11-26).
   ours           ``CachedWeightProvider`` with ``--policy``.
   ours+overlap   ours with ``moe_expert_overlap``: each wave's misses are copied on a side
                  stream while the wave's hit experts compute (``expert_cache/overlap.py``). A

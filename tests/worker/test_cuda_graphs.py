@@ -349,7 +349,7 @@ def _mirror_copy_kernel():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", [0, 2])
 def test_cuda_graph_replay_equals_eager_on_gpu(tiny_model_factory, monkeypatch, cache):
-    """Real CUDA graphs (NOT YET RUN ON A GPU when written): tokens equal enforce_eager's, and
+    """Real CUDA graphs (passed on an H100, 2026-11-26): tokens equal enforce_eager's, and
     every replay equals an eager forward over the same static inputs. With the cache, the
     residency step must be the Triton kernel; the copy is the build's gather kernel, else a
     sync-free stand-in (without either the layer is refused)."""

@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs (vLLM's FULL_DECODE_ONLY): one graph per padded batch
-size of the forward and ``compute_logits``, with the expert cache inside. NOT YET RUN ON A GPU:
-the CPU tests drive this module through ``EagerCapturer`` (tests/worker/test_cuda_graphs.py);
-the real capture is the test marked ``gpu`` there.
+size of the forward and ``compute_logits``, with the expert cache inside. Run on an H100
+(2026-11-26): the real capture, the test marked ``gpu`` in tests/worker/test_cuda_graphs.py,
+passed, and the decode benchmark replayed one graph per step. The CPU tests drive this module
+through ``EagerCapturer``.
 
 Sizes: ``SchedulerConfig.cuda_graph_sizes`` (default 1, 2, 4, 8, 16, 24, ... up to
 ``max_num_seqs``). A decode-only step of B sequences replays the smallest size P >= B
@@ -131,7 +132,7 @@ class CudaGraphCapturer(GraphCapturer):
     Every call names ``device`` and runs under its guard: ``torch.cuda.Stream()``,
     ``current_stream()``, ``synchronize()`` and a capture's begin take the *current* device,
     which need not be the engine's ``cuda:N``. ``cuda``: the ``torch.cuda`` API (the CPU tests
-    pass a recording fake). NOT YET RUN ON A GPU."""
+    pass a recording fake). Run on an H100 (2026-11-26)."""
 
     def __init__(self, device: torch.device, cuda=torch.cuda):
         self.device, self.cuda = torch.device(device), cuda

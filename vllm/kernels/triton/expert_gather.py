@@ -1,10 +1,10 @@
 """The expert cache's miss copy as one Triton launch per tensor (CUDA), reading the pinned host
 store in place: for each plan entry i with valid[i], dst[slots[i]] = src[experts[i]].
 
-NOT YET RUN ON A GPU: checked only under Triton's interpreter against a torch reference
-(``tests/kernels/triton/test_triton_expert_gather.py``) and compiled for SM90 / SM120
-(``tests/build/test_triton_compile_expert_gather.py``); the ``gpu`` tests there read a pinned
-host store and capture the copy in a CUDA graph.
+Run on an H100 (2026-11-26): its three ``gpu`` tests passed (they read a pinned host store
+and capture the copy in a CUDA graph). Also checked under Triton's interpreter against a torch
+reference (``tests/kernels/triton/test_triton_expert_gather.py``) and compiled for SM90 / SM120
+(``tests/build/test_triton_compile_expert_gather.py``).
 
 The contract is ``UvaCopyKernel``'s (``expert_cache/copy.py``), the same as the CUDA build's
 ``vllm._C`` op (``csrc/moe/expert_gather.cu``), which the CUDA platform prefers where it exists:

@@ -1,7 +1,8 @@
 """``expert_gather`` for every expert tensor of a layer (weights, scales, zeros...) in one
 launch: the Triton twin of the CUDA build's ``expert_gather_many`` (csrc/moe/expert_gather.cu),
-for CUDA without ``vllm._C``. NOT YET RUN ON A GPU: checked under Triton's interpreter against
-a torch reference and compiled for SM90 / SM120.
+for CUDA without ``vllm._C``. Checked under Triton's interpreter against a torch reference and
+compiled for SM90 / SM120. On an H100 (2026-11-26) its gpu test failed: the first launch synced
+the host. Fixed since, not re-run.
 
 Contract (``ops.expert_gather_many``'s): for each plan entry i with valid[i] and each t,
 dsts[t][slots[i]] = srcs[t][experts[i]]; every src [E, ...] (pinned host memory or on the dsts'

@@ -8,8 +8,9 @@ expert count: a cached layer's kernels see its N slots, not its E experts, and t
 (BLOCK_K fixes the order of the f32 sums) must be the uncached layer's for bitwise-equal outputs
 (``tools/tune_fused_moe.py`` writes these tables).
 
-NOTHING HERE IS TUNED: no value has been measured on a GPU yet (the kernels have only been
-interpreted and compiled). The H100 table holds plausible, clearly labelled starting values.
+NOTHING HERE IS TUNED: no value has been measured on a GPU yet (the tuner has not run; the
+kernels first ran, on these values, on an H100 on 2026-11-26). The H100 table holds plausible,
+clearly labelled starting values.
 """
 from __future__ import annotations
 

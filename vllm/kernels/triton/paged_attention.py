@@ -10,11 +10,12 @@ style on ``tl.dot``, over a work list of query tiles built on the host), or with
 -> ``_paged_attention_kernel`` below, one program per (token, query head) on CUDA cores (the
 reference path the tests compare against).
 
-NOT YET RUN ON A GPU: the kernels are checked under Triton's interpreter against a torch
-reference (tests/kernels/triton/test_triton_paged_attention.py, test_triton_paged_decode.py,
-test_triton_paged_prefill.py) and compiled for SM90 and SM120
-(tests/build/test_triton_compile_paged_attention.py, test_triton_compile_paged_prefill.py),
-never executed on a device.
+Run on an H100 (2026-11-26): the gpu tests of test_triton_paged_attention.py and
+test_triton_paged_prefill.py passed, and the kernels ran in the decode benchmark. Also checked
+under Triton's interpreter against a torch reference (tests/kernels/triton/
+test_triton_paged_attention.py, test_triton_paged_decode.py, test_triton_paged_prefill.py) and
+compiled for SM90 and SM120 (tests/build/test_triton_compile_paged_attention.py,
+test_triton_compile_paged_prefill.py).
 
 Layouts (``model_executor/layers/attention/interface.py``, ``forward_context.py``):
 - cache [P, num_blocks, block_size, Hkv, D], contiguous; plane 0 = keys, plane 1 = values, or

@@ -2,9 +2,10 @@
 one program per (token, kv head, chunk) for all the query heads of a kv head (tensor cores),
 then one program per (token, query head) combines the chunks.
 
-NOT YET RUN ON A GPU: checked under Triton's interpreter against a float64 torch reference
-(tests/kernels/triton/test_triton_paged_decode.py) and compiled for SM90 and SM120
-(tests/build/test_triton_compile_paged_attention.py), never executed on a device.
+Run on an H100 (2026-11-26): its gpu tests (in test_triton_paged_attention.py) passed, and it
+ran the decode benchmark's steps. Also checked under Triton's interpreter against a float64
+torch reference (tests/kernels/triton/test_triton_paged_decode.py) and compiled for SM90 and
+SM120 (tests/build/test_triton_compile_paged_attention.py).
 
 Layouts and semantics are ``paged_attention``'s decode case (paged_attention.py): token t is
 sequence t and attends keys [lo, n), n = seq_lens[t], lo = max(n - W, 0) with a window W; a

@@ -2,9 +2,10 @@
 FlashAttention-2 style: one program per (query tile, kv head) for all the query heads of the kv
 head, QK^T and PV on ``tl.dot``, keys read in place through the block table.
 
-NOT YET RUN ON A GPU: checked under Triton's interpreter against a float64 torch reference
+Run on an H100 (2026-11-26): its gpu tests passed, and it ran the decode benchmark's prefills.
+Also checked under Triton's interpreter against a float64 torch reference
 (tests/kernels/triton/test_triton_paged_prefill.py) and compiled for SM90 and SM120
-(tests/build/test_triton_compile_paged_prefill.py), never executed on a device.
+(tests/build/test_triton_compile_paged_prefill.py).
 
 Layouts and semantics are ``paged_attention``'s non-decode case (paged_attention.py): token t of
 sequence b sits at position p = seq_lens[b] - (query_start_loc[b + 1] - t) and attends keys

@@ -1,8 +1,8 @@
 """The key loop the paged decode and prefill kernels share (paged_decode.py, paged_prefill.py),
 over a head dim held in one or two power-of-two column tiles.
 
-NOT YET RUN ON A GPU: checked under Triton's interpreter and compiled for SM90 and SM120 with
-those kernels (their tests), never executed on a device.
+Run on an H100 (2026-11-26) inside those kernels, whose gpu tests passed. Also checked under
+Triton's interpreter and compiled for SM90 and SM120 with those kernels (their tests).
 
 Head dim split (``head_split``): tl.arange and tl.dot need power-of-two widths, and padding D to
 next_power_of_2(D) makes every q / K / V / accumulator tile that wide: MLA's absorbed D = 576

@@ -1,4 +1,4 @@
-"""GPTQ act order (``desc_act``) on the "cutlass_w4a16" backend (NOT YET RUN ON A GPU): ``pack``
+"""GPTQ act order (``desc_act``) on the "cutlass_w4a16" backend (not yet passed on a GPU): ``pack``
 sorts each expert's input columns by group and keeps the permutation in g_idx's place; the
 backend gathers each pair's activations by its expert's permutation. Checked on CPU through the
 op's stand-in: the packed bytes against the method's dequantized weights (un-permuted here), the

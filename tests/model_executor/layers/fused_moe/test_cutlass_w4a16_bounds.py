@@ -1,4 +1,4 @@
-"""Bounds of the "cutlass_w4a16" backend's pair path (NOT YET RUN ON A GPU; its op here is the
+"""Bounds of the "cutlass_w4a16" backend's pair path (not yet passed on a GPU; its op here is the
 torch stand-in written from the op's contract): 8191/8192/8193 tokens against the torch
 backend, act order included (its gathers run in 1024-row chunks, so these sizes cross chunk
 edges), and a cache of one slot, fewer than top_k, equal bit for bit to the uncached layer."""

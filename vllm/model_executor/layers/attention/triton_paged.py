@@ -7,9 +7,10 @@ cache in place through the block table (GQA, sliding window, sinks and a one-pla
 once per step (``AttentionMetadata.per_step``, shared by every layer), and its decodes the
 decode-only steps' split-context kernels.
 
-CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (how it is tested without a GPU); NOT YET RUN ON
-A GPU. ``cuda_graph_safe``: a decode-only step launches the same two kernels with the same grid
-for a given batch size and reads every length from the metadata's device tensors
+CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (how it is tested without a GPU); run on an
+H100 (2026-11-26) in the decode benchmark and the gpu tests. ``cuda_graph_safe``: a
+decode-only step launches the same two kernels with the same grid for a given batch size and
+reads every length from the metadata's device tensors
 (``seq_lens``, ``block_tables``, ``slot_mapping``), never from the host lists.
 """
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The "cutlass_w4a16" MoE expert backend: GPTQ INT4 experts (scheme ``w4a16-gptq``, bf16
 activations) on CUTLASS's SM90 mixed-input grouped GEMM (``csrc/moe/w4a16_moe_mm.cu``, reached
-through ``platform_for("cuda").w4a16_moe_ops()``: ``vllm/kernels/cuda/ops.py``). NOT YET RUN ON
-A GPU, and never chosen by "auto": only ``moe_backend="cutlass_w4a16"`` selects it.
+through ``platform_for("cuda").w4a16_moe_ops()``: ``vllm/kernels/cuda/ops.py``). Not yet
+passed on a GPU: on an H100 (2026-11-26) the compiled op equalled its torch stand-in, but the
+backend's gpu test failed (a test-helper device bug, fixed since, not re-run). Never chosen by
+"auto": only ``moe_backend="cutlass_w4a16"`` selects it.
 
 Layout (``pack``, per expert, so the expert cache's host store and slots hold it as is). The
 expert cache requires ``pack`` to keep the scheme's tensor names, so the packed tensors take the
@@ -174,9 +176,9 @@ _WORKSPACE = SharedWorkspace("cutlass_w4a16")
 
 # ---- the backend ---------------------------------------------------------------------------
 class CutlassW4A16Experts(MoEExperts):
-    """GPTQ INT4 experts on the CUTLASS W4A16 grouped GEMM (module docstring); not yet run on a
-    GPU. ``ops``: the compiled op and its workspace size (default: the CUDA platform's), or a
-    stand-in with the same contract (tests)."""
+    """GPTQ INT4 experts on the CUTLASS W4A16 grouped GEMM (module docstring); not yet
+    passed on a GPU. ``ops``: the compiled op and its workspace size (default: the CUDA
+    platform's), or a stand-in with the same contract (tests)."""
     name = "cutlass_w4a16"
     cuda_graph_safe = True    # sorted pairs and group offsets stay on the device; one workspace
 

@@ -20,9 +20,11 @@ Paths, chosen once per provider from the slots' device (``select_copy``):
     ``Platform.expert_copy_kernel``: ``vllm._C``'s ``expert_gather`` (an older build without
     the many op), else the Triton gather (``vllm/kernels/triton/expert_gather.py``). A decode
     step that hits everywhere still launches the copy (its blocks exit on invalid entries):
-    with GPTQ's eight tensors per layer that is one launch instead of eight. NOT YET RUN ON A
-    GPU: the ``gpu`` tests of tests/kernels/cuda/test_expert_gather.py and
-    tests/kernels/triton/test_triton_expert_gather.py check them.
+    with GPTQ's eight tensors per layer that is one launch instead of eight. Their ``gpu`` tests
+    on an H100 (2026-11-26): tests/kernels/triton/test_triton_expert_gather.py passed; 14 of
+    tests/kernels/cuda/test_expert_gather.py passed, then its bad-argument test crashed the
+    process, and the Triton many twin's graph test failed (both fixed since, not re-run); the
+    decode benchmark ran the copy.
   * otherwise (CUDA without a kernel, i.e. neither vllm._C nor triton; an unpinned store; other
     accelerators): a plain torch fallback that reads the plan on the host (ONE sync per wave)
     and issues one copy per (miss, tensor), asynchronous when the store is pinned.
