@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
 #                                       # build, a C++-exception probe under gdb, every gpu
-#                                       # test (-n 6), the decode headline, the quantized
+#                                       # test (-n 8), the decode headline, the quantized
 #                                       # figures, a short offload run, eager decode
 #   bash tools/gpu_session.sh retry     # after fixes: build, probe, gpu tests, quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
@@ -101,11 +101,12 @@ for n in ('expert_gather', 'expert_gather_many', 'try_empty_pinned', 'w4a16_moe_
 
 # The image lacks the server's packages (fastapi, openai, jsonschema): their test modules fail
 # to import, which must not stop the others.
-# -v: a run cut short still shows in its log which tests ran and how they ended. -n 6, a file
-# per process: the Triton compiles (most of a gpu test's time on a bare machine) run side by
-# side, and a crash takes one worker, not the step (xdist is on the image).
+# -v: a run cut short still shows in its log which tests ran and how they ended. -n 8, tests
+# dealt one by one (not a file per process: on the H100 the residency step's file alone took
+# 110 s, its five policies ~20 s each, mostly Triton compiles): the compiles run side by side,
+# and a crash takes one worker, not the step (xdist is on the image).
 PYTEST=(python3 -m pytest -v -rfEs -p no:cacheprovider --continue-on-collection-errors)
-PARALLEL=(-n 6 --dist loadfile)
+PARALLEL=(-n 8 --dist load)
 # Why a C++ exception from vllm._C crashed the process on the H100 image (2026-11-26): the
 # compilers, the loaded runtime libraries, and the throw's backtrace under gdb.
 throw_probe() { step 40 throw-probe bash tools/cpp_throw_probe.sh; }
