@@ -25,7 +25,9 @@ their wall seconds; hit rate, bytes copied and copy GB/s (bytes / decode seconds
 cache's counters over the same steps. ``tokens_identical`` says, per batch, whether every cache size
 produced the same greedy tokens. ``--profile-steps K`` adds a ``profile`` to each row: K more
 decode steps under torch.profiler (``decode_profile.py``: kernel and graph launches, GPU kernels
-and busy time, aten ops, per step).
+and busy time, aten ops, per step). ``--unrouted-experts K`` zeroes the router rows of the last K
+experts (``UNROUTED``): with N = E - K slots, filled by a warm-up of 32 prompts, the cache then
+hits on every access, its pure cost.
 """
 from __future__ import annotations
 
@@ -57,10 +59,19 @@ PRESETS = {
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
         num_experts_per_tok=2, norm_topk_prob=True)),
+    "tiny-e32": ("Qwen3MoeForCausalLM", dict(          # tiny, 32 experts: --unrouted-experts
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, moe_intermediate_size=16, num_experts=32,
+        num_experts_per_tok=2, norm_topk_prob=True)),
 }
 """name -> (architecture, config fields); every preset also gets ``_COMMON``."""
 _COMMON = dict(vocab_size=4096, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0,
                pad_token_id=0, tie_word_embeddings=False, initializer_range=0.02)
+UNROUTED = """An expert whose router row is zero has logit 0, while the others' logits are
+N(0, s^2), independent across experts, for any hidden state (random rows); it enters the top k
+only when fewer than k of the other E - 1 logits are positive: P(Binomial(E - 1, 1/2) < k),
+7e-11 per token and layer for top-8 of 63 (probe-4.8g), 1.5e-8 for top-2 of 31 (tiny-e32). So
+the cache's all-hits cost can be measured at N = E - K with the cache on (N >= E turns it off)."""
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -105,12 +116,15 @@ def _shard_of(name: str) -> str:
     return parts[2] if parts[:2] == ["model", "layers"] else "rest"
 
 
-def build_checkpoint(preset: str, path: str, dtype: torch.dtype, seed: int = 0) -> None:
-    """Random weights (norms 1, the rest N(0, 0.02)) written one decoder layer per shard."""
+def build_checkpoint(preset: str, path: str, dtype: torch.dtype, seed: int = 0,
+                     unrouted: int = 0) -> None:
+    """Random weights (norms 1, the rest N(0, 0.02)) written one decoder layer per shard; the
+    router rows of the last ``unrouted`` experts zero (``UNROUTED``)."""
     from safetensors.torch import save_file
 
     from vllm import DEFAULT_MODEL
     config = make_config(preset, dtype)
+    config.bench_unrouted_experts = unrouted
     os.makedirs(path, exist_ok=True)
     shapes = param_shapes(config)
     shards: dict[str, list] = {}
@@ -125,6 +139,8 @@ def build_checkpoint(preset: str, path: str, dtype: torch.dtype, seed: int = 0) 
             t = torch.empty(shape, dtype=dtype)
             tensors[name] = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(
                 0.0, config.initializer_range, generator=g)
+            if unrouted and name.endswith("mlp.gate.weight"):       # router [E, H]
+                t[t.shape[0] - unrouted:] = 0
             weight_map[name] = fname
             total += t.numel() * t.element_size()
         save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
@@ -136,13 +152,16 @@ def build_checkpoint(preset: str, path: str, dtype: torch.dtype, seed: int = 0) 
     config.save_pretrained(path)                            # config.json last: marks it complete
 
 
-def check_reusable(path: str, config) -> None:
-    """A checkpoint found at ``path`` must be the preset's shape and dtype."""
+def check_reusable(path: str, config, unrouted: int = 0) -> None:
+    """A checkpoint found at ``path`` must be the preset's shape and dtype, with as many
+    unrouted experts."""
     with open(os.path.join(path, "config.json")) as f:
         found = json.load(f)
+    found.setdefault("bench_unrouted_experts", 0)
     want = {k: getattr(config, k) for k in ("architectures", "hidden_size", "num_hidden_layers",
                                               "moe_intermediate_size")}
     want["dtype"] = str(config.dtype)[6:]
+    want["bench_unrouted_experts"] = unrouted
     diff = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
     if diff:
         raise ValueError(f"--checkpoint {path!r} holds another model: (found, wanted) {diff}; "
@@ -228,6 +247,8 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
                   moe_expert_overlap=args.moe_expert_overlap,
                   moe_expert_cpu_compute=args.moe_expert_cpu_compute,
                   kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
+        if args.unrouted_experts:       # every routed expert loaded before the timed steps
+            decode(llm, make_prompts(vocab, 32, 64, args.seed + 1), 1)
         for b in args.batch:
             prompts = make_prompts(vocab, b, args.prompt_len, args.seed)
             decode(llm, prompts, min(args.output_len, 4))                   # warm-up
@@ -266,9 +287,9 @@ def run(args) -> dict:
         start = time.perf_counter()
         reused = os.path.exists(os.path.join(path, "config.json"))
         if reused:
-            check_reusable(path, config)
+            check_reusable(path, config, args.unrouted_experts)
         else:
-            build_checkpoint(args.random_model, path, dtype, args.seed)
+            build_checkpoint(args.random_model, path, dtype, args.seed, args.unrouted_experts)
         build_s = time.perf_counter() - start
         partial = dict(result, device=device, build_seconds=build_s, partial=True)
         rows, tokens = run_sizes(args, path, dtype, device, config.vocab_size,
@@ -312,6 +333,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--moe-expert-cpu-compute", choices=["off", "auto", "always"], default="off",
                     help="compute missing experts on the CPU (eager steps; tokens may differ "
                          "by rounding off a CPU device)")
+    ap.add_argument("--unrouted-experts", type=int, default=0, metavar="K",
+                    help="zero the router rows of the last K experts (never routed: a cache of "
+                         "E - K slots then hits on every access; see UNROUTED)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,
@@ -330,6 +354,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{flag} {values} is invalid: every value must be >= {low}")
     if args.profile_steps < 0:
         ap.error(f"--profile-steps {args.profile_steps} is invalid: must be >= 0")
+    if args.unrouted_experts < 0:
+        ap.error(f"--unrouted-experts {args.unrouted_experts} is invalid: must be >= 0")
     if args.profile_trace_dir is not None:
         if not args.profile_steps:
             ap.error("--profile-trace-dir needs --profile-steps K (K > 0)")

@@ -110,8 +110,10 @@ PARALLEL=(-n 8 --dist load)
 # Why a C++ exception from vllm._C crashed the process on the H100 image (2026-11-26): the
 # compilers, the loaded runtime libraries, and the throw's backtrace under gdb.
 throw_probe() { step 40 throw-probe bash tools/cpp_throw_probe.sh; }
+# --unrouted-experts 1: expert 63 is never routed, so N = 63 is the cache's all-hits cost (on
+# fully random routing N = 63 of 64 misses about once a step: the H100's first figures).
 DECODE=(python3 benchmarks/benchmark_decode.py --random-model probe-4.8g --dtype bf16
-        --device cuda --checkpoint /tmp/probe --json)
+        --device cuda --checkpoint /tmp/probe --unrouted-experts 1 --json)
 # One --work for every quant step: the bf16 and quantized checkpoints are built once.
 QUANT=(python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 --json
        --work /tmp/quant-work)

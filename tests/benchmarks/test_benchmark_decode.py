@@ -122,7 +122,8 @@ def test_probe_is_4_8_gigabytes_of_9_4_megabyte_experts():
     (["--random-model", "tiny", "--moe-expert-cache-size", "-1"], "every value must be >= 0"),
     (["--random-model", "tiny", "--output-len", "0"], "--output-len 0 is invalid"),
     (["--random-model", "tiny", "--profile-trace-dir", "t"], "--profile-trace-dir needs "
-                                                              "--profile-steps")])
+                                                              "--profile-steps"),
+    (["--random-model", "tiny", "--unrouted-experts", "-1"], "--unrouted-experts -1 is invalid")])
 def test_bad_arguments_name_the_value(argv, match, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
@@ -223,3 +224,31 @@ def test_cpu_compute_rows_keep_the_tokens_and_copy_nothing(result):
     assert cached and all(r["bytes_copied"] == 0 and r["misses"] == 0 and r["cpu_pairs"] > 0
                           for r in cached)
     assert all("cpu_pairs" not in r for r in result[0]["rows"])
+
+
+def test_unrouted_experts_make_a_cache_of_the_rest_hit_on_every_access(tmp_path):
+    """--unrouted-experts 1 on tiny-e32: the last expert's router rows are zero in the checkpoint,
+    and a cache of 31 slots then serves the timed decode with no miss (after the slot-filling
+    warm-up), with the uncached tokens; without the flag the same cache misses."""
+    from safetensors import safe_open
+    common = ["--random-model", "tiny-e32", "--device", "cpu", "--dtype", "fp32", "--batch",
+              "2", "--moe-expert-cache-size", "0", "31", "--output-len", "6", "--prompt-len",
+              "4", "--json"]
+    out = bench.main(common + ["--unrouted-experts", "1", "--checkpoint", str(tmp_path / "u")])
+    cached = next(r for r in out["rows"] if r["moe_expert_cache_size"] == 31)
+    assert cached["cache_active"] and cached["hits"] > 0
+    assert cached["misses"] == 0 and cached["hit_rate"] == 1.0
+    assert out["all_tokens_identical"]
+    routers = 0
+    for shard in (tmp_path / "u").glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                if name.endswith("mlp.gate.weight"):
+                    w = f.get_tensor(name)                        # [32, 64]
+                    assert not w[31].any() and w[:31].abs().min() > 0
+                    routers += 1
+    assert routers == 2
+    plain = bench.main(common + ["--checkpoint", str(tmp_path / "p")])
+    assert next(r for r in plain["rows"] if r["moe_expert_cache_size"] == 31)["misses"] > 0
+    with pytest.raises(ValueError, match="holds another model"):
+        bench.main(common + ["--checkpoint", str(tmp_path / "u")])   # built with 1 unrouted
