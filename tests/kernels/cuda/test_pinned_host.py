@@ -84,7 +84,8 @@ BLOCK = 4 << 30
 
 def test_freed_memory_is_returned(ops):
     """4 GiB locked (every page touched) takes most of it out of MemAvailable; freed, it comes
-    back (to within a quarter, for what other processes do meanwhile), eight times running."""
+    back (to within half, for what other processes do meanwhile: the GPU session runs the gpu
+    tests in 8 workers), eight times running."""
     if _mem_available() < 3 * BLOCK:
         pytest.skip(f"needs {3 * BLOCK >> 30} GiB of available host memory")
     start = _mem_available()
@@ -94,7 +95,7 @@ def test_freed_memory_is_returned(ops):
         held = _mem_available()
         del t
         assert start - held > BLOCK * 3 // 4, "the block was not taken from MemAvailable"
-        assert start - _mem_available() < BLOCK // 4, "the freed block did not come back"
+        assert start - _mem_available() < BLOCK // 2, "the freed block did not come back"
 
 
 _FREE_ON_A_FRESH_THREAD = """if True:
