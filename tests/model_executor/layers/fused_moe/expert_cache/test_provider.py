@@ -84,6 +84,31 @@ def test_cached_plan_waves_cover_every_pair_once_with_slot_ids(n, T):
     assert torch.equal(covered, (ids >= 0).long())
 
 
+@pytest.mark.parametrize("n,T", [(7, 1), (7, 2), (3, 1), (3, 4), (1, 3)])
+def test_the_copy_gets_only_the_entries_a_wave_can_load(n, T):
+    """Each wave's copy gets the plan's first min(N, T*K) entries, the most a wave can load (a
+    GPU copy's grid covers them all), and every expert the wave loads is among them."""
+    layer = build(n)
+    provider = layer.expert_cache
+    inner, sizes = provider.copy, []
+
+    def recording_copy(slots, plan):
+        sizes.append(plan.valid.numel())
+        inner(slots, plan)
+    provider.copy = recording_copy
+    g = torch.Generator().manual_seed(n * 10 + T)
+    for _ in range(6):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        for slot_ids in provider.prepare(ids):
+            hit = slot_ids >= 0
+            # every slot the wave reads holds its expert: the copy loaded all the misses
+            assert torch.equal(provider.residency.expert_of_slot[slot_ids[hit]], ids[hit])
+            for name, slot in provider.slot_weights().items():
+                store = provider.store.tensors[name]
+                assert torch.equal(slot[slot_ids[hit]], store[ids[hit]])
+    assert sizes and set(sizes) == {min(n, T * K)}
+
+
 def test_cached_provider_owns_store_slots_and_state_not_the_layer():
     layer = build(3)
     provider = layer.expert_cache

@@ -134,9 +134,13 @@ class ExpertPlan:
         p = self.provider
         step, res = p.step_for_this_call(), p.residency
         skip_empty = step.on_host and not capturing()
+        # A wave loads at most min(N, T*K) experts, the plan's first entries: the copy gets only
+        # those (a GPU copy's grid covers its entries: 8 instead of 63 at batch 1, top-8).
+        loads = min(res.num_slots, self.topk_ids.numel())
         p.join_prefetch()           # the real step may hit on an expert still being copied
         for wave in range(self.num_waves):
             plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
+            plan = plan.head(loads)
             if p.side_stream is not None:
                 yield from overlapped_wave(p.copy, p.slots, plan, slot_ids, p.side_stream)
             else:

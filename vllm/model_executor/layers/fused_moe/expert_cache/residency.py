@@ -36,6 +36,11 @@ class LoadPlan:
         """[...] int64: how many experts the plan copies."""
         return self.valid.sum(-1)
 
+    def head(self, n: int) -> "LoadPlan":
+        """The first ``n`` entries (views): the whole plan when ``n`` is at least the number of
+        loads, since valid entries come first."""
+        return LoadPlan(self.slots[..., :n], self.experts[..., :n], self.valid[..., :n])
+
 
 def num_waves(num_experts: int, max_needed: int, num_slots: int) -> int:
     """Static wave count: a step of T tokens x top-k needs at most min(E, T*k) distinct experts."""
