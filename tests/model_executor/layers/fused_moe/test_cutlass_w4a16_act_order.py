@@ -74,13 +74,14 @@ def build(backend: str, sym: bool, cache: int = 0, ops=None, device: str = "cpu"
     method = GptqMoEMethod(GS, sym, True, "gptq")
     config = (layer_config(cache, moe_backend=backend) if device == "cpu"
               else gpu_config(backend, cache))
+    # The weights on the CPU, before the device context: a CPU generator cannot draw there.
+    weights = [act_order_weights(100 + e) for e in range(E)]
     with set_current_vllm_config(config), torch.device(device):
         layer = FusedMoE(E, TOP_K, H, N, params_dtype=BF16, quant_method=method)
         if ops is not None:
             layer.quant_method.kernel = cw.CutlassW4A16Experts(layer.activation, ops)
             layer.quant_method.kernel.bind_scheme(method)
-        for e in range(E):
-            gate, up, down = act_order_weights(100 + e)
+        for e, (gate, up, down) in enumerate(weights):
             for shard, kind, w in (("w1", "w13", gate), ("w3", "w13", up), ("w2", "w2", down)):
                 for s, t in quantize_gptq(w, GS, sym, desc_act=True).items():
                     layer.load_expert_weight(f"{kind}_{s}", method.load_transform(s, kind, t),

@@ -303,16 +303,20 @@ def test_expert_from_checkpoint_is_the_loader_layout():
         method.expert_from_checkpoint(*({**d, "bias": torch.zeros(1)} for d in (gate, up, down)))
 
 
-@pytest.mark.parametrize("desc_act", [False, True])
-def test_quantize_gptq_makes_its_tensors_on_the_weight_s_device(desc_act):
+@pytest.mark.parametrize("quantize", [
+    lambda w: quantize_gptq(w, 32, False), lambda w: quantize_gptq(w, 32, False, True),
+    lambda w: quantize_fp8(w, "block", (8, 32)), lambda w: quantize_fp8(w, "channel"),
+    lambda w: quantize_fp8(w, "tensor"), quantize_nvfp4],
+    ids=["gptq", "gptq-act-order", "fp8-block", "fp8-channel", "fp8-tensor", "nvfp4"])
+def test_the_quantizers_make_their_tensors_on_the_weight_s_device(quantize):
     """Under a default-device context (a layer built ``with torch.device("cuda")``, as the GPU
-    tests do) the quantizer's own tensors follow the weight: on the H100 they went to the context's
-    device beside a CPU weight and the scatter failed. Here the context is ``meta``: any tensor
-    made there would make the results meta or raise."""
+    tests do) a quantizer's own tensors follow the weight: on the H100 GPTQ's went to the
+    context's device beside a CPU weight and the scatter failed. Here the context is ``meta``:
+    any tensor made there would make the results meta or raise."""
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
-    plain = quantize_gptq(w, 32, False, desc_act)
+    plain = quantize(w)
     with torch.device("meta"):
-        inside = quantize_gptq(w, 32, False, desc_act)
+        inside = quantize(w)
     assert plain.keys() == inside.keys()
     for name, t in plain.items():
         assert inside[name].device.type == "cpu" and torch.equal(inside[name], t), name

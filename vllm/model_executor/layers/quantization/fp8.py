@@ -138,7 +138,7 @@ def quantize_fp8(w: torch.Tensor, strategy: str, block: tuple[int, int] = (128, 
                          f"{list(FP8_STRATEGIES)}")
     bo, bi = block
     out, inp = w.shape
-    pad = torch.zeros(ceil_div(out, bo) * bo, ceil_div(inp, bi) * bi)
+    pad = torch.zeros(ceil_div(out, bo) * bo, ceil_div(inp, bi) * bi, device=w.device)
     pad[:out, :inp] = w.abs()
     amax = pad.reshape(pad.shape[0] // bo, bo, pad.shape[1] // bi, bi).amax(dim=(1, 3))
     scale = (amax / FP8_E4M3_MAX).clamp(min=1e-12)                       # [out/bo, in/bi]
