@@ -72,21 +72,11 @@ def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, E
 WHO = "triton expert_gather"
 
 
-def _fail(msg: str) -> None:
-    fail(WHO, msg)
-
-
-def _check_plan(dst: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor,
-                valid: torch.Tensor) -> int:
-    return check_plan(WHO, dst, experts, slots, valid)
-
-
-def _check_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``gather_checks.check_rows``; CPU tensors only under the interpreter."""
-    check_rows(WHO, src, dst, cpu_ok=True)
+def _check_interpreted(src: torch.Tensor, dst: torch.Tensor, who: str = WHO) -> None:
+    """After ``gather_checks``' checks with ``cpu_ok``: CPU tensors only under the interpreter."""
     if dst.device.type == "cpu" and not interpreting():
-        _fail(f"dst on {dst.device}, src on {src.device}: runs on CUDA dst, or on CPU tensors "
-              f"only under TRITON_INTERPRET=1")
+        fail(who, f"dst on {dst.device}, src on {src.device}: runs on CUDA dst, or on CPU tensors "
+                  f"only under TRITON_INTERPRET=1")
 
 
 def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
@@ -109,8 +99,9 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
                   slots: torch.Tensor, valid: torch.Tensor) -> None:
     """For each i with valid[i]: dst[slots[i]] = src[experts[i]], in one launch on the current
     stream of dst's device, without a host sync (the module docstring has the contract)."""
-    _check_rows(src, dst)
-    n = _check_plan(dst, experts, slots, valid)
+    check_rows(WHO, src, dst, cpu_ok=True)
+    _check_interpreted(src, dst)
+    n = check_plan(WHO, dst, experts, slots, valid)
     E, N = src.shape[0], dst.shape[0]
     row_bytes = math.prod(src.shape[1:]) * src.element_size()
     if n == 0 or E == 0 or N == 0 or row_bytes == 0:

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.gather_checks import check_many
-from vllm.kernels.triton.expert_gather import (BLOCK, ITERS, LAUNCH_OPTIONS, _check_rows, _word,
-                                               expert_gather)
+from vllm.kernels.triton.expert_gather import (BLOCK, ITERS, LAUNCH_OPTIONS, _check_interpreted,
+                                               _word, expert_gather)
 
 MAX_TENSORS = 16
 """Tensors per launch (rows of one table)."""
@@ -87,9 +87,9 @@ def expert_gather_many(srcs: list[torch.Tensor], dsts: list[torch.Tensor],
                        experts: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> None:
     """For each i with valid[i] and each t: dsts[t][slots[i]] = srcs[t][experts[i]], one launch
     per word size (module docstring)."""
-    n = check_many("triton expert_gather_many", srcs, dsts, experts, slots, valid, cpu_ok=True)
-    for src, dst in zip(srcs, dsts):
-        _check_rows(src, dst)                         # CPU tensors: only under the interpreter
+    who = "triton expert_gather_many"
+    n = check_many(who, srcs, dsts, experts, slots, valid, cpu_ok=True)
+    _check_interpreted(srcs[0], dsts[0], who)         # the dsts share one device (check_many)
     E, N, device = srcs[0].shape[0], dsts[0].shape[0], dsts[0].device
     if n == 0 or E == 0 or N == 0:
         return
