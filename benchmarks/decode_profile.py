@@ -6,8 +6,8 @@ launches: a replayed step is one graph launch plus what runs outside the graph),
 GPU ran and their busy time, its copies (memcpy / memset) and their time, the span from the
 first device activity to the last (busy time beside it: the device's idle gaps; wall time beside
 it: the host's time outside), and the aten ops the host dispatched (on CPU the only column that
-is not zero). With a trace path it also writes the Chrome trace. The issue-17 baseline (H100, eager, before the GPU path): about 1,870 launches
-per token, the GPU busy under 5% of the step.
+is not zero). With a trace path it also writes the Chrome trace. The issue-17 baseline (H100,
+eager, before the GPU path): about 1,870 launches per token, the GPU busy under 5% of the step.
 """
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ namespace vllm {
 // The values are try_empty_pinned's status, which vllm/kernels/cuda/ops.py reads.
 enum class PinnedHostStatus {
   kOk = 0,
-  kOutOfMemory = 1,  // cudaHostAlloc's cudaErrorMemoryAllocation, or more bytes than the machine has
-  kError = 2,    // cudaHostAlloc failed otherwise (no device or driver, an earlier kernel's fault)
+  // cudaHostAlloc's cudaErrorMemoryAllocation, or more bytes than the machine has
+  kOutOfMemory = 1,
+  // cudaHostAlloc failed otherwise (no device or driver, an earlier kernel's fault)
+  kError = 2,
 };
 
 // Page-locked host memory of `bytes` (the driver rounds to whole pages, nothing more), portable

@@ -62,7 +62,8 @@ def test_a_failed_allocation_is_out_of_memory_and_leaves_no_error_behind(ops):
     with pytest.raises(torch.OutOfMemoryError, match="cannot page-lock 281474976710656 bytes"):
         ops.empty_pinned((1 << 48,), torch.uint8)         # 256 TiB
     t, status, error = torch.ops._C.try_empty_pinned([1 << 48], torch.uint8)
-    assert (t.numel(), status, error) == (0, ops.PINNED_OUT_OF_MEMORY, 2)  # cudaErrorMemoryAllocation
+    # 2: cudaErrorMemoryAllocation
+    assert (t.numel(), status, error) == (0, ops.PINNED_OUT_OF_MEMORY, 2)
     x = torch.ones(4, device="cuda") * 2                  # torch's launch check must pass
     torch.cuda.synchronize()
     assert x.sum().item() == 8

@@ -101,7 +101,7 @@ def pinned_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     bad = [d for d in shape if isinstance(d, bool) or not isinstance(d, int) or d < 0]
     if bad:
         raise ValueError(f"empty_pinned: sizes must be non-negative integers, got {list(shape)}")
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= 2 ** 63:
         raise ValueError(f"empty_pinned: {list(shape)} of {dtype} is {nbytes} bytes, more than "
                          f"2^63")
