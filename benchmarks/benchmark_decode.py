@@ -278,6 +278,10 @@ def run(args) -> dict:
     dtype = DTYPES[args.dtype]
     config = make_config(args.random_model, dtype)
     result = {"preset": args.random_model, "shape": shape_summary(config, dtype)}
+    E, k = result["shape"]["num_experts"], result["shape"]["top_k"]
+    if args.unrouted_experts > E - k:
+        raise ValueError(f"--unrouted-experts {args.unrouted_experts} is invalid for "
+                         f"{args.random_model}: at most {E - k} (E={E} experts, top {k} routed)")
     if args.dry_run:
         return result
     device = resolve_device(args.device)

@@ -250,5 +250,8 @@ def test_unrouted_experts_make_a_cache_of_the_rest_hit_on_every_access(tmp_path)
     assert routers == 2
     plain = bench.main(common + ["--checkpoint", str(tmp_path / "p")])
     assert next(r for r in plain["rows"] if r["moe_expert_cache_size"] == 31)["misses"] > 0
+    with pytest.raises(ValueError, match=r"--unrouted-experts 31 is invalid for tiny-e32: at "
+                                         r"most 30 \(E=32 experts, top 2 routed\)"):
+        bench.main(["--random-model", "tiny-e32", "--unrouted-experts", "31", "--dry-run"])
     with pytest.raises(ValueError, match="holds another model"):
         bench.main(common + ["--checkpoint", str(tmp_path / "u")])   # built with 1 unrouted
