@@ -2,7 +2,7 @@
 
     python benchmarks/benchmark_moe_layer.py [--num-experts 8 --top-k 2 --hidden 32 --inter 16]
         [--slots N (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32]
-        [--device cpu|cuda] [--json]
+        [--device cpu|cuda] [--graphs] [--profile-iters K] [--json]
 
 Two routings per token count:
   * "all-hits": the router never picks the last expert, so with N = E-1 slots every access after
@@ -10,9 +10,15 @@ Two routings per token count:
     masked copy of zero misses).
   * "random": softmax over random logits, so misses (and copies) happen too.
 Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up (on CUDA
-each forward is timed to a device synchronisation). These are eager forwards: on CPU the cached
-layer's residency step is one C call per wave, but Python still runs around it; inside a decode
-graph (``benchmark_throughput.py --cache-sweep``) that Python is gone too. Times are for the
+each forward is timed to a device synchronisation). By default these are eager forwards: on CPU
+the cached layer's residency step is one C call per wave, but Python still runs around it;
+inside a decode graph (``benchmark_throughput.py --cache-sweep``) that Python is gone too.
+``--graphs`` times what a decode step's CUDA graph runs instead: each layer is captured once per
+token count (``worker/cuda_graphs.py``'s capturer; on CPU its eager stand-in) over static
+inputs that each iteration rewrites, and each replay is timed alone (CUDA events around it), so
+``overhead_ms`` is the cached layer's device cost per forward: its residency step, the copy
+launch with its blocks that exit, the remap. ``--profile-iters K`` adds the kernels K more
+forwards ran, by device time per forward (``decode_profile.top_kernels``). Times are for the
 backend "auto" picks (or --moe-backend) and the residency step the platform has.
 """
 from __future__ import annotations
@@ -21,13 +27,18 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
+from decode_profile import summarize
+from torch.profiler import ProfilerActivity, profile
 
 from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig,
                          SchedulerConfig, VllmConfig, set_current_vllm_config)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
 from vllm.model_executor.layers.fused_moe.registry import moe_backend_names
+from vllm.worker.cuda_graphs import default_capturer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,6 +67,55 @@ def median_ms(layer: FusedMoE, inputs: list[tuple[torch.Tensor, torch.Tensor]]) 
     return statistics.median(times) * 1e3
 
 
+class GraphedLayer:
+    """The layer captured over static copies of the first input, after a warm-up forward (as a
+    decode graph's); each layer gets its own capturer and graph pool."""
+
+    def __init__(self, layer: FusedMoE, inputs: list[tuple[torch.Tensor, torch.Tensor]]):
+        x0, l0 = inputs[0]
+        self.x, self.logits = x0.clone(), l0.clone()
+        capturer = default_capturer(x0.device)
+        with capture_warm_up(x0.shape[0]):
+            capturer.warm_up(lambda: layer(self.x, self.logits))
+        self.replay = capturer.capture(lambda: layer(self.x, self.logits))
+
+    def set_inputs(self, x: torch.Tensor, logits: torch.Tensor) -> None:
+        self.x.copy_(x)
+        self.logits.copy_(logits)
+
+
+def replay_ms(g: GraphedLayer, inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Median of each replay alone: CUDA events around it (the input copies before it are not
+    timed), or the host clock on CPU."""
+    on_cuda = inputs[0][0].is_cuda
+    times = []
+    for x, logits in inputs:
+        g.set_inputs(x, logits)
+        if on_cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            g.replay()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kernels_per_forward(forward: Callable[[], None], iters: int, on_cuda: bool) -> list[dict]:
+    """The device kernels of ``iters`` forwards, by time per forward (empty on CPU)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            forward()
+        if on_cuda:
+            torch.cuda.synchronize()
+    return summarize(prof.key_averages(), iters, 1.0)["kernels"]
+
+
 def make_inputs(args, T: int, routing: str, dtype: torch.dtype, g: torch.Generator):
     out = []
     for _ in range(args.iters):
@@ -67,7 +127,39 @@ def make_inputs(args, T: int, routing: str, dtype: torch.dtype, g: torch.Generat
     return out
 
 
-def main() -> None:
+def measure(args, ref: FusedMoE, cached: FusedMoE, T: int, routing: str,
+            inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """One row: both layers' medians (eager or replayed), the cache's counters over the timed
+    forwards, and with ``--profile-iters`` each layer's kernels."""
+    median_ms(ref, inputs), median_ms(cached, inputs)  # warm-up: fills the slots
+    if args.graphs:
+        g_ref, g_cached = GraphedLayer(ref, inputs), GraphedLayer(cached, inputs)
+        replay_ms(g_ref, inputs[:3]), replay_ms(g_cached, inputs[:3])
+        timed = {"uncached": lambda: replay_ms(g_ref, inputs),
+                 "cached": lambda: replay_ms(g_cached, inputs)}
+        forwards = {"uncached": g_ref.replay, "cached": g_cached.replay}
+    else:
+        timed = {"uncached": lambda: median_ms(ref, inputs),
+                 "cached": lambda: median_ms(cached, inputs)}
+        x, logits = inputs[0]
+        forwards = {"uncached": lambda: ref(x, logits), "cached": lambda: cached(x, logits)}
+    cached.expert_cache.reset_stats()
+    t_ref, t_cached = timed["uncached"](), timed["cached"]()
+    st = cached.expert_cache.stats()
+    row = {"tokens": T, "routing": routing, "slots": cached.expert_cache.num_slots,
+           "device": args.device, "graphs": args.graphs,
+           "residency_step": cached.expert_cache.step.name,
+           "uncached_ms": round(t_ref, 4), "cached_ms": round(t_cached, 4),
+           "overhead_ms": round(t_cached - t_ref, 4), "hit_rate": round(st["hit_rate"], 4),
+           "waves_per_forward": st["waves"] / args.iters}
+    if args.profile_iters:
+        on_cuda = args.device == "cuda"
+        row["kernels"] = {k: kernels_per_forward(f, args.profile_iters, on_cuda)
+                          for k, f in forwards.items()}
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
@@ -79,8 +171,19 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--moe-backend", choices=["auto", *moe_backend_names()], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--graphs", action="store_true",
+                   help="time replays of each layer's captured graph (the decode step's view)")
+    p.add_argument("--profile-iters", type=int, default=0,
+                   help="also profile this many forwards per layer: kernels by device time")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.iters < 3:
+        p.error(f"--iters {args.iters}: at least 3 (the median of the timed forwards)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     n = args.slots if args.slots is not None else args.num_experts - 1
     dtype = _DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
@@ -94,27 +197,19 @@ def main() -> None:
         for T in args.tokens:
             for routing in ("all-hits", "random"):
                 inputs = make_inputs(args, T, routing, dtype, g)
-                median_ms(ref, inputs), median_ms(cached, inputs)  # warm-up: fills the slots
-                cached.expert_cache.reset_stats()
-                t_ref, t_cached = median_ms(ref, inputs), median_ms(cached, inputs)
-                st = cached.expert_cache.stats()
-                rows.append({"tokens": T, "routing": routing, "slots": n, "device": args.device,
-                             "residency_step": cached.expert_cache.step.name,
-                             "uncached_ms": round(t_ref, 4), "cached_ms": round(t_cached, 4),
-                             "overhead_ms": round(t_cached - t_ref, 4),
-                             "hit_rate": round(st["hit_rate"], 4),
-                             "waves_per_forward": st["waves"] / args.iters})
+                rows.append(measure(args, ref, cached, T, routing, inputs))
     if args.json:
         print(json.dumps(rows, indent=1))
-        return
+        return rows
     print(f"E={E} top_k={args.top_k} H={H} I={I} N={n} dtype={args.dtype} iters={args.iters} "
           f"device={args.device} backend={ref.quant_method.backend_name} "
-          f"residency step={cached.expert_cache.step.name}")
+          f"residency step={cached.expert_cache.step.name} graphs={args.graphs}")
     print(f"{'T':>5} {'routing':>9} {'uncached ms':>12} {'cached ms':>10} {'overhead ms':>12} "
           f"{'hit rate':>9} {'waves':>6}")
     for r in rows:
         print(f"{r['tokens']:>5} {r['routing']:>9} {r['uncached_ms']:>12.4f} {r['cached_ms']:>10.4f} "
               f"{r['overhead_ms']:>12.4f} {r['hit_rate']:>9.3f} {r['waves_per_forward']:>6.2f}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ launches: a replayed step is one graph launch plus what runs outside the graph),
 GPU ran and their busy time, its copies (memcpy / memset) and their time, the span from the
 first device activity to the last (busy time beside it: the device's idle gaps; wall time beside
 it: the host's time outside), and the aten ops the host dispatched (on CPU the only column that
-is not zero). With a trace path it also writes the Chrome trace. The issue-17 baseline (H100,
+is not zero). ``kernels`` names the device's kernels (and copies) by time per step (the largest
+``TOP_KERNELS``): beside an uncached row, a cached row's extra kernels (the residency step, the
+expert copy) and their microseconds. With a trace path it also writes the Chrome trace. The issue-17 baseline (H100,
 eager, before the GPU path): about 1,870 launches per token, the GPU busy under 5% of the step.
 """
 from __future__ import annotations
@@ -21,6 +23,10 @@ KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
 GRAPH_LAUNCHES = ("cudaGraphLaunch",)
 COPIES = ("Memcpy", "Memset")
 """Device events that are copies, not kernels (CUPTI names them "Memcpy HtoD (...)" etc.)."""
+TOP_KERNELS = 24
+NAME_CHARS = 100
+"""Kernel names are cut to this in the report (C++ template names run to kilobytes); they are
+told apart by the whole name."""
 
 
 def _device_time_us(event) -> float:
@@ -35,6 +41,7 @@ def summarize(events, steps: int, wall_s: float) -> dict:
     count = {"launches": 0, "graph_launches": 0, "torch_ops": 0, "gpu_kernels": 0,
              "gpu_copies": 0}
     gpu_us = copy_us = 0.0
+    per_kernel: dict[str, list[float]] = {}          # name -> [count, device us]
     for e in events:
         if e.key in KERNEL_LAUNCHES:
             count["launches"] += e.count
@@ -50,12 +57,24 @@ def summarize(events, steps: int, wall_s: float) -> dict:
         else:
             count["gpu_kernels"] += e.count
             gpu_us += _device_time_us(e)
+        k = per_kernel.setdefault(e.key, [0, 0.0])
+        k[0] += e.count
+        k[1] += _device_time_us(e)
     out = {f"{k}_per_step": v / steps for k, v in count.items()}
     out.update(steps=steps, wall_ms_per_step=wall_s * 1e3 / steps,
                gpu_busy_ms_per_step=gpu_us / 1e3 / steps,
                gpu_copy_ms_per_step=copy_us / 1e3 / steps,
-               gpu_busy_fraction=(gpu_us / 1e6) / wall_s if wall_s > 0 else None)
+               gpu_busy_fraction=(gpu_us / 1e6) / wall_s if wall_s > 0 else None,
+               kernels=top_kernels(per_kernel, steps))
     return out
+
+
+def top_kernels(per_kernel: dict[str, list[float]], steps: int) -> list[dict]:
+    """{name: [count, device us]} -> the ``TOP_KERNELS`` largest by time, per step, with each
+    launch's mean microseconds; ties by name, so the order is the same from run to run."""
+    rows = sorted(per_kernel.items(), key=lambda kv: (-kv[1][1], kv[0]))[:TOP_KERNELS]
+    return [{"name": name[:NAME_CHARS], "per_step": n / steps, "us_per_step": us / steps,
+             "us_each": us / n if n else 0.0} for name, (n, us) in rows]
 
 
 def device_span_ms(events, steps: int) -> float | None:

@@ -167,6 +167,26 @@ def test_profile_summary_counts_launches():
     assert got["torch_ops_per_step"] == 2 and got["gpu_kernels_per_step"] == 3
     assert got["gpu_busy_ms_per_step"] == 0.5 and got["gpu_busy_fraction"] == 0.2
     assert got["gpu_copies_per_step"] == 2 and got["gpu_copy_ms_per_step"] == 0.1
+    # Device activities by time per step; host-side events are not among them.
+    assert got["kernels"] == [
+        {"name": "gemm_kernel", "per_step": 3, "us_per_step": 500.0, "us_each": 2000 / 12},
+        {"name": "Memcpy HtoD (Pinned -> Device)", "per_step": 2, "us_per_step": 100.0,
+         "us_each": 50.0}]
+
+
+def test_profile_kernels_are_cut_to_the_largest_and_ordered_by_time():
+    from types import SimpleNamespace
+
+    import torch
+    from decode_profile import TOP_KERNELS, summarize
+    cuda = torch.autograd.DeviceType.CUDA
+    long = "k" * 5000                          # a C++ template name
+    events = [SimpleNamespace(key=f"{long}{i:03d}", count=1, device_type=cuda,
+                              self_device_time_total=float(i % 7)) for i in range(40)]
+    got = summarize(events, steps=1, wall_s=1.0)["kernels"]
+    assert len(got) == TOP_KERNELS and all(len(k["name"]) <= 100 for k in got)
+    times = [k["us_per_step"] for k in got]
+    assert times == sorted(times, reverse=True) and times[0] == 6.0
 
 
 def test_device_span_runs_from_the_first_device_event_to_the_last():
