@@ -2,7 +2,7 @@
 
     python benchmarks/benchmark_moe_layer.py [--num-experts 8 --top-k 2 --hidden 32 --inter 16]
         [--slots N (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32]
-        [--device cpu|cuda] [--graphs] [--profile-iters K] [--json]
+        [--device cpu|cuda] [--graphs] [--profile-iters K] [--json] [--out FILE.json]
 
 Two routings per token count:
   * "all-hits": the router never picks the last expert, so with N = E-1 slots every access after
@@ -176,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-iters", type=int, default=0,
                    help="also profile this many forwards per layer: kernels by device time")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="also write the rows (JSON) here")
     args = p.parse_args(argv)
     if args.iters < 3:
         p.error(f"--iters {args.iters}: at least 3 (the median of the timed forwards)")
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for routing in ("all-hits", "random"):
                 inputs = make_inputs(args, T, routing, dtype, g)
                 rows.append(measure(args, ref, cached, T, routing, inputs))
+                if args.out:                    # after every row: a run cut short keeps them
+                    with open(args.out, "w") as f:
+                        json.dump(rows, f, indent=1)
     if args.json:
         print(json.dumps(rows, indent=1))
         return rows

@@ -3,7 +3,8 @@
 #
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
 #                                       # build, a C++-exception probe under gdb, every gpu
-#                                       # test (-n 8), the decode headline, the quantized
+#                                       # test (-n 8), the decode headline, one cached
+#                                       # layer's graph cost by kernel, the quantized
 #                                       # figures, a short offload run, eager decode
 #   bash tools/gpu_session.sh retry     # after fixes: build, probe, gpu tests, quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
@@ -117,6 +118,11 @@ DECODE=(python3 benchmarks/benchmark_decode.py --random-model probe-4.8g --dtype
 # One --work for every quant step: the bf16 and quantized checkpoints are built once.
 QUANT=(python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 --json
        --work /tmp/quant-work)
+# One probe-shaped MoE layer replayed from its CUDA graph, cached (63 of 64 slots, expert 63
+# never routed) and not: the cache's device cost per layer, and its kernels by time.
+MOE_LAYER=(python3 benchmarks/benchmark_moe_layer.py --num-experts 64 --top-k 8 --hidden 2048
+           --inter 768 --tokens 1 32 --iters 50 --dtype bfloat16 --device cuda --graphs
+           --profile-iters 5 --json)
 OFFLOAD=(python3 benchmarks/benchmark_expert_offload.py --trace .traces/deepseek-v2-lite.npz
          --shape dsv2-lite --dtype bfloat16 --device cuda --json)
 
@@ -150,9 +156,10 @@ first)
     step 150 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 16 63 \
         --output-len 32 --profile-steps 4 --profile-trace-dir "$LOGS/traces" \
         --out "$OUT/decode-graphs.json"
+    step 45 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
     quant_steps 70 50
-    offload 60 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
-        --designs resident sync-lfru uva ours ours+overlap
+    offload 75 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
+        --designs resident sync-lfru uva ours ours+overlap ours+prefetch
     step 40 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
     ;;

@@ -3,6 +3,7 @@ stand-in): one row per (token count, routing), the all-hits routing really hitti
 the cache's counters per timed forward, and the profile's kernel lists. No timing assertions."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -24,8 +25,10 @@ def keep_threads():
 
 
 @pytest.mark.parametrize("extra", [[], ["--graphs", "--profile-iters", "2"]])
-def test_rows_and_counters(extra, keep_threads, capsys):
-    rows = bench.main(ARGS + extra)
+def test_rows_and_counters(extra, keep_threads, capsys, tmp_path):
+    rows = bench.main(ARGS + extra + ["--out", str(tmp_path / "rows.json")])
+    assert json.loads((tmp_path / "rows.json").read_text()) == rows
+    assert json.loads(capsys.readouterr().out) == rows
     assert [(r["tokens"], r["routing"]) for r in rows] == [
         (1, "all-hits"), (1, "random"), (4, "all-hits"), (4, "random")]
     for r in rows:

@@ -32,6 +32,7 @@ def test_the_script_is_valid_bash():
 @pytest.mark.parametrize("stage,bench,count", [("first", "benchmark_decode", 2),
                                                ("first", "benchmark_quantization", 2),
                                                ("first", "benchmark_expert_offload", 1),
+                                               ("first", "benchmark_moe_layer", 1),
                                                ("retry", "benchmark_quantization", 2),
                                                ("decode", "benchmark_decode", 4),
                                                ("offload", "benchmark_expert_offload", 1),
@@ -57,8 +58,8 @@ def test_first_skips_the_steps_past_its_budget(tmp_path):
                          check=True)
     assert "benchmarks/" not in out.stdout and "pytest" not in out.stdout
     skipped = [line.split()[0] for line in (tmp_path / "summary.txt").read_text().splitlines()]
-    assert skipped == ["throw-probe", "pytest-gpu", "decode-graphs", "quant", "quant-cutlass",
-                       "offload", "decode-eager"]
+    assert skipped == ["throw-probe", "pytest-gpu", "decode-graphs", "moe-layer", "quant",
+                       "quant-cutlass", "offload", "decode-eager"]
 
 
 @pytest.mark.parametrize("stage", ["first", "check", "suite", "decode", "offload", "quant",
