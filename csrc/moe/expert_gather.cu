@@ -4,10 +4,16 @@
 // pinned host memory read in place over the link (UVA), so no staging copy and no host sync:
 // the plan (experts, slots, valid) never leaves the device.
 //
-// Grid: x = the chunks (kChunkBytes each) of every tensor's row laid end to end, y = plan
-// entries. A block copies one chunk of one entry, with the widest access (16, 8, 4, 2 or 1
-// bytes) that divides its tensor's row and both bases: 16 for every weight the engine makes
-// (rows are whole expert matrices); a row of a few per-tensor scales copies at its own width.
+// Grid: x = the chunks (kChunkBytes each) of every tensor's row laid end to end, y =
+// min(n, kEntryRows); block (c, y) copies chunk c of entries y, y + kEntryRows, ... that are
+// valid. A decode step that hits everywhere still launches the copy (its grid is fixed for
+// graph capture), so what its blocks cost matters: with one block row per entry, 63 slots of
+// 9.4 MB experts made 9,072 blocks that each read one flag and exit; 8 rows make 1,152, which
+// still fill an H100 when they copy (8 blocks of 256 threads per SM). A block copies with the
+// widest access (16, 8, 4, 2 or 1 bytes) that divides its tensor's row and both bases: 16 for
+// every weight the engine makes (rows are whole expert matrices); a row of a few per-tensor
+// scales copies at its own width. Each thread has kUnroll loads in flight before it stores
+// (the link's latency is microseconds; one load at a time per thread leaves it idle).
 // Chunk starts (64 KiB) keep the alignment. Offsets are 64-bit: row_bytes * rows passes 2^31
 // for real experts.
 #include "expert_gather.h"
@@ -20,13 +26,14 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kChunkBytes = 64 * 1024;
+constexpr int64_t kEntryRows = 8;
+constexpr int kUnroll = 4;
 
-// This block's plan entry (blockIdx.y): false where it is not valid (its ids unread); else its
-// expert e and slot s. Out-of-range ids (the residency code never makes one) trap.
-__device__ bool plan_entry(const int64_t* __restrict__ experts, const int64_t* __restrict__ slots,
-                           const bool* __restrict__ valid, int64_t num_experts,
-                           int64_t num_slots, int64_t& e, int64_t& s) {
-  const int64_t i = blockIdx.y;
+// Plan entry i: false where it is not valid (its ids unread); else its expert e and slot s.
+// Out-of-range ids (the residency code never makes one) trap.
+__device__ bool plan_entry(int64_t i, const int64_t* __restrict__ experts,
+                           const int64_t* __restrict__ slots, const bool* __restrict__ valid,
+                           int64_t num_experts, int64_t num_slots, int64_t& e, int64_t& s) {
   if (!valid[i]) return false;
   e = experts[i];
   s = slots[i];
@@ -52,35 +59,48 @@ struct GatherBatch {
   int count;
 };
 
+// A chunk's words: kUnroll loads per thread, then their stores (src and dst never overlap:
+// the store is host memory or another expert's rows).
 template <typename T>
-__device__ void copy_span(const char* from, char* to, int64_t bytes) {
-  const T* f = reinterpret_cast<const T*>(from);
-  T* d = reinterpret_cast<T*>(to);
+__device__ void copy_span(const char* __restrict__ from, char* __restrict__ to, int64_t bytes) {
+  const T* __restrict__ f = reinterpret_cast<const T*>(from);
+  T* __restrict__ d = reinterpret_cast<T*>(to);
   const int64_t count = bytes / static_cast<int64_t>(sizeof(T));
-  for (int64_t j = threadIdx.x; j < count; j += blockDim.x) d[j] = f[j];
+  const int64_t step = blockDim.x;
+  int64_t j = threadIdx.x;
+  for (; j + (kUnroll - 1) * step < count; j += kUnroll * step) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = f[j + u * step];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) d[j + u * step] = v[u];
+  }
+  for (; j < count; j += step) d[j] = f[j];
 }
 
 __global__ void expert_gather_many_kernel(const GatherBatch batch,
                                           const int64_t* __restrict__ experts,
                                           const int64_t* __restrict__ slots,
-                                          const bool* __restrict__ valid, int64_t num_experts,
-                                          int64_t num_slots) {
-  int64_t e, s;
-  if (!plan_entry(experts, slots, valid, num_experts, num_slots, e, s)) return;
+                                          const bool* __restrict__ valid, int64_t n,
+                                          int64_t num_experts, int64_t num_slots) {
   const int64_t c = blockIdx.x;
   int t = 0;  // the tensor whose row holds chunk c (block-uniform)
   while (t + 1 < batch.count && c >= batch.first_chunk[t + 1]) ++t;
   const int64_t row_bytes = batch.row_bytes[t];
   const int64_t begin = (c - batch.first_chunk[t]) * kChunkBytes;
   const int64_t end = begin + kChunkBytes < row_bytes ? begin + kChunkBytes : row_bytes;
-  const char* from = batch.src[t] + e * row_bytes + begin;
-  char* to = batch.dst[t] + s * row_bytes + begin;
-  switch (batch.width[t]) {
-    case 16: copy_span<int4>(from, to, end - begin); break;
-    case 8: copy_span<int2>(from, to, end - begin); break;
-    case 4: copy_span<int>(from, to, end - begin); break;
-    case 2: copy_span<short>(from, to, end - begin); break;
-    default: copy_span<char>(from, to, end - begin); break;
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
+    int64_t e, s;
+    if (!plan_entry(i, experts, slots, valid, num_experts, num_slots, e, s)) continue;
+    const char* from = batch.src[t] + e * row_bytes + begin;
+    char* to = batch.dst[t] + s * row_bytes + begin;
+    switch (batch.width[t]) {
+      case 16: copy_span<int4>(from, to, end - begin); break;
+      case 8: copy_span<int2>(from, to, end - begin); break;
+      case 4: copy_span<int>(from, to, end - begin); break;
+      case 2: copy_span<short>(from, to, end - begin); break;
+      default: copy_span<char>(from, to, end - begin); break;
+    }
   }
 }
 
@@ -124,9 +144,10 @@ int expert_gather_many(const GatherTensor* tensors, int num_tensors, const int64
   batch.first_chunk[batch.count] = chunks;
   if (batch.count == 0) return 0;
   if (chunks > 0x7fffffff) return static_cast<int>(cudaErrorInvalidValue);
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(n));
+  const dim3 grid(static_cast<unsigned>(chunks),
+                  static_cast<unsigned>(n < kEntryRows ? n : kEntryRows));
   expert_gather_many_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      batch, experts, slots, valid, num_experts, num_slots);
+      batch, experts, slots, valid, n, num_experts, num_slots);
   return static_cast<int>(cudaGetLastError());
 }
 

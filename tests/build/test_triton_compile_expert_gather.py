@@ -24,7 +24,8 @@ POINTERS = ("src_ptr", "dst_ptr", "experts_ptr", "slots_ptr", "valid_ptr")
 def compile_one(word, w_type, w_div16, cc):
     consts = dict(BLOCK=m.BLOCK, ITERS=m.ITERS)
     types = {"src_ptr": "*" + word, "dst_ptr": "*" + word, "experts_ptr": "*i64",
-             "slots_ptr": "*i64", "valid_ptr": "*u8", "E": "i32", "N": "i32", "W": w_type}
+             "slots_ptr": "*i64", "valid_ptr": "*u8", "n": "i32", "E": "i32", "N": "i32",
+             "W": w_type}
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
     aligned = POINTERS + (("W",) if w_div16 else ())
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
@@ -74,7 +75,7 @@ def test_row_offsets_are_64_bit(compiled, cc):
 MANY_SCRIPT = r"""
 import triton.language as tl
 from vllm.kernels.triton import expert_gather as g, expert_gather_many as m
-values = dict(table_ptr="*i64", experts_ptr="*i64", slots_ptr="*i64", valid_ptr="*u8", E=64,
+values = dict(table_ptr="*i64", experts_ptr="*i64", slots_ptr="*i64", valid_ptr="*u8", n=63, E=64,
               N=16, T=18)
 for cc in (90, 120):
     for name, word in (("i64", tl.int64), ("u8", tl.uint8)):

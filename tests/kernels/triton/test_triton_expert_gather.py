@@ -146,6 +146,21 @@ def test_every_entry_valid_the_worst_case(eg):
     check(eg, src, dst, experts, slots, valid)
 
 
+@pytest.mark.parametrize("n_valid", [1, 5, 21])
+def test_entries_past_the_grid_rows_are_copied(eg, n_valid):
+    """n = 29 entries over ENTRY_ROWS = 8 rows of programs: each program walks entries y,
+    y + 8, ...; valid ones anywhere (the last, 28, included), the rest skipped."""
+    assert eg.ENTRY_ROWS == 8
+    g = torch.Generator().manual_seed(60 + n_valid)
+    E, N = 40, 29
+    src, dst = rows(torch.float32, E, (3, 5), g), rows(torch.float32, N, (3, 5), g)
+    experts, slots, valid = make_plan(E, N, n_valid, g)
+    if n_valid == 1:                          # only the last entry, in the last program row
+        valid[:] = False
+        valid[-1], experts[-1], slots[-1] = True, 7, 11
+    check(eg, src, dst, experts, slots, valid)
+
+
 def test_all_invalid_leaves_dst_alone(eg):
     g = torch.Generator().manual_seed(7)
     src, dst = rows(torch.float32, 5, (4, 4), g), rows(torch.float32, 3, (4, 4), g)

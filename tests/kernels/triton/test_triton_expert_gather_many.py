@@ -63,6 +63,24 @@ def test_matches_the_per_tensor_reference(egm):
         assert torch.equal(dst.cpu(), reference(src, old, experts, slots, valid))
 
 
+def test_entries_past_the_grid_rows_are_copied(egm):
+    """n = 27 entries over ENTRY_ROWS = 8 rows of programs, valid ones anywhere."""
+    from vllm.kernels.triton.expert_gather import ENTRY_ROWS
+    assert ENTRY_ROWS == 8
+    g = torch.Generator().manual_seed(3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    srcs = layer(30, g)[:4]
+    if device == "cuda":
+        srcs = [s.pin_memory() for s in srcs]
+    dsts = [torch.full((27, *s.shape[1:]), 3, dtype=s.dtype, device=device) for s in srcs]
+    before = [d.cpu().clone() for d in dsts]
+    experts, slots, valid = plan(27, 30, 27, g, device)
+    valid[26] = True                                   # the last entry, in the last row
+    egm.expert_gather_many(srcs, dsts, experts, slots, valid)
+    for src, dst, old in zip(srcs, dsts, before):
+        assert torch.equal(dst.cpu(), reference(src, old, experts, slots, valid))
+
+
 def test_tables_are_made_once_per_set_of_tensors(egm):
     g = torch.Generator().manual_seed(1)
     srcs = layer(4, g)[:3]

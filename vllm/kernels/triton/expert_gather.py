@@ -16,10 +16,10 @@ The contract is ``UvaCopyKernel``'s (``expert_cache/copy.py``), the same as the 
   * Pinned host memory is read in place over the link: Triton hands a kernel the device address
     of a pinned (UVA-mapped) host tensor (``cuPointerGetAttribute(DEVICE_POINTER)`` in its
     launcher; triton-lang/triton#1197), so there is no staging copy.
-  * No host read of the plan and a grid fixed by the shapes (entries x row chunks, the worst
-    case: every entry a miss), so a launch can be captured in a CUDA graph and replayed with new
-    plan contents. Programs of invalid entries exit after one byte load, without reading their
-    (garbage, possibly -1) expert or slot ids, let alone a row.
+  * No host read of the plan and a grid fixed by the shapes (min(n, ``ENTRY_ROWS``) x row
+    chunks, each program looping over its entries), so a launch can be captured in a CUDA graph
+    and replayed with new plan contents. Invalid entries cost one byte load, without reading
+    their (garbage, possibly -1) expert or slot ids, let alone a row.
   * Out-of-range ids (expert outside [0, E) or slot outside [0, N)) on a valid entry are
     SKIPPED: a kernel cannot raise, and reading or writing out of bounds is worse. The CUDA
     build's kernel traps on them instead; the residency step never produces them.
@@ -42,6 +42,10 @@ from vllm.kernels.triton import interpreting
 
 BLOCK = 1024        # words per load of a program (8 per thread at 4 warps)
 ITERS = 8           # loads per program: a chunk is BLOCK * ITERS words (64 KiB of int64)
+ENTRY_ROWS = 8
+"""The grid's rows of plan entries: program (c, y) copies chunk c of entries y, y + 8, ...; a
+step that hits everywhere launches min(n, 8) rows of programs that read their flags and exit,
+not n (csrc/moe/expert_gather.cu has the arithmetic)."""
 NUM_WARPS = 4
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 """Compile options of every launch (no floating point here: enable_fp_fusion is set only so
@@ -51,22 +55,23 @@ WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 @triton.jit
-def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, E, N, W,
+def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, n, E, N, W,
                           BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Grid (cdiv(W, BLOCK * ITERS), n): program (c, i) copies words [c * BLOCK * ITERS, ...)
-    of row experts[i] of src [E, W] into row slots[i] of dst [N, W] (words, not elements)."""
-    i = tl.program_id(1)
-    if tl.load(valid_ptr + i) != 0:
-        e = tl.load(experts_ptr + i)                  # int64, so e * W is an int64 offset
-        s = tl.load(slots_ptr + i)
-        if (e >= 0) & (e < E) & (s >= 0) & (s < N):   # out of range: skipped (cannot raise)
-            start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
-            src_row = src_ptr + e * W
-            dst_row = dst_ptr + s * W
-            for k in tl.static_range(ITERS):
-                w = start + k * BLOCK + tl.arange(0, BLOCK)
-                inb = w < W
-                tl.store(dst_row + w, tl.load(src_row + w, mask=inb), mask=inb)
+    """Grid (cdiv(W, BLOCK * ITERS), min(n, ENTRY_ROWS)): program (c, y) copies words
+    [c * BLOCK * ITERS, ...) of row experts[i] of src [E, W] into row slots[i] of dst [N, W]
+    (words, not elements) for the entries i = y, y + ENTRY_ROWS, ... that are valid."""
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    for i in range(tl.program_id(1), n, tl.num_programs(1)):
+        if tl.load(valid_ptr + i) != 0:
+            e = tl.load(experts_ptr + i)                  # int64: e * W is an int64 offset
+            s = tl.load(slots_ptr + i)
+            if (e >= 0) & (e < E) & (s >= 0) & (s < N):   # out of range: skipped
+                src_row = src_ptr + e * W
+                dst_row = dst_ptr + s * W
+                for k in tl.static_range(ITERS):
+                    w = start + k * BLOCK + tl.arange(0, BLOCK)
+                    inb = w < W
+                    tl.store(dst_row + w, tl.load(src_row + w, mask=inb), mask=inb)
 
 
 WHO = "triton expert_gather"
@@ -108,9 +113,9 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
         return                               # nothing in range to copy: launch nothing
     size, word = _word(row_bytes, src, dst)
     W = row_bytes // size                    # words per row
-    grid = (triton.cdiv(W, BLOCK * ITERS), n)
+    grid = (triton.cdiv(W, BLOCK * ITERS), min(n, ENTRY_ROWS))
     guard = torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext()
     with guard:                              # Triton launches on the current device
         _expert_gather_kernel[grid](
             _as_words(src, word), _as_words(dst, word), experts, slots, valid.view(torch.uint8),
-            E, N, W, BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)
+            n, E, N, W, BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)

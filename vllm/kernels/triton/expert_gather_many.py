@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.gather_checks import check_many
-from vllm.kernels.triton.expert_gather import (BLOCK, ITERS, LAUNCH_OPTIONS, _check_interpreted,
-                                               _word, expert_gather)
+from vllm.kernels.triton.expert_gather import (BLOCK, ENTRY_ROWS, ITERS, LAUNCH_OPTIONS,
+                                               _check_interpreted, _word, expert_gather)
 
 MAX_TENSORS = 16
 """Tensors per launch (rows of one table)."""
@@ -40,29 +40,30 @@ _WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 
 @triton.jit
-def _expert_gather_many_kernel(table_ptr, experts_ptr, slots_ptr, valid_ptr, E, N, T,
+def _expert_gather_many_kernel(table_ptr, experts_ptr, slots_ptr, valid_ptr, n, E, N, T,
                                WORD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Grid (chunks of all T rows, n): program (c, i) copies chunk c of the tensors' rows laid
-    end to end (tensor t's row: chunks [first[t], first[t + 1])) of row experts[i] into row
-    slots[i]; invalid or out-of-range entries copy nothing (as ``_expert_gather_kernel``)."""
-    i = tl.program_id(1)
-    if tl.load(valid_ptr + i) != 0:
-        e = tl.load(experts_ptr + i)
-        s = tl.load(slots_ptr + i)
-        if (e >= 0) & (e < E) & (s >= 0) & (s < N):
-            c = tl.program_id(0).to(tl.int64)
-            t = c * 0                                  # the tensor of chunk c (first is sorted)
-            for k in range(1, T):
-                t += (c >= tl.load(table_ptr + k * 4 + 3)).to(tl.int64)
-            row = table_ptr + t * 4
-            W = tl.load(row + 2)                       # words per row of tensor t
-            src = tl.load(row).to(tl.pointer_type(WORD), bitcast=True) + e * W
-            dst = tl.load(row + 1).to(tl.pointer_type(WORD), bitcast=True) + s * W
-            start = (c - tl.load(row + 3)) * (BLOCK * ITERS)
-            for k in tl.static_range(ITERS):
-                w = start + k * BLOCK + tl.arange(0, BLOCK)
-                inb = w < W
-                tl.store(dst + w, tl.load(src + w, mask=inb), mask=inb)
+    """Grid (chunks of all T rows, min(n, ENTRY_ROWS)): program (c, y) copies chunk c of the
+    tensors' rows laid end to end (tensor t's row: chunks [first[t], first[t + 1])) of row
+    experts[i] into row slots[i], for the entries i = y, y + ENTRY_ROWS, ...; invalid or
+    out-of-range entries copy nothing (as ``_expert_gather_kernel``)."""
+    c = tl.program_id(0).to(tl.int64)
+    t = c * 0                                          # the tensor of chunk c (first is sorted)
+    for r in range(1, T):
+        t += (c >= tl.load(table_ptr + r * 4 + 3)).to(tl.int64)
+    row = table_ptr + t * 4
+    W = tl.load(row + 2)                               # words per row of tensor t
+    start = (c - tl.load(row + 3)) * (BLOCK * ITERS)
+    for i in range(tl.program_id(1), n, tl.num_programs(1)):
+        if tl.load(valid_ptr + i) != 0:
+            e = tl.load(experts_ptr + i)
+            s = tl.load(slots_ptr + i)
+            if (e >= 0) & (e < E) & (s >= 0) & (s < N):
+                src = tl.load(row).to(tl.pointer_type(WORD), bitcast=True) + e * W
+                dst = tl.load(row + 1).to(tl.pointer_type(WORD), bitcast=True) + s * W
+                for k in tl.static_range(ITERS):
+                    w = start + k * BLOCK + tl.arange(0, BLOCK)
+                    inb = w < W
+                    tl.store(dst + w, tl.load(src + w, mask=inb), mask=inb)
 
 
 def _table(rows: list[tuple[int, int, int]], first: list[int],
@@ -119,6 +120,6 @@ def _launch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], size: int,
         for src, dst in zip(srcs, dsts):
             expert_gather(src, dst, experts, slots, valid)
         return
-    _expert_gather_many_kernel[(first[-1], n)](
-        table, experts, slots, valid.view(torch.uint8), srcs[0].shape[0], dsts[0].shape[0],
+    _expert_gather_many_kernel[(first[-1], min(n, ENTRY_ROWS))](
+        table, experts, slots, valid.view(torch.uint8), n, srcs[0].shape[0], dsts[0].shape[0],
         len(rows), WORD=_WORD_TYPES[size], BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)

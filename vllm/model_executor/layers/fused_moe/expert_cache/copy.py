@@ -19,7 +19,8 @@ Paths, chosen once per provider from the slots' device (``select_copy``):
     installed with ``register_cuda_copy_kernel`` (it takes precedence), or
     ``Platform.expert_copy_kernel``: ``vllm._C``'s ``expert_gather`` (an older build without
     the many op), else the Triton gather (``vllm/kernels/triton/expert_gather.py``). A decode
-    step that hits everywhere still launches the copy (its blocks exit on invalid entries):
+    step that hits everywhere still launches the copy (its blocks read the flags of their
+    entries and exit; the grid has min(n, 8) rows of blocks, each walking every 8th entry):
     with GPTQ's eight tensors per layer that is one launch instead of eight. Their ``gpu`` tests
     on an H100 (2026-11-26): tests/kernels/triton/test_triton_expert_gather.py passed; 14 of
     tests/kernels/cuda/test_expert_gather.py passed, then its bad-argument test crashed the
@@ -54,7 +55,8 @@ class UvaCopyKernel(Protocol):
         dst [N, ...] contiguous device tensor; experts, slots [N] int64 and valid [N] bool on the
         device. Must not synchronise with the host, must skip invalid entries without reading
         their (garbage, possibly -1) ids, and must bounds-check ids (0 <= experts[i] < E,
-        0 <= slots[i] < N). One launch per tensor, grid over (N, bytes-per-expert chunks).
+        0 <= slots[i] < N). One launch per tensor, a grid fixed by the shapes (bytes-per-expert chunks x rows of
+        entries).
         """
 
 

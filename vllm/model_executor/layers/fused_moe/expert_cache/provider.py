@@ -135,7 +135,7 @@ class ExpertPlan:
         step, res = p.step_for_this_call(), p.residency
         skip_empty = step.on_host and not capturing()
         # A wave loads at most min(N, T*K) experts, the plan's first entries: the copy gets only
-        # those (a GPU copy's grid covers its entries: 8 instead of 63 at batch 1, top-8).
+        # those (a GPU copy's blocks walk its entries: 8 flags to read at batch 1, top-8, not 63).
         loads = min(res.num_slots, self.topk_ids.numel())
         p.join_prefetch()           # the real step may hit on an expert still being copied
         for wave in range(self.num_waves):
