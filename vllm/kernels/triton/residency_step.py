@@ -9,7 +9,9 @@ and the slot ids. The torch reference (``expert_cache/residency_step.py``: ``ref
 what both kernels are tested against, bit for bit.
 
 One program (grid (1,)) does a whole wave: E and N are a few hundred at most, so the step is a
-handful of vector operations over [E] and [N] plus an [N, N] comparison that ranks the victims,
+handful of vector operations over [E] and [N] plus an [N, N] comparison that ranks the victims
+(skipped with the placement when the wave has no miss: a step that hits everywhere pays for
+neither, and lrfu_next's victim keys cost a pass over its [E, E] weight),
 with ``debug_barrier`` between the phases that read what an earlier phase stored; lrfu_next
 (policy 4) adds loops over [ROWS_E, E] tiles of its weight [E, E] (masked to the rows of the
 wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). No host read:
@@ -226,6 +228,22 @@ def _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_
 
 
 @triton.jit
+def _place(i, M, ps_ptr, pe_ptr, eos_ptr, soe_ptr, BLOCK_N: tl.constexpr):
+    """Misses i < M move into their planned slots, evicting the experts there; -> evictions."""
+    tl.debug_barrier()              # _plan_slots stored ps
+    live = i < M
+    ps = tl.load(ps_ptr + i, mask=live, other=0)
+    pe = tl.load(pe_ptr + i, mask=live, other=0)
+    old = tl.load(eos_ptr + ps, mask=live, other=-1)
+    evicted = live & (old >= 0)
+    tl.store(soe_ptr + old, tl.full([BLOCK_N], -1, tl.int64), mask=evicted)
+    tl.debug_barrier()
+    tl.store(eos_ptr + ps, pe, mask=live)
+    tl.store(soe_ptr + pe, ps, mask=live)
+    return tl.sum(evicted.to(tl.int64), axis=0)
+
+
+@triton.jit
 def _bump(cnt_ptr, idx, value, any_used):
     old = tl.load(cnt_ptr + idx)
     tl.store(cnt_ptr + idx, tl.where(any_used, old + value, old))
@@ -252,25 +270,21 @@ def _residency_step_kernel(
     i = tl.arange(0, BLOCK_N)
     tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
     tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
-    _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
-                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, BLOCK_N, ROW_BLOCK, ROWS_E)
-    tl.debug_barrier()
-    live = i < M
-    ps = tl.load(ps_ptr + i, mask=live, other=0)
-    pe = tl.load(pe_ptr + i, mask=live, other=0)
-    old = tl.load(eos_ptr + ps, mask=live, other=-1)
-    evicted = live & (old >= 0)
-    tl.store(soe_ptr + old, tl.full([BLOCK_N], -1, tl.int64), mask=evicted)
-    tl.debug_barrier()
-    tl.store(eos_ptr + ps, pe, mask=live)
-    tl.store(soe_ptr + pe, ps, mask=live)
+    if M > 0:
+        _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
+                    b_ptr, par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, BLOCK_N,
+                    ROW_BLOCK, ROWS_E)
+        n_evicted = _place(i, M, ps_ptr, pe_ptr, eos_ptr, soe_ptr, BLOCK_N)
+    else:       # every expert of the wave is resident: no victims to rank, nothing to place
+        tl.store(ps_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=i < N)
+        n_evicted = M
     _update_policy(e, in_wave, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
     any_used = hits + M > 0
     if POLICY == 4:
         _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_E)
     _bump(cnt_ptr, HITS, hits, any_used)
     _bump(cnt_ptr, MISSES, M, any_used)
-    _bump(cnt_ptr, EVICTIONS, tl.sum(evicted.to(tl.int64), axis=0), any_used)
+    _bump(cnt_ptr, EVICTIONS, n_evicted, any_used)
     _bump(cnt_ptr, WAVES, 1, any_used)
     _bump(cnt_ptr, CLOCK, 1, any_used)
     tl.store(cnt_ptr + LAST_HITS, tl.where(any_used, hits, tl.load(cnt_ptr + LAST_HITS)))
