@@ -2,7 +2,7 @@
 
     python benchmarks/benchmark_expert_offload.py --trace T.npz --shape dsv2-lite|small|tiny
         [--capacity 8 16 32] [--batch 1 8] [--designs all | resident sync-lfru uva ours
-        ours+overlap ours+prefetch]
+        ours+overlap ours+prefetch ours+cpu] [--threads T]
         [--policy auto] [--layers L] [--max-tokens N] [--sequences odd|even|all]
         [--dtype bfloat16] [--device cpu|cuda] [--repeat R] [--json] [--out FILE.json]
 
@@ -32,6 +32,10 @@ Designs (``DESIGNS``):
                  benchmarking the odd half; in-sample with ``--sequences all``); each token's
                  prediction is the top-k of the summed rows of its layer-l experts. Predictions
                  are made before timing (they stand in for one [E, H] router matmul).
+  ours+cpu       ours, and a missing expert runs on the CPU instead of being copied while the
+                 CPU has spent less than one copy's time on it (``moe_expert_cpu_compute``
+                 "auto"; ``offload_designs.py``): fewer bytes over the link, a host read per
+                 step and layer. ``--threads`` sets the CPU's threads (default 1).
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
@@ -61,14 +65,11 @@ import torch
 from bench_io import write_json
 from offload_bounds import (device_sync, measure_bandwidth, measure_copy_engine, settle_rows,
                             uva_link_bytes)
+from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, layer_step,
+                             make_providers, uva_refusal)
 
-from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
-from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWeightProvider,
-                                                                        IdentityProvider,
-                                                                        resolve_policy_name)
-from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
-from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
+from vllm.model_executor.layers.fused_moe.expert_cache.provider import resolve_policy_name
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
 from vllm.model_executor.layers.fused_moe.expert_cache.trace import (RoutingTrace, interleave,
                                                                      load_trace)
@@ -79,19 +80,6 @@ from vllm.platforms import platform_for
 SHAPES = {"dsv2-lite": (2048, 1408), "small": (512, 352), "tiny": (32, 16)}
 """name -> (hidden, moe_intermediate). dsv2-lite: DeepSeek-V2-Lite's experts (64, top-6 in its
 trace); small: a quarter of each dim, for CPU runs of minutes; tiny: for tests."""
-DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch")
-CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch")
-
-
-def uva_refusal(s: "Setup") -> str | None:
-    """Why the uva design cannot run on this setup, or None. On CUDA it needs the Triton MoE
-    backend (which reads pinned host weights in place) and a pinned store."""
-    if s.device.type != "cuda":
-        return None
-    if s.qm.kernel.name != "triton" or not s.store.pinned:
-        return (f"uva on CUDA needs the triton MoE backend and a pinned store (backend "
-                f"{s.qm.kernel.name!r}, pinned {s.store.pinned})")
-    return None
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -164,50 +152,6 @@ class Setup:
         return [torch.from_numpy(row[row >= 0]) for row in interleave(self.trace.offsets, batch)]
 
 
-def make_providers(setup: Setup, design: str, capacity: int | None, policy: str) -> list:
-    s, L = setup, setup.trace.num_layers
-    if design == "resident":
-        weights = {n: t.to(s.device) for n, t in s.store.tensors.items()}
-        return [IdentityProvider(weights)] * L
-    if design == "uva":
-        return [IdentityProvider(s.store.tensors)] * L
-    if design == "sync-lfru":
-        return [SyncLFRUProvider(s.store, allocate_slots(s.store, capacity, s.device))
-                for _ in range(L)]
-    name = resolve_policy_name(policy)
-    out = [CachedWeightProvider(s.store, allocate_slots(s.store, capacity, s.device),
-                                Residency(s.trace.num_experts, capacity, get_policy(name),
-                                          s.device), name, overlap=design == "ours+overlap")
-           for _ in range(L)]
-    for p in out[:1] if design == "ours+prefetch" else ():
-        p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
-    return out
-
-
-def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
-    """Wrap each provider's copy path to count the bytes it moves (one host read per wave: for
-    tests, not for timing). Returns the one-element counter."""
-    counted = [0]
-    for p in providers:
-        if isinstance(p, SyncLFRUProvider):
-            inner = p.copy_expert
-
-            def copy_expert(slot, e, inner=inner):
-                counted[0] += bytes_per_expert
-                inner(slot, e)
-            p.copy_expert = copy_expert
-        else:
-            inner = p.copy
-
-            def copy(slots, plan, inner=inner, p=p):
-                rows = int(plan.valid.sum())
-                counted[0] += rows * sum(t[0].numel() * t.element_size()
-                                         for t in p.slots.values())
-                inner(slots, plan)
-            p.copy = copy
-    return counted
-
-
 def upload_steps(setup: Setup, steps: list[torch.Tensor], pred: torch.Tensor | None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
     """(per step the device ids [b, L, K], the device predictions or None, the host ids): the
@@ -243,8 +187,7 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
         for l in range(L):
             if p_ids is not None and l + 1 < L:
                 providers[l + 1].prefetch(p_ids[:, l + 1])
-            waves = providers[l].prepare(ids[:, l])
-            h = h + s.qm.apply(providers[l].slot_weights(), h, w, waves)
+            h = layer_step(providers[l], s.qm, h, ids[:, l], w)
         if keep_outputs:
             outputs.append(h.cpu())
     sync()
@@ -252,7 +195,7 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     row = {"design": design, "capacity": capacity, "batch": batch, "status": "ok",
            "tokens": len(s.trace.experts), "seconds": seconds,
            "tok_s": len(s.trace.experts) / seconds}
-    row.update(_cache_stats(providers, design))
+    row.update(cache_stats(providers, design))
     row["link_bytes"] = row["bytes_copied"] if design != "uva" else uva_link_bytes(
         host_ids, s.trace.num_experts, s.store.bytes_per_expert)
     if count:
@@ -260,22 +203,6 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     if keep_outputs:
         row["_outputs"] = outputs
     return row
-
-
-def _cache_stats(providers: list, design: str) -> dict:
-    if design not in CACHED:
-        return {"hit_rate": 1.0, "hits": None, "misses": 0, "bytes_copied": 0}
-    stats = [p.stats() for p in providers]
-    tot = {k: sum(st[k] for st in stats) for k in ("hits", "misses", "bytes_copied")}
-    out = {**tot, "hit_rate": tot["hits"] / max(1, tot["hits"] + tot["misses"])}
-    if design == "ours+prefetch":
-        pf = {k: sum(st[k] for st in stats) for k in
-              ("prefetch_loads", "prefetch_used", "prefetch_wasted", "prefetch_recalled",
-               "prefetch_needed", "prefetch_bytes", "prefetch_wasted_bytes")}
-        pf["prefetch_recall"] = pf["prefetch_recalled"] / max(1, pf["prefetch_needed"])
-        pf["per_layer_recall"] = [st["prefetch_recall"] for st in stats]
-        out["prefetch"] = pf
-    return out
 
 
 def _header(args: argparse.Namespace, setup: Setup, bandwidth: float,
@@ -346,12 +273,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=1,
                     help="cold runs per row, interleaved; seconds = the median")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (the CPU's share of ours+cpu; 1 for steady figures)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten "
                     "after every measured row with \"partial\": true)")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat {args.repeat} is invalid: must be >= 1")
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads} is invalid: must be >= 1")
     if any(b < 1 for b in args.batch):
         ap.error(f"--batch {args.batch} is invalid: every batch must be >= 1")
     get_policy(args.policy)
@@ -380,13 +311,17 @@ def _print_table(out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    out = run(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        out = run(args)
+    finally:
+        torch.set_num_threads(threads)
     write_json(args.out, out)
     print(json.dumps(out)) if args.json else _print_table(out)
     return out
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)   # steadier numbers on a shared machine
     main()
     sys.exit(0)

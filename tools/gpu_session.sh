@@ -158,8 +158,9 @@ first)
         --out "$OUT/decode-graphs.json"
     step 45 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
     quant_steps 70 50
-    offload 75 --capacity 16 --batch 1 --layers 8 --max-tokens 100 \
-        --designs resident sync-lfru uva ours ours+overlap ours+prefetch
+    # ours+cpu: misses computed by the machine's 16 cores where cheaper than a copy (--threads).
+    offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 \
+        --designs resident sync-lfru uva ours ours+overlap ours+prefetch ours+cpu
     step 40 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
     ;;
@@ -195,7 +196,8 @@ decode)
     ;;
 offload)
     install
-    offload 540 --capacity 8 16 32 --batch 1 8 --designs all --max-tokens 300 --repeat 3
+    offload 540 --capacity 8 16 32 --batch 1 8 --designs all --max-tokens 300 --repeat 3 \
+        --threads 16
     ;;
 quant)
     install

@@ -255,3 +255,28 @@ def test_out_is_rewritten_after_every_row(result, tmp_path, monkeypatch):
         bench.main(argv)
     kept = json.loads(out_file.read_text())
     assert kept["partial"] is True and [r["design"] for r in kept["rows"]] == ["resident"]
+
+
+def test_cpu_compute_design_serves_misses_on_the_cpu(result, monkeypatch):
+    """ours+cpu with a made-up cost model (one copy costs about three CPU calls): a missing
+    expert runs on the CPU until the CPU has spent a copy's worth on it, then it is copied; the
+    outputs stay bitwise the resident design's (the CPU device runs one kernel), every needed
+    (step, layer, expert) is a hit, a miss or a CPU call, and only misses copy."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute, provider
+    path, _, out = result
+    cheap = host_compute.HostCostModel(copy_seconds=3.5e-3, cpu_fixed=1e-3, cpu_per_token=0)
+    monkeypatch.setattr(provider, "cost_model_for", lambda *a, **k: cheap)
+    args = bench.parse_args(["--trace", path, "--shape", "tiny", "--dtype", "float32",
+                             "--capacity", "2", "--batch", "1", "3", "--designs", "resident",
+                             "ours+cpu"])
+    rows = bench.run(args, keep_outputs=True, count=True)["rows"]
+    trace = bench.prepare_trace(path)[0]
+    per_expert = out["shape"]["bytes_per_expert"]
+    for batch in (1, 3):
+        (ref,), (cpu,) = (_rows({"rows": rows}, d, batch) for d in ("resident", "ours+cpu"))
+        assert all(torch.equal(a, b) for a, b in zip(ref["_outputs"], cpu["_outputs"]))
+        needed = int(step_masks(trace, batch).sum())
+        assert cpu["cpu_expert_calls"] > 0 and cpu["cpu_pairs"] >= cpu["cpu_expert_calls"]
+        assert cpu["misses"] > 0 and cpu["hits"] > 0
+        assert cpu["hits"] + cpu["misses"] + cpu["cpu_expert_calls"] == needed
+        assert cpu["bytes_copied"] == cpu["bytes_copied_counted"] == cpu["misses"] * per_expert

@@ -1,0 +1,121 @@
+"""benchmark_expert_offload.py's designs: the providers each one runs on, the per-layer step,
+and the counters it reports (the module docstring there describes each design).
+
+``ours+cpu``: ours with ``moe_expert_cpu_compute="auto"`` (``expert_cache/host_compute.py``): a
+missing expert's pairs run on the CPU from the host store while what the CPU has spent on that
+expert since it was last copied stays under one copy's time (ski rental over the cost model,
+measured once on layer 0's provider and shared); else it is copied. One host read of the routing
+per step and layer (eager only, as in the engine). Where the device is the CPU both sides run
+the same kernel, so its outputs equal the others' bit for bit; on CUDA they may differ by
+rounding (another kernel computes those pairs). Its hit rate counts only the experts that went
+through the cache (CPU-computed pairs are neither hits nor misses; ``cpu_pairs`` counts them),
+and its bound is not a bound for it: the CPU's work moves no bytes over the link.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
+from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
+from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWeightProvider,
+                                                                        IdentityProvider,
+                                                                        resolve_policy_name)
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
+from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
+
+DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch", "ours+cpu")
+CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch", "ours+cpu")
+_PREFETCH_FIELDS = ("prefetch_loads", "prefetch_used", "prefetch_wasted", "prefetch_recalled",
+                    "prefetch_needed", "prefetch_bytes", "prefetch_wasted_bytes")
+
+
+def uva_refusal(s) -> str | None:
+    """Why the uva design cannot run on this setup (a ``Setup``), or None. On CUDA it needs the
+    Triton MoE backend (which reads pinned host weights in place) and a pinned store."""
+    if s.device.type != "cuda":
+        return None
+    if s.qm.kernel.name != "triton" or not s.store.pinned:
+        return (f"uva on CUDA needs the triton MoE backend and a pinned store (backend "
+                f"{s.qm.kernel.name!r}, pinned {s.store.pinned})")
+    return None
+
+
+def make_providers(s, design: str, capacity: int | None, policy: str) -> list:
+    """One provider per layer of the trace for ``design`` (``s``: the run's ``Setup``)."""
+    L = s.trace.num_layers
+    if design == "resident":
+        weights = {n: t.to(s.device) for n, t in s.store.tensors.items()}
+        return [IdentityProvider(weights)] * L
+    if design == "uva":
+        return [IdentityProvider(s.store.tensors)] * L
+    if design == "sync-lfru":
+        return [SyncLFRUProvider(s.store, allocate_slots(s.store, capacity, s.device))
+                for _ in range(L)]
+    name = resolve_policy_name(policy)
+    out = [CachedWeightProvider(s.store, allocate_slots(s.store, capacity, s.device),
+                                Residency(s.trace.num_experts, capacity, get_policy(name),
+                                          s.device), name, overlap=design == "ours+overlap")
+           for _ in range(L)]
+    for p in out[:1] if design == "ours+prefetch" else ():
+        p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
+    if design == "ours+cpu":
+        out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype)      # measures the cost
+        for p in out[1:]:
+            p.enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=out[0].host_compute.cost)
+    return out
+
+
+def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+               ) -> torch.Tensor:
+    """One layer: h + experts(h) for routing ids [b, K] and weights w [b, K], as the engine's
+    FusedMoE runs it (CPU-computed pairs split off first where the provider has them)."""
+    host_pairs = None
+    split = provider.split_for_host(ids, h, w) \
+        if getattr(provider, "host_compute", None) is not None else None       # ours+cpu only
+    if split is not None:
+        ids, host_pairs = split.device_ids, partial(provider.host_compute.compute, split)
+    waves = provider.prepare(ids)
+    return h + qm.apply(provider.slot_weights(), h, w, waves, host_pairs=host_pairs)
+
+
+def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
+    """Wrap each provider's copy path to count the bytes it moves (one host read per wave: for
+    tests, not for timing). Returns the one-element counter."""
+    counted = [0]
+    for p in providers:
+        if isinstance(p, SyncLFRUProvider):
+            inner = p.copy_expert
+
+            def copy_expert(slot, e, inner=inner):
+                counted[0] += bytes_per_expert
+                inner(slot, e)
+            p.copy_expert = copy_expert
+        else:
+            inner = p.copy
+
+            def copy(slots, plan, inner=inner, p=p):
+                rows = int(plan.valid.sum())
+                counted[0] += rows * sum(t[0].numel() * t.element_size()
+                                         for t in p.slots.values())
+                inner(slots, plan)
+            p.copy = copy
+    return counted
+
+
+def cache_stats(providers: list, design: str) -> dict:
+    """The row's cache counters, summed over the layers (prefetch and CPU ones where on)."""
+    if design not in CACHED:
+        return {"hit_rate": 1.0, "hits": None, "misses": 0, "bytes_copied": 0}
+    stats = [p.stats() for p in providers]
+    tot = {k: sum(st[k] for st in stats) for k in ("hits", "misses", "bytes_copied")}
+    out = {**tot, "hit_rate": tot["hits"] / max(1, tot["hits"] + tot["misses"])}
+    if design == "ours+prefetch":
+        pf = {k: sum(st[k] for st in stats) for k in _PREFETCH_FIELDS}
+        pf["prefetch_recall"] = pf["prefetch_recalled"] / max(1, pf["prefetch_needed"])
+        pf["per_layer_recall"] = [st["prefetch_recall"] for st in stats]
+        out["prefetch"] = pf
+    if design == "ours+cpu":
+        out.update({k: sum(st[k] for st in stats) for k in ("cpu_pairs", "cpu_expert_calls")})
+    return out
