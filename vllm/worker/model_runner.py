@@ -7,8 +7,6 @@ tokens.
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 
 import torch
@@ -28,6 +26,7 @@ from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
 from vllm.worker.cuda_graphs import CudaDecodeGraphs
 from vllm.worker.sampler import Sampler, SamplingMetadata, TokenMasks, prompt_logprobs
+from vllm.worker.step_inputs import StepInputs, prepare_inputs, to_device
 
 logger = init_logger(__name__)
 
@@ -209,9 +208,10 @@ class ModelRunner:
         sampled_seqs = [s for s in seqs if s.do_sample]
         logits = None
         if self.decode_graphs is not None and len(sampled_seqs) == len(seqs):
-            logits = self.decode_graphs.logits(*inputs[:3])
+            logits = self.decode_graphs.logits(inputs.input_ids, inputs.positions,
+                                               inputs.metadata)
         if logits is None:
-            input_ids, positions, attn_metadata, logits_indices = self._to_device(*inputs)
+            input_ids, positions, attn_metadata, logits_indices = to_device(inputs, self.device)
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids, positions)
             if self.routing_recorder is not None:
@@ -271,59 +271,10 @@ class ModelRunner:
             out.setdefault(req_id, []).append((index, entry))
         return out
 
-    def _prepare_inputs(self, seqs: list[ScheduledSequence]):
-        """Flatten the step's sequences. Returns (input_ids [T], positions [T], metadata,
-        logits_indices [n_sample]: the last token of each sampling sequence), every tensor on the
-        host (``_to_device`` moves them; decode graphs stage them into their own buffers)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        for s in seqs:
-            pos = range(s.start_pos, s.start_pos + s.num_tokens)
-            input_ids.extend(s.token_ids)
-            positions.extend(pos)
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-            if s.do_sample:
-                logits_indices.append(len(input_ids) - 1)
-        query_lens = [s.num_tokens for s in seqs]
-        seq_lens = [s.start_pos + s.num_tokens for s in seqs]
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs]
-        num_decodes = 0
-        while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-
-        def t(x):
-            return torch.tensor(x, dtype=torch.long, device="cpu")
-        state_slots = has_init = None
-        if self.state_layers:
-            # Every running request holds a slot (core/state_slots.py); a chunk at position 0
-            # (new, or recomputed after preemption) starts from zeros, not the slot's contents.
-            if any(s.state_slot is None for s in seqs):
-                raise RuntimeError("a scheduled sequence has no recurrent-state slot")
-            state_slots = t([s.state_slot for s in seqs])
-            has_init = [s.start_pos > 0 for s in seqs]
-        metadata = AttentionMetadata(slot_mapping=t(slots), block_tables=t(tables),
-                                     seq_lens=t(seq_lens),
-                                     query_start_loc=t([0, *itertools.accumulate(query_lens)]),
-                                     seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
-                                     num_decodes=num_decodes, block_size=bs,
-                                     state_slots=state_slots, has_initial_state=has_init)
-        return t(input_ids), t(positions), metadata, t(logits_indices)
-
-    def _to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                   logits_indices: torch.Tensor):
-        """``_prepare_inputs``' host tensors on the runner's device (as they are on CPU)."""
-        if self.device.type == "cpu":
-            return input_ids, positions, md, logits_indices
-        dev = self.device
-        md = dataclasses.replace(
-            md, slot_mapping=md.slot_mapping.to(dev), block_tables=md.block_tables.to(dev),
-            seq_lens=md.seq_lens.to(dev), query_start_loc=md.query_start_loc.to(dev),
-            state_slots=None if md.state_slots is None else md.state_slots.to(dev))
-        return input_ids.to(dev), positions.to(dev), md, logits_indices.to(dev)
+    def _prepare_inputs(self, seqs: list[ScheduledSequence]) -> StepInputs:
+        """The step's inputs on the host (``step_inputs.py``); decode graphs stage them into
+        their own buffers, an eager step moves them with ``to_device``."""
+        return prepare_inputs(seqs, self.block_size, bool(self.state_layers))
 
     # ---- expert cache ----------------------------------------------------------------------
     def _attach_routing_recorder(self):
