@@ -10,8 +10,7 @@ what both kernels are tested against, bit for bit.
 
 One program (grid (1,)) does a whole wave: E and N are a few hundred at most, so the step is a
 handful of vector operations over [E] and [N] plus an [N, N] comparison that ranks the victims
-(skipped with the placement when the wave has no miss: a step that hits everywhere pays for
-neither, and lrfu_next's victim keys cost a pass over its [E, E] weight),
+(its loads masked off when the wave has no miss: an all-hits step does not wait on them),
 with ``debug_barrier`` between the phases that read what an earlier phase stored; lrfu_next
 (policy 4) adds loops over [ROWS_E, E] tiles of its weight [E, E] (masked to the rows of the
 wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). No host read:
@@ -126,10 +125,10 @@ def _predict(cols, mask, sel_ptr, sel, E, wt_ptr, b_ptr, ROWS_E: tl.constexpr):
 
 
 @triton.jit
-def _victim_keys(s, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
+def _victim_keys(s, inb, w, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
                  b_ptr, par_ptr, pow_ptr, D, POLICY: tl.constexpr, ROWS_E: tl.constexpr):
-    """(victim, score, expert) of slots s: victims hold an expert that is not in wave w."""
-    inb = s < N
+    """(victim, score, expert) of slots s where ``inb``: victims hold an expert that is not in
+    wave w."""
     held = tl.load(eos_ptr + s, mask=inb, other=-1)
     victim = inb & (held >= 0)
     victim = victim & (tl.load(woe_ptr + held, mask=victim, other=-1) != w)
@@ -148,16 +147,22 @@ def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr
     """plan_slots[:M]: the empty slots in slot order, then victims by (score, expert id). The
     keys are computed once (lrfu_next's cost a pass over its [E, E] weight) and each row block
     of the ranking reads them back from the scratch ks [BLOCK_N] (score) and kx [BLOCK_N] (the
-    victim's expert, -1 for a slot that is no victim): the same bits."""
+    victim's expert, -1 for a slot that is no victim): the same bits. A wave without a miss
+    (M == 0) masks every slot's loads off (``s < N`` only where M > 0): no slot is empty or a
+    victim for it, so the loads chained behind them (the held expert's wave, its policy state,
+    lrfu_next's weight rows) never go to memory. Masks, not a branch: under Triton 3.6 an
+    ``if M > 0`` around this made the lrfu and lrfu_next variants spill."""
     s = tl.arange(0, BLOCK_N)
-    empty = (s < N) & (tl.load(eos_ptr + s, mask=s < N, other=0) < 0)
+    slot = tl.where(M > 0, s < N, False)     # not `& (M > 0)`: the interpreter makes int32
+    empty = slot & (tl.load(eos_ptr + s, mask=slot, other=0) < 0)
     empty_rank = tl.cumsum(empty.to(tl.int32), axis=0).to(tl.int64) - 1
     n_empty = tl.sum(empty.to(tl.int64), axis=0)
     tl.store(ps_ptr + empty_rank, s.to(tl.int64), mask=empty & (empty_rank < M))
     tl.store(ps_ptr + s, tl.full([BLOCK_N], -1, tl.int64), mask=(s >= M) & (s < N))
     n_evict = M - tl.minimum(n_empty, M)
-    cv, cscore, cexp = _victim_keys(s, w, N, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr,
-                                    crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D, POLICY, ROWS_E)
+    cv, cscore, cexp = _victim_keys(s, slot, w, E, eos_ptr, woe_ptr, clock, freq_ptr,
+                                    last_ptr, crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D,
+                                    POLICY, ROWS_E)
     tl.store(ks_ptr + s, cscore)
     tl.store(kx_ptr + s, tl.where(cv, cexp, -1))
     tl.debug_barrier()
@@ -228,22 +233,6 @@ def _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_
 
 
 @triton.jit
-def _place(i, M, ps_ptr, pe_ptr, eos_ptr, soe_ptr, BLOCK_N: tl.constexpr):
-    """Misses i < M move into their planned slots, evicting the experts there; -> evictions."""
-    tl.debug_barrier()              # _plan_slots stored ps
-    live = i < M
-    ps = tl.load(ps_ptr + i, mask=live, other=0)
-    pe = tl.load(pe_ptr + i, mask=live, other=0)
-    old = tl.load(eos_ptr + ps, mask=live, other=-1)
-    evicted = live & (old >= 0)
-    tl.store(soe_ptr + old, tl.full([BLOCK_N], -1, tl.int64), mask=evicted)
-    tl.debug_barrier()
-    tl.store(eos_ptr + ps, pe, mask=live)
-    tl.store(soe_ptr + pe, ps, mask=live)
-    return tl.sum(evicted.to(tl.int64), axis=0)
-
-
-@triton.jit
 def _bump(cnt_ptr, idx, value, any_used):
     old = tl.load(cnt_ptr + idx)
     tl.store(cnt_ptr + idx, tl.where(any_used, old + value, old))
@@ -270,21 +259,25 @@ def _residency_step_kernel(
     i = tl.arange(0, BLOCK_N)
     tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
     tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
-    if M > 0:
-        _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
-                    b_ptr, par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, BLOCK_N,
-                    ROW_BLOCK, ROWS_E)
-        n_evicted = _place(i, M, ps_ptr, pe_ptr, eos_ptr, soe_ptr, BLOCK_N)
-    else:       # every expert of the wave is resident: no victims to rank, nothing to place
-        tl.store(ps_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=i < N)
-        n_evicted = M
+    _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
+                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, BLOCK_N, ROW_BLOCK, ROWS_E)
+    tl.debug_barrier()
+    live = i < M
+    ps = tl.load(ps_ptr + i, mask=live, other=0)
+    pe = tl.load(pe_ptr + i, mask=live, other=0)
+    old = tl.load(eos_ptr + ps, mask=live, other=-1)
+    evicted = live & (old >= 0)
+    tl.store(soe_ptr + old, tl.full([BLOCK_N], -1, tl.int64), mask=evicted)
+    tl.debug_barrier()
+    tl.store(eos_ptr + ps, pe, mask=live)
+    tl.store(soe_ptr + pe, ps, mask=live)
     _update_policy(e, in_wave, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
     any_used = hits + M > 0
     if POLICY == 4:
         _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_E)
     _bump(cnt_ptr, HITS, hits, any_used)
     _bump(cnt_ptr, MISSES, M, any_used)
-    _bump(cnt_ptr, EVICTIONS, n_evicted, any_used)
+    _bump(cnt_ptr, EVICTIONS, tl.sum(evicted.to(tl.int64), axis=0), any_used)
     _bump(cnt_ptr, WAVES, 1, any_used)
     _bump(cnt_ptr, CLOCK, 1, any_used)
     tl.store(cnt_ptr + LAST_HITS, tl.where(any_used, hits, tl.load(cnt_ptr + LAST_HITS)))
