@@ -4,12 +4,12 @@
         --batch 1 32 --moe-expert-cache-size 0 64 32 16 --output-len 64 --json \
         [--dtype bf16] [--device cuda|cpu] [--out FILE] [--checkpoint DIR] [--dry-run]
 
-Builds a random checkpoint of the preset's shape (``PRESETS``) in the requested dtype: config.json,
-safetensors written one decoder layer per shard (generated in place, so at most one layer is in
-memory), and the default model's tokenizer (vocab 4096: the LM head is small next to a real
-model's). ``--checkpoint DIR`` keeps it there and reuses it when DIR already holds one; otherwise a
-temporary directory is removed at the end. ``--dry-run`` prints the shape, bytes per expert and
-the checkpoint's size without building.
+Builds a random checkpoint of the preset's shape (``decode_models.PRESETS``) in the requested
+dtype: config.json, safetensors written one decoder layer per shard (generated in place, so at
+most one layer is in memory), and the default model's tokenizer (vocab 4096: the LM head is
+small next to a real model's). ``--checkpoint DIR`` keeps it there and reuses it when DIR already
+holds one; otherwise a temporary directory is removed at the end. ``--dry-run`` prints the
+shape, bytes per expert and the checkpoint's size without building.
 
 Presets: probe-4.8g, Qwen3-MoE (Qwen3-30B-A3B's attention and experts, 64 of them in 8 layers:
 9.4 MB per bf16 expert, 4.8 GB of experts); dsv2-lite, DeepseekV2ForCausalLM in
@@ -26,15 +26,15 @@ cache's counters over the same steps. ``tokens_identical`` says, per batch, whet
 produced the same greedy tokens. ``--profile-steps K`` adds a ``profile`` to each row: K more
 decode steps under torch.profiler (``decode_profile.py``: kernel and graph launches, GPU kernels
 and busy time, aten ops, per step). ``--unrouted-experts K`` zeroes the router rows of the last K
-experts (``UNROUTED``): with N = E - K slots, filled by a warm-up of 32 prompts, the cache then
-hits on every access, its pure cost.
+experts (``decode_models.UNROUTED``): with N = E - K slots, filled by a warm-up of 32 prompts,
+the cache then hits on every access, its pure cost. ``--attention-backend`` picks the engine's
+(e.g. ``flashinfer_paged``, which only that option selects).
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -42,131 +42,9 @@ import time
 
 import torch
 from bench_io import write_json
+from decode_models import (DTYPES, PRESETS, build_checkpoint, check_reusable, make_config,
+                           shape_summary)
 from decode_profile import prefilled, profile_decode_steps
-
-PRESETS = {
-    "probe-4.8g": ("Qwen3MoeForCausalLM", dict(
-        hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=64,
-        num_experts_per_tok=8, norm_topk_prob=True)),
-    "dsv2-lite": ("DeepseekV2ForCausalLM", dict(
-        hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
-        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
-        num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512,
-        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)),
-    "tiny": ("Qwen3MoeForCausalLM", dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True)),
-    "tiny-e32": ("Qwen3MoeForCausalLM", dict(          # tiny, 32 experts: --unrouted-experts
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, moe_intermediate_size=16, num_experts=32,
-        num_experts_per_tok=2, norm_topk_prob=True)),
-}
-"""name -> (architecture, config fields); every preset also gets ``_COMMON``."""
-_COMMON = dict(vocab_size=4096, max_position_embeddings=4096, bos_token_id=0, eos_token_id=0,
-               pad_token_id=0, tie_word_embeddings=False, initializer_range=0.02)
-UNROUTED = """An expert whose router row is zero has logit 0, while the others' logits are
-N(0, s^2), independent across experts, for any hidden state (random rows); it enters the top k
-only when fewer than k of the other E - 1 logits are positive: P(Binomial(E - 1, 1/2) < k),
-7e-11 per token and layer for top-8 of 63 (probe-4.8g), 1.5e-8 for top-2 of 31 (tiny-e32). So
-the cache's all-hits cost can be measured at N = E - K with the cache on (N >= E turns it off)."""
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def make_config(preset: str, dtype: torch.dtype):
-    import transformers
-    if preset not in PRESETS:
-        raise ValueError(f"--random-model {preset!r} is not a preset: must be one of "
-                         f"{sorted(PRESETS)}")
-    arch, fields = PRESETS[preset]
-    config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**_COMMON, **fields)
-    config.architectures = [arch]
-    config.dtype = dtype
-    return config
-
-
-def param_shapes(config) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor, as transformers names them in memory (experts fused:
-    ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]; the loader takes both)."""
-    import transformers
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-
-
-def shape_summary(config, dtype: torch.dtype) -> dict:
-    E = getattr(config, "num_experts", None) or config.n_routed_experts
-    H, inter = config.hidden_size, config.moe_intermediate_size
-    moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
-    per_expert = 3 * H * inter * dtype.itemsize                      # gate, up [I, H]; down [H, I]
-    total = sum(math.prod(s) for _, s in param_shapes(config)) * dtype.itemsize
-    return {"architecture": config.architectures[0], "hidden": H, "moe_intermediate": inter,
-            "num_experts": E, "top_k": config.num_experts_per_tok, "layers":
-            config.num_hidden_layers, "moe_layers": moe_layers, "dtype": str(dtype)[6:],
-            "bytes_per_expert": per_expert, "expert_bytes": per_expert * E * moe_layers,
-            "checkpoint_bytes": total}
-
-
-def _shard_of(name: str) -> str:
-    parts = name.split(".")
-    return parts[2] if parts[:2] == ["model", "layers"] else "rest"
-
-
-def build_checkpoint(preset: str, path: str, dtype: torch.dtype, seed: int = 0,
-                     unrouted: int = 0) -> None:
-    """Random weights (norms 1, the rest N(0, 0.02)) written one decoder layer per shard; the
-    router rows of the last ``unrouted`` experts zero (``UNROUTED``)."""
-    from safetensors.torch import save_file
-
-    from vllm import DEFAULT_MODEL
-    config = make_config(preset, dtype)
-    config.bench_unrouted_experts = unrouted
-    os.makedirs(path, exist_ok=True)
-    shapes = param_shapes(config)
-    shards: dict[str, list] = {}
-    for name, shape in shapes:
-        shards.setdefault(_shard_of(name), []).append((name, shape))
-    g = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    for i, (key, params) in enumerate(shards.items()):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, shape in params:
-            t = torch.empty(shape, dtype=dtype)
-            tensors[name] = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(
-                0.0, config.initializer_range, generator=g)
-            if unrouted and name.endswith("mlp.gate.weight"):       # router [E, H]
-                t[t.shape[0] - unrouted:] = 0
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-        save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
-        del tensors                                         # one layer in memory at a time
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    for name in TOKENIZER_FILES:
-        shutil.copy(os.path.join(DEFAULT_MODEL, name), path)
-    config.save_pretrained(path)                            # config.json last: marks it complete
-
-
-def check_reusable(path: str, config, unrouted: int = 0) -> None:
-    """A checkpoint found at ``path`` must be the preset's shape and dtype, with as many
-    unrouted experts."""
-    with open(os.path.join(path, "config.json")) as f:
-        found = json.load(f)
-    found.setdefault("bench_unrouted_experts", 0)
-    want = {k: getattr(config, k) for k in ("architectures", "hidden_size", "num_hidden_layers",
-                                              "moe_intermediate_size")}
-    want["dtype"] = str(config.dtype)[6:]
-    want["bench_unrouted_experts"] = unrouted
-    diff = {k: (found.get(k), v) for k, v in want.items() if found.get(k) != v}
-    if diff:
-        raise ValueError(f"--checkpoint {path!r} holds another model: (found, wanted) {diff}; "
-                         "use another directory")
-
 
 def make_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
@@ -244,6 +122,7 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
     for n in args.moe_expert_cache_size:
         llm = LLM(model=path, dtype=str(dtype)[6:], device=device, moe_expert_cache_size=n,
                   max_num_seqs=max(args.batch), enforce_eager=args.enforce_eager,
+                  attention_backend=args.attention_backend,
                   moe_expert_overlap=args.moe_expert_overlap,
                   moe_expert_cpu_compute=args.moe_expert_cpu_compute,
                   kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
@@ -327,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--enforce-eager", action="store_true", help="no CPU / CUDA graphs")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="the engine's attention_backend (e.g. flashinfer_paged)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile this many decode steps per row (launches per step)")
     ap.add_argument("--profile-trace-dir", default=None,
@@ -339,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "by rounding off a CPU device)")
     ap.add_argument("--unrouted-experts", type=int, default=0, metavar="K",
                     help="zero the router rows of the last K experts (never routed: a cache of "
-                         "E - K slots then hits on every access; see UNROUTED)")
+                         "E - K slots then hits on every access; see decode_models.UNROUTED)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None,

@@ -15,6 +15,11 @@
 #   bash tools/gpu_session.sh quant     # benchmark_quantization --speed: triton, cutlass_w4a16
 #   bash tools/gpu_session.sh tune      # tools/tune_fused_moe.py at the probe shape: a table for
 #                                       # this GPU (copy $OUT/fused_moe_table.json to configs/)
+#   bash tools/gpu_session.sh flashinfer
+#                                       # FlashInfer paged attention: its gpu tests (bf16 and
+#                                       # the graph test), decode beside triton_paged. Carry in
+#                                       # .whl the slim wheel (tools/slim_flashinfer.py) and
+#                                       # apache-tvm-ffi; its JIT compiles the kernels there
 #
 # Every step runs under the smaller of its own limit and what is left of BUDGET seconds (default
 # 540, from the start of the command), and is skipped when under 30 s are left, so the steps of
@@ -208,13 +213,26 @@ quant)
     step 240 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 64 4 --schemes w4a16-gptq \
         --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"
     ;;
+flashinfer)
+    install
+    # The JIT builds each (dtype, head dim, variant) module on first use: about a minute each
+    # on 16 cores, so the tests are cut to bf16 and the decode graph test.
+    step 30 fi-import python3 -c "import flashinfer; print(flashinfer.__version__)"
+    step 300 pytest-flashinfer "${PYTEST[@]}" -m gpu -k "bf16 or graph" \
+        tests/model_executor/layers/attention/test_flashinfer_paged.py
+    step 150 decode-flashinfer "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 \
+        --output-len 32 --attention-backend flashinfer_paged --out "$OUT/decode-flashinfer.json"
+    step 60 decode-triton-attn "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 \
+        --output-len 32 --out "$OUT/decode-triton-attn.json"
+    ;;
 tune)
     install
     step 500 tune python3 tools/tune_fused_moe.py --hidden 2048 --intermediate 768 \
         --experts 64 --top-k 8 --dtype bf16 --search quick --out "$OUT/fused_moe_table.json"
     ;;
 *)
-    echo "unknown stage $stage: first, retry, check, suite, decode, offload, quant or tune"
+    echo "unknown stage $stage: first, retry, check, suite, decode, offload, quant, tune or" \
+        "flashinfer"
     exit 2 ;;
 esac
 pack

@@ -37,7 +37,8 @@ def test_the_script_is_valid_bash():
                                                ("decode", "benchmark_decode", 4),
                                                ("offload", "benchmark_expert_offload", 1),
                                                ("quant", "benchmark_quantization", 2),
-                                               ("tune", "tune_fused_moe", 1)])
+                                               ("tune", "tune_fused_moe", 1),
+                                               ("flashinfer", "benchmark_decode", 2)])
 def test_every_benchmark_command_parses(tmp_path, stage, bench, count):
     out = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "DRY": "1", "OUT": str(tmp_path)}, check=True)
@@ -63,7 +64,7 @@ def test_first_skips_the_steps_past_its_budget(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["first", "check", "suite", "decode", "offload", "quant",
-                                   "tune"])
+                                   "tune", "flashinfer"])
 def test_a_stage_returns_at_most_eight_files(tmp_path, stage):
     """The device tool brings back at most 8 files from $OUT: summary.txt, logs.tgz and one
     JSON per benchmark step (logs go to $LOGS, packed into logs.tgz); the pytest steps run on

@@ -362,7 +362,7 @@ def _to_cuda(md, *ts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("opts", list(OPTIONS))
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_matches_the_reference_on_gpu(opts, batch, dtype):
     attn = make_layer("torch_sdpa", 8, 2, 128, **OPTIONS[opts])
     md, q, k, v, ref = paged_case(attn, *BATCHES[batch], dtype=dtype)
