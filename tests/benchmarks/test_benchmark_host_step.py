@@ -1,0 +1,35 @@
+"""benchmarks/benchmark_host_step.py on CPU: a row per batch whose decode steps replayed CPU
+graphs (their time is measured, so host = step - replays), as many decode steps as asked, and
+CpuGraph.replay restored afterwards. No timing assertions."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import benchmark_host_step as bench  # noqa: E402
+
+
+def test_rows_split_each_step_into_replays_and_host(tmp_path, capsys):
+    from vllm.kernels.cpu.graph import CpuGraph
+    replay = CpuGraph.replay
+    out = bench.main(["--batch", "1", "3", "--steps", "6", "--repeat", "2", "--json", "--out",
+                      str(tmp_path / "host.json")])
+    assert json.loads(capsys.readouterr().out) == out
+    assert json.loads((tmp_path / "host.json").read_text()) == out
+    assert [r["batch"] for r in out["rows"]] == [1, 3]
+    for r in out["rows"]:
+        assert r["steps"] == 6                      # the decode steps after the prefill's token
+        assert 0 < r["replay_ms"] < r["step_ms"]    # every decode step replayed its graphs
+        assert r["host_ms"] == pytest.approx(r["step_ms"] - r["replay_ms"])
+        assert r["host_ms_per_request"] == pytest.approx(r["host_ms"] / r["batch"])
+    assert CpuGraph.replay is replay
+
+
+def test_bad_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steps", "0"])
+    assert "--steps [0] is invalid" in capsys.readouterr().err
