@@ -4,8 +4,9 @@ metadata, as int64 tensors on the host, then on the runner's device.
 Every int64 field is a view of ONE host tensor, built from an ``array.array`` of the ints (a
 ``torch.tensor`` call costs about 4 us whatever its length, plus 80 ns per int; a decode step
 had seven), and moves to the device as one copy (``to_device``) whose views are split the same
-way. On the 2-core development machine that took ``_prepare_inputs`` from about 35 to 20 us at
-batch 1; on a GPU the host's time is all of a batch-1 step's beside its graph replay.
+way; one pass over the sequences builds the lists. On the 2-core development machine that took
+the step's inputs from about 39 to 14 us at batch 1 and from 122 to 54 us at batch 32
+(``benchmark_host_step.py`` has the whole step's host work).
 """
 from __future__ import annotations
 
