@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -132,19 +133,17 @@ def measure(args, ref: FusedMoE, cached: FusedMoE, T: int, routing: str,
     """One row: both layers' medians (eager or replayed), the cache's counters over the timed
     forwards, and with ``--profile-iters`` each layer's kernels."""
     median_ms(ref, inputs), median_ms(cached, inputs)  # warm-up: fills the slots
+    x, logits = inputs[0]
+    runs = {"uncached": ref, "cached": cached}         # what is timed: a layer or its graph
+    time_ms = median_ms
     if args.graphs:
-        g_ref, g_cached = GraphedLayer(ref, inputs), GraphedLayer(cached, inputs)
-        replay_ms(g_ref, inputs[:3]), replay_ms(g_cached, inputs[:3])
-        timed = {"uncached": lambda: replay_ms(g_ref, inputs),
-                 "cached": lambda: replay_ms(g_cached, inputs)}
-        forwards = {"uncached": g_ref.replay, "cached": g_cached.replay}
-    else:
-        timed = {"uncached": lambda: median_ms(ref, inputs),
-                 "cached": lambda: median_ms(cached, inputs)}
-        x, logits = inputs[0]
-        forwards = {"uncached": lambda: ref(x, logits), "cached": lambda: cached(x, logits)}
+        runs = {k: GraphedLayer(layer, inputs) for k, layer in runs.items()}
+        time_ms = replay_ms
+        for g in runs.values():
+            replay_ms(g, inputs[:3])
+    forwards = {k: r.replay if args.graphs else partial(r, x, logits) for k, r in runs.items()}
     cached.expert_cache.reset_stats()
-    t_ref, t_cached = timed["uncached"](), timed["cached"]()
+    t_ref, t_cached = time_ms(runs["uncached"], inputs), time_ms(runs["cached"], inputs)
     st = cached.expert_cache.stats()
     row = {"tokens": T, "routing": routing, "slots": cached.expert_cache.num_slots,
            "device": args.device, "graphs": args.graphs,

@@ -8,8 +8,9 @@ first device activity to the last (busy time beside it: the device's idle gaps; 
 it: the host's time outside), and the aten ops the host dispatched (on CPU the only column that
 is not zero). ``kernels`` names the device's kernels (and copies) by time per step (the largest
 ``TOP_KERNELS``): beside an uncached row, a cached row's extra kernels (the residency step, the
-expert copy) and their microseconds. With a trace path it also writes the Chrome trace. The issue-17 baseline (H100,
-eager, before the GPU path): about 1,870 launches per token, the GPU busy under 5% of the step.
+expert copy) and their microseconds. With a trace path it also writes the Chrome trace. The
+issue-17 baseline (H100, eager, before the GPU path): about 1,870 launches per token, the GPU
+busy under 5% of the step.
 """
 from __future__ import annotations
 
@@ -51,15 +52,16 @@ def summarize(events, steps: int, wall_s: float) -> dict:
             count["torch_ops"] += e.count
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
+        us = _device_time_us(e)
         if e.key.startswith(COPIES):
             count["gpu_copies"] += e.count
-            copy_us += _device_time_us(e)
+            copy_us += us
         else:
             count["gpu_kernels"] += e.count
-            gpu_us += _device_time_us(e)
+            gpu_us += us
         k = per_kernel.setdefault(e.key, [0, 0.0])
         k[0] += e.count
-        k[1] += _device_time_us(e)
+        k[1] += us
     out = {f"{k}_per_step": v / steps for k, v in count.items()}
     out.update(steps=steps, wall_ms_per_step=wall_s * 1e3 / steps,
                gpu_busy_ms_per_step=gpu_us / 1e3 / steps,

@@ -119,6 +119,8 @@ int expert_gather_many(const GatherTensor* tensors, int num_tensors, const int64
                        const int64_t* slots, const bool* valid, int64_t n, int64_t num_experts,
                        int64_t num_slots, void* stream) {
   if (n == 0) return 0;
+  // n <= 65535: the ops' contract (vllm/kernels/gather_checks.py MAX_ENTRIES), no longer the
+  // grid's limit (its y is min(n, kEntryRows)).
   if (num_tensors < 0 || num_tensors > kMaxGatherTensors || n > 65535)
     return static_cast<int>(cudaErrorInvalidValue);
   GatherBatch batch{};

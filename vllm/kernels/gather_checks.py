@@ -13,7 +13,9 @@ from typing import Sequence
 import torch
 
 MAX_ENTRIES = 65535
-"""Plan entries per call: the launch grid's y dimension."""
+"""Plan entries per call, the gathers' contract (the CUDA op refuses more too). It was the launch
+grid's y dimension; the grids now have min(n, 8) rows of blocks walking the entries, so it is a
+limit kept, not one the launch imposes."""
 
 
 def fail(who: str, msg: str) -> None:

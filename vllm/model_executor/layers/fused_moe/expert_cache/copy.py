@@ -55,8 +55,8 @@ class UvaCopyKernel(Protocol):
         dst [N, ...] contiguous device tensor; experts, slots [N] int64 and valid [N] bool on the
         device. Must not synchronise with the host, must skip invalid entries without reading
         their (garbage, possibly -1) ids, and must bounds-check ids (0 <= experts[i] < E,
-        0 <= slots[i] < N). One launch per tensor, a grid fixed by the shapes (bytes-per-expert chunks x rows of
-        entries).
+        0 <= slots[i] < N). One launch per tensor, a grid fixed by the shapes (bytes-per-expert
+        chunks x rows of entries).
         """
 
 
