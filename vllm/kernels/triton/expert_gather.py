@@ -55,12 +55,11 @@ WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
 @triton.jit
-def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, n, E, N, W,
-                          BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """Grid (cdiv(W, BLOCK * ITERS), min(n, ENTRY_ROWS)): program (c, y) copies words
-    [c * BLOCK * ITERS, ...) of row experts[i] of src [E, W] into row slots[i] of dst [N, W]
-    (words, not elements) for the entries i = y, y + ENTRY_ROWS, ... that are valid."""
-    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+def _gather_chunk(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N,
+                  BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """This program's row of plan entries, i = program_id(1), + num_programs(1), ...: for each
+    valid one in range, words [start, start + BLOCK * ITERS) of row experts[i] of src [E, W]
+    into row slots[i] of dst [N, W] (both kernels' entry walk)."""
     for i in range(tl.program_id(1), n, tl.num_programs(1)):
         if tl.load(valid_ptr + i) != 0:
             e = tl.load(experts_ptr + i)                  # int64: e * W is an int64 offset
@@ -72,6 +71,17 @@ def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, n
                     w = start + k * BLOCK + tl.arange(0, BLOCK)
                     inb = w < W
                     tl.store(dst_row + w, tl.load(src_row + w, mask=inb), mask=inb)
+
+
+@triton.jit
+def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, n, E, N, W,
+                          BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Grid (cdiv(W, BLOCK * ITERS), min(n, ENTRY_ROWS)): program (c, y) copies words
+    [c * BLOCK * ITERS, ...) of row experts[i] of src [E, W] into row slots[i] of dst [N, W]
+    (words, not elements) for the entries i = y, y + ENTRY_ROWS, ... that are valid."""
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    _gather_chunk(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N,
+                  BLOCK, ITERS)
 
 
 WHO = "triton expert_gather"

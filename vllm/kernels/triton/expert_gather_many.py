@@ -29,7 +29,8 @@ import triton.language as tl
 
 from vllm.kernels.gather_checks import check_many
 from vllm.kernels.triton.expert_gather import (BLOCK, ENTRY_ROWS, ITERS, LAUNCH_OPTIONS,
-                                               _check_interpreted, _word, expert_gather)
+                                               _check_interpreted, _gather_chunk, _word,
+                                               expert_gather)
 
 MAX_TENSORS = 16
 """Tensors per launch (rows of one table)."""
@@ -53,19 +54,9 @@ def _expert_gather_many_kernel(table_ptr, experts_ptr, slots_ptr, valid_ptr, n, 
     row = table_ptr + t * 4
     W = tl.load(row + 2)                               # words per row of tensor t
     start = (c - tl.load(row + 3)) * (BLOCK * ITERS)
-    src_base = tl.load(row).to(tl.pointer_type(WORD), bitcast=True)
-    dst_base = tl.load(row + 1).to(tl.pointer_type(WORD), bitcast=True)
-    for i in range(tl.program_id(1), n, tl.num_programs(1)):
-        if tl.load(valid_ptr + i) != 0:
-            e = tl.load(experts_ptr + i)
-            s = tl.load(slots_ptr + i)
-            if (e >= 0) & (e < E) & (s >= 0) & (s < N):
-                src = src_base + e * W
-                dst = dst_base + s * W
-                for k in tl.static_range(ITERS):
-                    w = start + k * BLOCK + tl.arange(0, BLOCK)
-                    inb = w < W
-                    tl.store(dst + w, tl.load(src + w, mask=inb), mask=inb)
+    src = tl.load(row).to(tl.pointer_type(WORD), bitcast=True)
+    dst = tl.load(row + 1).to(tl.pointer_type(WORD), bitcast=True)
+    _gather_chunk(src, dst, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N, BLOCK, ITERS)
 
 
 def _table(rows: list[tuple[int, int, int]], first: list[int],
