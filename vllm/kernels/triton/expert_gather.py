@@ -10,9 +10,9 @@ The contract is ``UvaCopyKernel``'s (``expert_cache/copy.py``), the same as the 
 ``vllm._C`` op (``csrc/moe/expert_gather.cu``), which the CUDA platform prefers where it exists:
   * src [E, ...] contiguous, pinned host memory (or on dst's device); dst [N, ...] contiguous
     CUDA, same dtype and row shape; experts, slots [n] int64 and valid [n] bool on dst's device,
-    n <= 65535 (``gather_checks.MAX_ENTRIES``). Valid entries name distinct slots, and src and dst do
-    not overlap: programs of two entries writing one slot would race, with no defined winner on
-    a GPU (the residency step's plans never do).
+    n <= 65535 (``gather_checks.MAX_ENTRIES``). Valid entries name distinct slots, and src and
+    dst do not overlap: programs of two entries writing one slot would race, with no defined
+    winner on a GPU (the residency step's plans never do).
   * Pinned host memory is read in place over the link: Triton hands a kernel the device address
     of a pinned (UVA-mapped) host tensor (``cuPointerGetAttribute(DEVICE_POINTER)`` in its
     launcher; triton-lang/triton#1197), so there is no staging copy.
