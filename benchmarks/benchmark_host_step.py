@@ -8,6 +8,7 @@ sampling, detokenizing and stop checks, the outputs), which the GPU waits throug
 it is most of what stands between the replay and the next one. Measured on the CPU, where the
 model's part can be separated exactly: a decode step there replays CPU graphs
 (``kernels/cpu/graph.py``), and their replays are timed inside the step; host = step - replays.
+``inputs_ms``: the part of it in ``ModelRunner._prepare_inputs`` (the step's input tensors).
 The model is the tiny Qwen3-MoE preset of ``benchmark_decode.py`` (float32, one thread), so the
 replays are short and the host's share is what the engine itself costs. Per batch: ``batch``
 greedy requests of 5 prompt tokens (ignore_eos, FINAL_ONLY as ``LLM.generate``) decode
@@ -26,28 +27,29 @@ from decode_models import build_checkpoint
 from decode_profile import prefilled
 
 
-class ReplayClock:
-    """Seconds spent in ``CpuGraph.replay`` while installed (a wrapper on the class)."""
+class MethodClock:
+    """Seconds spent in ``cls.name`` while installed (a wrapper on the class)."""
 
-    def __init__(self):
-        from vllm.kernels.cpu import graph
-        self.cls, self.orig, self.seconds = graph.CpuGraph, graph.CpuGraph.replay, 0.0
+    def __init__(self, cls, name: str):
+        self.cls, self.name, self.orig, self.seconds = cls, name, getattr(cls, name), 0.0
         clock = self
 
-        def replay(graph_self, *args, **kwargs):
+        def timed(obj, *args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return clock.orig(graph_self, *args, **kwargs)
+                return clock.orig(obj, *args, **kwargs)
             finally:
                 clock.seconds += time.perf_counter() - t0
-        self.cls.replay = replay
+        setattr(cls, name, timed)
 
     def close(self) -> None:
-        self.cls.replay = self.orig
+        setattr(self.cls, self.name, self.orig)
 
 
-def decode_steps(engine, batch: int, steps: int, clock: ReplayClock) -> tuple[float, float, int]:
-    """``batch`` requests prefilled, then their decode steps -> (seconds, replay seconds, steps)."""
+def decode_steps(engine, batch: int, steps: int, clocks: list[MethodClock]
+                 ) -> tuple[float, list[float], int]:
+    """``batch`` requests prefilled, then their decode steps -> (seconds, each clock's seconds in
+    them, steps)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True,
@@ -57,19 +59,22 @@ def decode_steps(engine, batch: int, steps: int, clock: ReplayClock) -> tuple[fl
         engine.add_request(f"host-{time.monotonic_ns()}-{i}", prompt, sp)
     while engine.has_unfinished_requests() and not prefilled(engine):
         engine.step()
-    clock.seconds, n = 0.0, 0
-    start = time.perf_counter()
+    for c in clocks:
+        c.seconds = 0.0
+    n, start = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
         n += 1
-    return time.perf_counter() - start, clock.seconds, n
+    return time.perf_counter() - start, [c.seconds for c in clocks], n
 
 
 def run(args: argparse.Namespace) -> dict:
     from vllm import LLM
+    from vllm.kernels.cpu.graph import CpuGraph
+    from vllm.worker.model_runner import ModelRunner
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    clock = ReplayClock()
+    clocks = [MethodClock(CpuGraph, "replay"), MethodClock(ModelRunner, "_prepare_inputs")]
     try:
         with tempfile.TemporaryDirectory() as path:
             build_checkpoint("tiny", path, torch.float32)
@@ -77,17 +82,19 @@ def run(args: argparse.Namespace) -> dict:
                       seed=0)
             rows = []
             for b in args.batch:
-                decode_steps(llm.llm_engine, b, 20, clock)                      # warm-up
-                runs = [decode_steps(llm.llm_engine, b, args.steps, clock)
+                decode_steps(llm.llm_engine, b, 20, clocks)                     # warm-up
+                runs = [decode_steps(llm.llm_engine, b, args.steps, clocks)
                         for _ in range(args.repeat)]
-                secs, replay, n = min(runs, key=lambda r: r[0] / r[2])
+                secs, (replay, inputs), n = min(runs, key=lambda r: r[0] / r[2])
                 step_ms, replay_ms = secs / n * 1e3, replay / n * 1e3
                 rows.append({"batch": b, "steps": n, "step_ms": step_ms, "replay_ms": replay_ms,
                              "host_ms": step_ms - replay_ms,
-                             "host_ms_per_request": (step_ms - replay_ms) / b})
+                             "host_ms_per_request": (step_ms - replay_ms) / b,
+                             "inputs_ms": inputs / n * 1e3})
             llm.llm_engine.shutdown()
     finally:
-        clock.close()
+        for c in clocks:
+            c.close()
         torch.set_num_threads(threads)
     return {"model": "tiny (benchmark_decode preset), float32, 1 thread", "device": "cpu",
             "rows": rows}
@@ -118,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
         for r in out["rows"]:
             print(f"batch {r['batch']:>3}: step {r['step_ms']:.3f} ms = replays "
                   f"{r['replay_ms']:.3f} + host {r['host_ms']:.3f} ms "
-                  f"({r['host_ms_per_request'] * 1e3:.1f} us per request)")
+                  f"({r['host_ms_per_request'] * 1e3:.1f} us per request; the step's inputs "
+                  f"{r['inputs_ms'] * 1e3:.1f} us)")
     return out
 
 

@@ -1,6 +1,7 @@
 """benchmarks/benchmark_host_step.py on CPU: a row per batch whose decode steps replayed CPU
-graphs (their time is measured, so host = step - replays), as many decode steps as asked, and
-CpuGraph.replay restored afterwards. No timing assertions."""
+graphs (their time is measured, so host = step - replays), the inputs' share of the host's
+time, as many decode steps as asked, and the timed methods restored afterwards. No timing
+assertions."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,8 @@ import benchmark_host_step as bench  # noqa: E402
 
 def test_rows_split_each_step_into_replays_and_host(tmp_path, capsys):
     from vllm.kernels.cpu.graph import CpuGraph
-    replay = CpuGraph.replay
+    from vllm.worker.model_runner import ModelRunner
+    replay, prepare = CpuGraph.replay, ModelRunner._prepare_inputs
     out = bench.main(["--batch", "1", "3", "--steps", "6", "--repeat", "2", "--json", "--out",
                       str(tmp_path / "host.json")])
     assert json.loads(capsys.readouterr().out) == out
@@ -26,7 +28,8 @@ def test_rows_split_each_step_into_replays_and_host(tmp_path, capsys):
         assert 0 < r["replay_ms"] < r["step_ms"]    # every decode step replayed its graphs
         assert r["host_ms"] == pytest.approx(r["step_ms"] - r["replay_ms"])
         assert r["host_ms_per_request"] == pytest.approx(r["host_ms"] / r["batch"])
-    assert CpuGraph.replay is replay
+        assert 0 < r["inputs_ms"] < r["host_ms"]   # every step built its inputs, on the host
+    assert CpuGraph.replay is replay and ModelRunner._prepare_inputs is prepare
 
 
 def test_bad_arguments_are_refused(capsys):

@@ -5,8 +5,8 @@ Every int64 field is a view of ONE host tensor, built from an ``array.array`` of
 ``torch.tensor`` call costs about 4 us whatever its length, plus 80 ns per int; a decode step
 had seven), and moves to the device as one copy (``to_device``) whose views are split the same
 way; one pass over the sequences builds the lists. On the 2-core development machine that took
-the step's inputs from about 39 to 14 us at batch 1 and from 122 to 54 us at batch 32
-(``benchmark_host_step.py`` has the whole step's host work).
+the step's inputs from 38 to 18-21 us at batch 1 and from 122-126 to 65-72 us at batch 32
+(``benchmark_host_step.py``'s ``inputs_ms``, against the code before: docs/benchmarks.md).
 """
 from __future__ import annotations
 
