@@ -47,10 +47,14 @@ counted from the trace's ids on the host outside the timing. uva's is a LOWER BO
 each used expert is read over the link once per step and layer (a kernel that re-reads a row
 per token block moves more). Beside the DMA bandwidth, ``copy_engine_gbps``: the provider's own
 copy engine (``select_copy``: on CUDA a gather kernel reading the pinned store over UVA, on CPU
-the C memcpy kernel) timed on a full plan (all E experts into E slots). ``--out`` is rewritten
-after every measured row with ``"partial": true`` (a run cut short keeps what it measured); the
-final write has no ``partial``. The routing ids of every step are uploaded before the timing
-(the timed loop copies no routing host to device).
+the C memcpy kernel) timed on a full plan (all E experts into E slots), and
+``copy_engine_gbps_by_entries``: the same engine on plans whose first k = 1, 2, 4, 8 or E
+entries are valid, padded to max(k, min(E, 8)) entries as a batch-1 top-8 decode plan is
+(``entries_plans`` in offload_bounds.py), 0.1 s each: whether one miss per plan copies at the
+link's speed (the DMA bandwidth above is the single-expert reference: one ``copy_`` per
+expert). ``--out`` is rewritten after every measured row with ``"partial": true`` (a run cut
+short keeps what it measured); the final write has no ``partial``. The routing ids of every
+step are uploaded before the timing (the timed loop copies no routing host to device).
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ from functools import partial
 import numpy as np
 import torch
 from bench_io import write_json
-from offload_bounds import (device_sync, measure_bandwidth, measure_copy_engine, settle_rows,
+from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
+                            measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
 from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, layer_step,
                              make_providers, uva_refusal)
@@ -206,7 +211,7 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
 
 
 def _header(args: argparse.Namespace, setup: Setup, bandwidth: float,
-            engine: tuple[float, str]) -> dict:
+            engine: tuple[float, str], by_entries: dict[str, float]) -> dict:
     trace, cuda = setup.trace, setup.device.type == "cuda"
     return {"trace": args.trace, "sequences": args.sequences, "tokens": len(trace.experts),
             "layers": trace.num_layers, "device": str(setup.device),
@@ -217,6 +222,7 @@ def _header(args: argparse.Namespace, setup: Setup, bandwidth: float,
             "bandwidth_what": "pinned host-to-device DMA (copy_)" if cuda
             else "memcpy of expert rows (CPU)",
             "copy_engine_gbps": engine[0] / 1e9, "copy_engine": engine[1],
+            "copy_engine_gbps_by_entries": {k: v / 1e9 for k, v in by_entries.items()},
             "prefetch_predictor": "cross-layer co-occurrence fitted on the "
             + ("same sequences (in-sample)" if args.sequences == "all" else "other half")}
 
@@ -235,7 +241,8 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
     jobs = [(batch, design, c) for batch in args.batch for design in designs
             for c in (args.capacity if design in CACHED else [None])]
     bandwidth = measure_bandwidth(setup.store, setup.device)
-    head = _header(args, setup, bandwidth, measure_copy_engine(setup.store, setup.device))
+    head = _header(args, setup, bandwidth, measure_copy_engine(setup.store, setup.device),
+                   measure_copy_engine_by_entries(setup.store, setup.device))
     for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
         run_design(setup, design, c, batch, args.policy, max_steps=2)
     rows: dict = {}
@@ -296,6 +303,9 @@ def _print_table(out: dict) -> None:
           f"k={sh['top_k']} {sh['dtype']} on {out['device']}; bandwidth "
           f"{out['bandwidth_gbps']:.2f} GB/s ({out['bandwidth_what']}), copy engine "
           f"{out['copy_engine_gbps']:.2f} GB/s ({out['copy_engine']}, full plan)")
+    by_entries = ", ".join(f"{k}: {v:.2f}" for k, v in out["copy_engine_gbps_by_entries"].items())
+    print(f"copy engine GB/s by valid entries k (plans of max(k, min(E, {DECODE_PLAN_LENGTH})) "
+          f"entries): {by_entries}")
     print("| design | C | batch | tok/s | hit rate | GB copied | copy GB/s | GB over link | "
           "link GB/s | bound tok/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")

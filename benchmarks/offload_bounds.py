@@ -46,29 +46,66 @@ def measure_bandwidth(store: HostStore, device: torch.device, min_seconds: float
                 return moved / (time.perf_counter() - start)
 
 
-def measure_copy_engine(store: HostStore, device: torch.device,
-                        min_seconds: float = 0.3) -> tuple[float, str]:
+ENGINE_ENTRIES = (1, 2, 4, 8)
+"""Valid-entry counts of the partial plans ``measure_copy_engine_by_entries`` times (with E)."""
+DECODE_PLAN_LENGTH = 8
+"""A batch-1 top-8 decode plan's length: ``ExpertPlan`` hands the copy ``plan.head(min(N,
+T*K))``, valid entries first; the partial plans are padded to it (to k when k is more)."""
+
+
+def entries_plans(num_experts: int, k: int, length: int,
+                  device: torch.device) -> list[LoadPlan]:
+    """Plans of ``length`` entries, the first ``k`` valid (k experts into slots 0..k-1), the
+    rest padding as ``Residency.plan`` leaves it (slots and experts -1, valid False). Plan r
+    copies experts r*k .. r*k+k-1 (mod E), so a loop over them reads every expert, never the
+    same k rows call after call (a device cache could keep those)."""
+    if not 1 <= k <= length <= num_experts:
+        raise ValueError(f"a plan of {length} entries, {k} valid, over {num_experts} experts is "
+                         f"invalid: need 1 <= valid <= length <= {num_experts}")
+    pos = torch.arange(length)
+    valid = pos < k
+    slots = torch.where(valid, pos, -1).to(device)
+    return [LoadPlan(slots, torch.where(valid, (r * k + pos) % num_experts, -1).to(device),
+                     valid.to(device)) for r in range(-(-num_experts // k))]
+
+
+def measure_copy_engine(store: HostStore, device: torch.device, min_seconds: float = 0.3,
+                        entries: int | None = None) -> tuple[float, str]:
     """(bytes per second, its name) of the provider's copy engine (``select_copy``: on CUDA a
-    gather kernel reading the pinned store over UVA, on CPU the C memcpy kernel) on a full plan:
-    experts 0..E-1 into slots 0..E-1, one untimed call first (a kernel's first compile)."""
+    gather kernel reading the pinned store over UVA, on CPU the C memcpy kernel), one untimed
+    call first (a kernel's first compile). ``entries`` None (or E): the full plan, experts
+    0..E-1 into slots 0..E-1; k < E: plans of max(k, min(E, ``DECODE_PLAN_LENGTH``)) entries,
+    the first k valid (``entries_plans``). Bytes per second = the valid entries' bytes / seconds;
+    the device is synchronised after each pass over the plans (ceil(E / k) calls)."""
     n = store.num_experts
-    slots = allocate_slots(store, n, device)
-    ids = torch.arange(n, device=device)
-    plan = LoadPlan(slots=ids, experts=ids.clone(),
-                    valid=torch.ones(n, dtype=torch.bool, device=device))
+    k = n if entries is None else entries
+    plans = entries_plans(n, k, max(k, min(n, DECODE_PLAN_LENGTH)), device)
+    slots = allocate_slots(store, len(plans[0].valid), device)
     engine, sync = select_copy(store, device), device_sync(device)
     fn = getattr(engine, "fn", None)
     name = type(engine).__name__ + (f"({fn.__name__})" if fn is not None else "")
-    engine(slots, plan)
+    engine(slots, plans[0])
     sync()
     calls, start = 0, time.perf_counter()
     while True:
-        engine(slots, plan)
-        calls += 1
+        for plan in plans:
+            engine(slots, plan)
+        calls += len(plans)
         sync()
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
-            return calls * n * store.bytes_per_expert / elapsed, name
+            return calls * k * store.bytes_per_expert / elapsed, name
+
+
+def measure_copy_engine_by_entries(store: HostStore, device: torch.device,
+                                   min_seconds: float = 0.1) -> dict[str, float]:
+    """Per valid-entry count k ("1", "2", "4", "8" up to E, and "E"): bytes per second of the
+    copy engine on plans of k valid entries (``measure_copy_engine(entries=k)``). Whether a
+    plan with one miss copies at the link's speed (a GPU gather's grid has min(n, 8) rows of
+    blocks, each walking every 8th entry: one valid entry keeps one row busy)."""
+    n = store.num_experts
+    counts = sorted({k for k in ENGINE_ENTRIES if k <= n} | {n})
+    return {str(k): measure_copy_engine(store, device, min_seconds, k)[0] for k in counts}
 
 
 def add_bounds(rows: list[dict], bandwidth: float) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from prefetch_audit import brute_wanted
+from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
 from vllm.model_executor.layers.fused_moe.expert_cache.trace import (RoutingTrace, interleave,
                                                                      save_trace, step_masks)
 
@@ -126,8 +128,10 @@ def test_cli_prints_one_json_object(result, tmp_path, capsys):
     assert out == json.loads(out_file.read_text())
     assert {"trace", "sequences", "tokens", "layers", "device", "shape", "policy",
             "bandwidth_gbps", "bandwidth_what", "copy_engine_gbps", "copy_engine",
-            "prefetch_predictor", "rows"} <= set(out)
+            "copy_engine_gbps_by_entries", "prefetch_predictor", "rows"} <= set(out)
     assert "partial" not in out and out["copy_engine_gbps"] > 0
+    by_entries = out["copy_engine_gbps_by_entries"]
+    assert list(by_entries) == ["1", "2", "4", "8"] and all(v > 0 for v in by_entries.values())
     assert [r["design"] for r in out["rows"]] == ["resident", "ours"]
     row = out["rows"][1]
     assert {"design", "capacity", "batch", "status", "tokens", "seconds", "tok_s", "hit_rate",
@@ -223,6 +227,58 @@ def test_copy_engine_times_a_full_plan(result, monkeypatch):
     assert len(calls) >= 2                                  # an untimed call, then timed ones
     assert plan.experts.tolist() == plan.slots.tolist() == list(range(E)) and plan.valid.all()
     assert all(torch.equal(slots[n], t) for n, t in setup.store.tensors.items())
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_copy_engine_on_a_plan_of_k_entries(result, monkeypatch, k):
+    """measure_copy_engine(entries=k): plans of max(k, min(E, 8)) entries, the first k valid
+    (padding -1), each call copying exactly k experts into slots 0..k-1 (the other slots stay
+    zero) and the next k experts each call; bytes per second counts k experts per call (a fake
+    clock: 1 s per reading)."""
+    setup = bench.Setup(bench.prepare_trace(result[0])[0], "tiny", torch.float32, "cpu", 1)
+    store, real, calls = setup.store, offload_bounds.select_copy, []
+
+    def spy(store, device):
+        engine = real(store, device)
+        return lambda slots, plan: (engine(slots, plan), calls.append(
+            ({n: t.clone() for n, t in slots.items()}, plan)))       # the slots after the call
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr(offload_bounds, "select_copy", spy)
+    monkeypatch.setattr(offload_bounds, "time", SimpleNamespace(
+        perf_counter=lambda: float(next(clock))))
+    gbps, _ = offload_bounds.measure_copy_engine(store, setup.device, 0.5, entries=k)
+    per_pass = -(-E // k)                                   # plans r*k .. r*k+k-1 (mod E)
+    assert len(calls) == 1 + per_pass                       # an untimed call, then one pass
+    assert gbps == (len(calls) - 1) * k * store.bytes_per_expert      # elapsed = 1 "second"
+    seen = []
+    for slots, plan in calls:
+        assert plan.valid.tolist() == [i < k for i in range(8)]
+        assert plan.slots.tolist() == list(range(k)) + [-1] * (8 - k)
+        assert plan.experts[k:].tolist() == [-1] * (8 - k)
+        seen += plan.experts[:k].tolist()
+        for name, src in store.tensors.items():
+            assert torch.equal(slots[name][:k], src[plan.experts[:k]])    # exactly k copied
+            assert not slots[name][k:].any()
+    assert set(seen) == set(range(E)) and len(set(seen[:k])) == k
+
+
+def test_copy_engine_by_entries_times_1_2_4_8_and_e(result, monkeypatch):
+    """One measurement per valid-entry count, 1, 2, 4, 8 up to E and E itself, keyed by the
+    count (E=8 here; a 6-expert store: 1, 2, 4, 6); a plan without a valid entry is refused."""
+    setup = bench.Setup(bench.prepare_trace(result[0])[0], "tiny", torch.float32, "cpu", 1)
+    entries = []
+    real = offload_bounds.measure_copy_engine
+    monkeypatch.setattr(offload_bounds, "measure_copy_engine", lambda s, d, t, k: (
+        entries.append((k, t)), real(s, d, t, k))[1])
+    got = offload_bounds.measure_copy_engine_by_entries(setup.store, setup.device, 0.01)
+    assert list(got) == ["1", "2", "4", "8"] and all(v > 0 for v in got.values())
+    assert entries == [(1, 0.01), (2, 0.01), (4, 0.01), (8, 0.01)]
+    six = HostStore.from_experts({"w": torch.arange(6 * 4.0).reshape(6, 4)}, dict, None)
+    entries.clear()
+    assert list(offload_bounds.measure_copy_engine_by_entries(six, setup.device, 0.01)) == [
+        "1", "2", "4", "6"] and [k for k, _ in entries] == [1, 2, 4, 6]
+    with pytest.raises(ValueError, match="invalid"):
+        offload_bounds.entries_plans(E, 0, 8, setup.device)
 
 
 def test_out_is_rewritten_after_every_row(result, tmp_path, monkeypatch):
