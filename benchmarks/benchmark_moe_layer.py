@@ -1,14 +1,18 @@
 """Per-layer cost of the expert cache's bookkeeping: cached FusedMoE vs uncached, same run.
 
     python benchmarks/benchmark_moe_layer.py [--num-experts 8 --top-k 2 --hidden 32 --inter 16]
-        [--slots N (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32]
+        [--slots N [N ...] (default E-1)] [--tokens 1 32] [--iters 200] [--dtype float32]
         [--device cpu|cuda] [--graphs] [--profile-iters K] [--json] [--out FILE.json]
 
-Two routings per token count:
-  * "all-hits": the router never picks the last expert, so with N = E-1 slots every access after
-    warm-up is a hit: cached - uncached = pure bookkeeping (needed mask, split_waves, plan, remap,
-    masked copy of zero misses).
-  * "random": softmax over random logits, so misses (and copies) happen too.
+One cached layer per slot count N of ``--slots`` (each in [1, E-1]) beside one uncached layer;
+a row per (N, token count, routing), two routings:
+  * "all-hits": the router picks only among the first N experts (logits[:, N:] = -inf), so
+    every access after warm-up is a hit at any N: cached - uncached = pure bookkeeping (needed
+    mask, split_waves, plan, remap, the copy launch with zero misses). Comparing N (e.g. 16 and
+    63 of 64) says whether that cost depends on the slot count. Needs top_k <= N: below that
+    the all-hits row is skipped (a note on stderr).
+  * "random": softmax over random logits over all E experts, so misses (and copies) happen too.
+Every N sees the same inputs per (token count, routing) (the all-hits logits masked per N).
 Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up (on CUDA
 each forward is timed to a device synchronisation). By default these are eager forwards: on CPU
 the cached layer's residency step is one C call per wave, but Python still runs around it;
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from functools import partial
 from typing import Callable
@@ -117,12 +122,20 @@ def kernels_per_forward(forward: Callable[[], None], iters: int, on_cuda: bool) 
     return summarize(prof.key_averages(), iters, 1.0)["kernels"]
 
 
-def make_inputs(args, T: int, routing: str, dtype: torch.dtype, g: torch.Generator):
+ROUTINGS = ("all-hits", "random")
+
+
+def make_inputs(args, T: int, routing: str, slots: int,
+                dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``--iters`` (x [T, H], logits [T, E]) on the device, the same for every slot count at
+    one (T, routing) (a generator seeded by them); "all-hits" routes among the first ``slots``
+    experts only (logits[:, slots:] = -inf)."""
+    g = torch.Generator().manual_seed(2 * T + ROUTINGS.index(routing))
     out = []
     for _ in range(args.iters):
         logits = torch.randn(T, args.num_experts, generator=g)
         if routing == "all-hits":
-            logits[:, -1] = float("-inf")
+            logits[:, slots:] = float("-inf")
         out.append((torch.randn(T, args.hidden, generator=g).to(dtype).to(args.device),
                     logits.to(args.device)))
     return out
@@ -164,7 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--inter", type=int, default=16)
-    p.add_argument("--slots", type=int, default=None, help="cache slots (default E-1)")
+    p.add_argument("--slots", type=int, nargs="+", default=None,
+                   help="cache slots, one cached layer per count, each in [1, E-1] (default E-1)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
@@ -179,39 +193,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.iters < 3:
         p.error(f"--iters {args.iters}: at least 3 (the median of the timed forwards)")
+    E = args.num_experts
+    args.slots = list(dict.fromkeys(args.slots or [E - 1]))        # in order, once each
+    for n in args.slots:
+        if not 1 <= n <= E - 1:
+            p.error(f"--slots {n} is invalid: each slot count must be in [1, {E - 1}] "
+                    f"(a cached layer holds fewer slots than its {E} experts)")
     return args
+
+
+def run_rows(args, ref: FusedMoE, cached: dict[int, FusedMoE],
+             dtype: torch.dtype) -> list[dict]:
+    """The rows, per (slot count, token count, routing); ``--out`` rewritten after each."""
+    rows = []
+    with torch.inference_mode():
+        for n, layer in cached.items():
+            routings = ROUTINGS
+            if args.top_k > n:
+                routings = tuple(r for r in ROUTINGS if r != "all-hits")
+                print(f"all-hits skipped at --slots {n}: top_k={args.top_k} > {n} slots (each "
+                      "token routes to top_k distinct experts, so some always miss)",
+                      file=sys.stderr)
+            for T in args.tokens:
+                for routing in routings:
+                    inputs = make_inputs(args, T, routing, n, dtype)
+                    rows.append(measure(args, ref, layer, T, routing, inputs))
+                    if args.out:                # after every row: a run cut short keeps them
+                        with open(args.out, "w") as f:
+                            json.dump(rows, f, indent=1)
+    return rows
+
+
+def print_rows(args, ref: FusedMoE, cached: dict[int, FusedMoE], rows: list[dict]) -> None:
+    step = next(iter(cached.values())).expert_cache.step.name
+    print(f"E={args.num_experts} top_k={args.top_k} H={args.hidden} I={args.inter} "
+          f"N={','.join(map(str, cached))} dtype={args.dtype} iters={args.iters} "
+          f"device={args.device} backend={ref.quant_method.backend_name} "
+          f"residency step={step} graphs={args.graphs}")
+    print(f"{'N':>4} {'T':>5} {'routing':>9} {'uncached ms':>12} {'cached ms':>10} "
+          f"{'overhead ms':>12} {'hit rate':>9} {'waves':>6}")
+    for r in rows:
+        print(f"{r['slots']:>4} {r['tokens']:>5} {r['routing']:>9} {r['uncached_ms']:>12.4f} "
+              f"{r['cached_ms']:>10.4f} {r['overhead_ms']:>12.4f} {r['hit_rate']:>9.3f} "
+              f"{r['waves_per_forward']:>6.2f}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    n = args.slots if args.slots is not None else args.num_experts - 1
     dtype = _DTYPES[args.dtype]
     g = torch.Generator().manual_seed(0)
     E, H, I = args.num_experts, args.hidden, args.inter
     w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(dtype)
     w2 = (torch.randn(E, H, I, generator=g) * 0.1).to(dtype)
     torch.set_num_threads(1)  # steadier numbers on a shared machine
-    ref, cached = build(args, 0, w13, w2), build(args, n, w13, w2)
-    rows = []
-    with torch.inference_mode():
-        for T in args.tokens:
-            for routing in ("all-hits", "random"):
-                inputs = make_inputs(args, T, routing, dtype, g)
-                rows.append(measure(args, ref, cached, T, routing, inputs))
-                if args.out:                    # after every row: a run cut short keeps them
-                    with open(args.out, "w") as f:
-                        json.dump(rows, f, indent=1)
+    ref = build(args, 0, w13, w2)
+    cached = {n: build(args, n, w13, w2) for n in args.slots}
+    rows = run_rows(args, ref, cached, dtype)
     if args.json:
         print(json.dumps(rows, indent=1))
-        return rows
-    print(f"E={E} top_k={args.top_k} H={H} I={I} N={n} dtype={args.dtype} iters={args.iters} "
-          f"device={args.device} backend={ref.quant_method.backend_name} "
-          f"residency step={cached.expert_cache.step.name} graphs={args.graphs}")
-    print(f"{'T':>5} {'routing':>9} {'uncached ms':>12} {'cached ms':>10} {'overhead ms':>12} "
-          f"{'hit rate':>9} {'waves':>6}")
-    for r in rows:
-        print(f"{r['tokens']:>5} {r['routing']:>9} {r['uncached_ms']:>12.4f} {r['cached_ms']:>10.4f} "
-              f"{r['overhead_ms']:>12.4f} {r['hit_rate']:>9.3f} {r['waves_per_forward']:>6.2f}")
+    else:
+        print_rows(args, ref, cached, rows)
     return rows
 
 

@@ -126,11 +126,13 @@ DECODE=(python3 benchmarks/benchmark_decode.py --random-model probe-4.8g --dtype
 # One --work for every quant step: the bf16 and quantized checkpoints are built once.
 QUANT=(python3 benchmarks/benchmark_quantization.py --speed --speed-reps 3 --json
        --work /tmp/quant-work)
-# One probe-shaped MoE layer replayed from its CUDA graph, cached (63 of 64 slots, expert 63
-# never routed) and not: the cache's device cost per layer, and its kernels by time.
+# One probe-shaped MoE layer replayed from its CUDA graph, uncached and cached at 16 and at 63
+# of 64 slots, its all-hits rows routed among the first N experts only: is the cache's device
+# cost per layer N-dependent (all hits at both counts, so no copy moves a byte), beside the
+# random rows' misses; and its kernels by time.
 MOE_LAYER=(python3 benchmarks/benchmark_moe_layer.py --num-experts 64 --top-k 8 --hidden 2048
-           --inter 768 --tokens 1 32 --iters 50 --dtype bfloat16 --device cuda --graphs
-           --profile-iters 5 --json)
+           --inter 768 --slots 16 63 --tokens 1 32 --iters 50 --dtype bfloat16 --device cuda
+           --graphs --profile-iters 5 --json)
 OFFLOAD=(python3 benchmarks/benchmark_expert_offload.py --trace .traces/deepseek-v2-lite.npz
          --shape dsv2-lite --dtype bfloat16 --device cuda --json)
 
@@ -164,7 +166,7 @@ first)
     step 150 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 16 63 \
         --output-len 32 --profile-steps 4 --profile-trace-dir "$LOGS/traces" \
         --out "$OUT/decode-graphs.json"
-    step 45 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
+    step 60 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
     quant_steps 70 50
     # ours+cpu: misses computed by the machine's 16 cores where cheaper than a copy (--threads).
     offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 \
