@@ -14,7 +14,18 @@ handful of vector operations over [E] and [N] plus an [N, N] comparison that ran
 with ``debug_barrier`` between the phases that read what an earlier phase stored; lrfu_next
 (policy 4) adds loops over [ROWS_E, E] tiles of its weight [E, E] (masked to the rows of the
 wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). No host read:
-the wave's shapes are fixed, so the launch can be captured in a CUDA graph. Differences from
+the wave's shapes are fixed, so the launch can be captured in a CUDA graph.
+
+Latency: a program this small is a chain of dependent memory round trips (each an L2 latency
+or more), and a cached layer runs one per wave on every decode step, so the all-hits path
+keeps that chain short. State that nothing in the launch writes before reading it (the
+residency before placement, the policy state with its decay factor, lrfu_next's bias and
+prev, the counters) is loaded before the phases that need it; wave 0 hands its waves over in
+registers; a load waits only on what its address needs (a pair's slot and its wave both on
+the pair's id; lrfu_next's weight tiles, for E <= SMALL_E, on nothing: loaded unrolled, with
+the rows' selection applied in registers). lrfu_next runs on 8 warps (its float64 tiles; on 4,
+63 slots took 255 registers and spilled under Triton 3.6), the others on 4. Not yet timed on
+a GPU. Differences from
 the C kernel: a valid pair with an id >= E routes nowhere (a launch cannot raise; the router
 never produces one), and its only scratch is the victim ranking's [BLOCK_N] keys, allocated
 per call (from the graph's pool inside a capture).
@@ -22,15 +33,18 @@ per call (from the graph's pool inside a capture).
 Floating point: keep scores are float64 computed in the reference's operation order; the launch
 passes ``enable_fp_fusion=False`` so ``crf * p * w1 + r * w0`` is not contracted into an FMA,
 and float64 division lowers to IEEE round-to-nearest ``div.rn.f64`` (as torch's); lrfu_next's
-``torch.round`` is ``(x + 2**52) - 2**52`` (libdevice's rint has no interpreter version), its
-sums are of integers (exact in any order). The ``gpu`` test checks those bits against the
-reference on CUDA (run on an H100, 2026-11-26: passed for every policy).
+predictor and learning step (``lrfu_next.py``) round as ``torch.round`` does with
+``(x + 2**52) - 2**52`` (libdevice's rint has no interpreter version), and its sums are of
+integers (exact in any order). The ``gpu`` test checks those bits against the reference on
+CUDA (run on an H100, 2026-11-26, before the latency changes: passed for every policy).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm.kernels.triton.lrfu_next import _learn_next, _predict
 
 # Counter indices (residency.py's counters) and the padding-row slot, as constexprs: a @triton.jit
 # function may read only constexpr globals.
@@ -42,8 +56,7 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 BLOCK_P = 256       # pairs per chunk of the loops over topk_ids
 ROW_BLOCK = 32      # victim rows ranked per [ROW_BLOCK, BLOCK_N] comparison
 WEIGHT_TILE = 2048  # lrfu_next: elements of one [ROWS_E, cols] tile of its weight loops
-# lrfu_next's constants (policy.py _FIX_ONE, _FIX_MAX) and 2**52 (rounding to an integer).
-FIX_ONE, FIX_MAX, TWO_52 = (tl.constexpr(float(2 ** k)) for k in (32, 40, 52))
+SMALL_E = 64        # up to this many experts, lrfu_next's weight tiles load unrolled
 
 
 @triton.jit
@@ -59,19 +72,23 @@ def _pair_ids(ids_ptr, rows_ptr, p, P, K, E, HAS_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe_ptr, woe_ptr, cnt_ptr,
+def _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe, woe_ptr, cnt_ptr,
                   HAS_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Wave 0: wave_of_expert[e] = rank / N for needed e (resident first, then by id), else -1."""
+    """Wave 0: wave_of_expert[e] = rank / N for needed e (resident first, then by id), else -1;
+    returns those values [BLOCK_E]. ``soe``: slot_of_expert [BLOCK_E] (-1 past E)."""
     e = tl.arange(0, BLOCK_E)
     in_e = e < E
+    # The first chunk's ids are loaded before the first store: their latency overlaps it.
+    ids, valid = _pair_ids(ids_ptr, rows_ptr, tl.arange(0, BLOCK_P), P, K, E, HAS_ROWS)
     tl.store(woe_ptr + e, tl.full([BLOCK_E], -1, tl.int64), mask=in_e)
     tl.debug_barrier()
-    for start in range(0, P, BLOCK_P):
+    tl.store(woe_ptr + ids, tl.zeros([BLOCK_P], tl.int64), mask=valid)
+    for start in range(BLOCK_P, P, BLOCK_P):
         ids, valid = _pair_ids(ids_ptr, rows_ptr, start + tl.arange(0, BLOCK_P), P, K, E, HAS_ROWS)
         tl.store(woe_ptr + ids, tl.zeros([BLOCK_P], tl.int64), mask=valid)
     tl.debug_barrier()
     needed = in_e & (tl.load(woe_ptr + e, mask=in_e, other=-1) == 0)
-    resident = tl.load(soe_ptr + e, mask=in_e, other=-1) >= 0
+    resident = soe >= 0
     need_res = (needed & resident).to(tl.int32)
     need_miss = (needed & ~resident).to(tl.int32)
     n_res = tl.sum(need_res, axis=0)
@@ -83,9 +100,11 @@ def _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe_ptr, woe_ptr, cnt_ptr,
     # warp could read the new ranks as "needed" flags (harmless only while its copies stay
     # masked; the barrier makes it not depend on that).
     tl.debug_barrier()
-    tl.store(woe_ptr + e, tl.where(needed, rank // N, -1), mask=in_e)
+    woe = tl.where(needed, rank // N, -1)
+    tl.store(woe_ptr + e, woe, mask=in_e)
     tl.store(cnt_ptr + STEP_WAVES, (n_needed + N - 1) // N)
     tl.debug_barrier()
+    return woe
 
 
 @triton.jit
@@ -109,33 +128,20 @@ def _keep_score(x, clock, freq_ptr, last_ptr, crf_ptr, par_ptr, pow_ptr, D, mask
 
 
 @triton.jit
-def _predict(cols, mask, sel_ptr, sel, E, wt_ptr, b_ptr, ROWS_E: tl.constexpr):
-    """lrfu_next's p[cols] (float64, same shape) given the rows i < E with sel_ptr[i] == sel
-    (the wave: wave_of_expert == w; or prev == 1): (bias + sum of weight[i, cols]) / 2**32.
-    The terms are integers and the sum stays below 2**53 (policy.py _FIX_MAX), so summing by
-    [ROWS_E, cols] tiles gives torch's bits."""
-    acc = tl.zeros_like(cols).to(tl.float64)
-    for r0 in range(0, E, ROWS_E):
-        i = r0 + tl.arange(0, ROWS_E)
-        rows = (i < E) & (tl.load(sel_ptr + i, mask=i < E, other=0) == sel)
-        tile = tl.load(wt_ptr + i[:, None] * E + cols[None, :],
-                       mask=rows[:, None] & mask[None, :], other=0.0)
-        acc += tl.sum(tile, axis=0)
-    return (tl.load(b_ptr + cols, mask=mask, other=0.0) + acc) / FIX_ONE
-
-
-@triton.jit
-def _victim_keys(s, inb, w, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
-                 b_ptr, par_ptr, pow_ptr, D, POLICY: tl.constexpr, ROWS_E: tl.constexpr):
+def _victim_keys(s, inb, active, w, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr,
+                 wt_ptr, b_ptr, par_ptr, pow_ptr, D, POLICY: tl.constexpr,
+                 SMALL_E: tl.constexpr, BLOCK_E: tl.constexpr, ROWS_E: tl.constexpr):
     """(victim, score, expert) of slots s where ``inb``: victims hold an expert that is not in
-    wave w."""
+    wave w. ``active`` False (a wave without a miss; ``inb`` is then all off): no loads."""
     held = tl.load(eos_ptr + s, mask=inb, other=-1)
     victim = inb & (held >= 0)
     victim = victim & (tl.load(woe_ptr + held, mask=victim, other=-1) != w)
     score = _keep_score(held, clock, freq_ptr, last_ptr, crf_ptr, par_ptr, pow_ptr, D, victim,
                         POLICY)
     if POLICY == 4:     # lrfu_next: lrfu's score + p(held | the wave) * next_weight
-        p = _predict(held, victim, woe_ptr, w, E, wt_ptr, b_ptr, ROWS_E)
+        bias = tl.load(b_ptr + held, mask=victim, other=0.0)
+        p = _predict(held, victim, active, woe_ptr, w, E, wt_ptr, bias, SMALL_E, BLOCK_E,
+                     ROWS_E)
         score = score + p * tl.load(par_ptr + 2)
     return victim, score, held
 
@@ -143,15 +149,16 @@ def _victim_keys(s, inb, w, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_
 @triton.jit
 def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
                 par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr,
-                BLOCK_N: tl.constexpr, ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
+                SMALL_E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+                ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
     """plan_slots[:M]: the empty slots in slot order, then victims by (score, expert id). The
     keys are computed once (lrfu_next's cost a pass over its [E, E] weight) and each row block
     of the ranking reads them back from the scratch ks [BLOCK_N] (score) and kx [BLOCK_N] (the
     victim's expert, -1 for a slot that is no victim): the same bits. A wave without a miss
-    (M == 0) masks every slot's loads off (``s < N`` only where M > 0): no slot is empty or a
-    victim for it, so the loads chained behind them (the held expert's wave, its policy state,
-    lrfu_next's weight rows) never go to memory. Masks, not a branch: under Triton 3.6 an
-    ``if M > 0`` around this made the lrfu and lrfu_next variants spill."""
+    (M == 0) masks every load here off (``s < N`` only where M > 0): no slot is empty or a
+    victim for it, so nothing chained behind them (the held expert's wave, its policy state,
+    lrfu_next's weight rows, the ranking's keys) goes to memory. Masks, not a branch: under
+    Triton 3.6 an ``if M > 0`` around this made the lrfu and lrfu_next variants spill."""
     s = tl.arange(0, BLOCK_N)
     slot = tl.where(M > 0, s < N, False)     # not `& (M > 0)`: the interpreter makes int32
     empty = slot & (tl.load(eos_ptr + s, mask=slot, other=0) < 0)
@@ -160,17 +167,18 @@ def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr
     tl.store(ps_ptr + empty_rank, s.to(tl.int64), mask=empty & (empty_rank < M))
     tl.store(ps_ptr + s, tl.full([BLOCK_N], -1, tl.int64), mask=(s >= M) & (s < N))
     n_evict = M - tl.minimum(n_empty, M)
-    cv, cscore, cexp = _victim_keys(s, slot, w, E, eos_ptr, woe_ptr, clock, freq_ptr,
+    cv, cscore, cexp = _victim_keys(s, slot, M > 0, w, E, eos_ptr, woe_ptr, clock, freq_ptr,
                                     last_ptr, crf_ptr, wt_ptr, b_ptr, par_ptr, pow_ptr, D,
-                                    POLICY, ROWS_E)
+                                    POLICY, SMALL_E, BLOCK_E, ROWS_E)
     tl.store(ks_ptr + s, cscore)
     tl.store(kx_ptr + s, tl.where(cv, cexp, -1))
     tl.debug_barrier()
     for r0 in tl.static_range(0, BLOCK_N, ROW_BLOCK):
         r = r0 + tl.arange(0, ROW_BLOCK)
-        rexp = tl.load(kx_ptr + r)
+        live = tl.where(M > 0, r < BLOCK_N, False)
+        rexp = tl.load(kx_ptr + r, mask=live, other=-1)
         rv = rexp >= 0
-        rscore = tl.load(ks_ptr + r)
+        rscore = tl.load(ks_ptr + r, mask=live, other=0.0)
         before = (cscore[None, :] < rscore[:, None]) | (
             (cscore[None, :] == rscore[:, None]) & (cexp[None, :] < rexp[:, None]))
         vrank = tl.sum((before & cv[None, :]).to(tl.int64), axis=1)       # [ROW_BLOCK]
@@ -178,63 +186,37 @@ def _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr
 
 
 @triton.jit
-def _update_policy(e, in_wave, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D,
-                   POLICY: tl.constexpr):
-    """The policy's on_access for the wave's experts, at the pre-step clock."""
+def _load_policy(e, in_e, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY: tl.constexpr):
+    """Every expert's (freq, crf * decay_pow[clock - last_use]) [BLOCK_E] (zeros for what the
+    policy does not keep), loaded at the start of the launch: only ``_update_policy``, at its
+    end, writes that state."""
+    freq = tl.zeros_like(e).to(tl.int64)
+    decayed = tl.zeros_like(e).to(tl.float64)
     if POLICY == 1 or POLICY == 2:
-        freq = tl.load(freq_ptr + e, mask=in_wave, other=0)
+        freq = tl.load(freq_ptr + e, mask=in_e, other=0)
+    if POLICY == 3 or POLICY == 4:
+        dt = clock - tl.load(last_ptr + e, mask=in_e, other=0)
+        # dt >= 0 (last_use <= clock); the floor only keeps a read in bounds.
+        p = tl.load(pow_ptr + tl.maximum(tl.minimum(dt, D - 1), 0), mask=in_e, other=0.0)
+        decayed = tl.load(crf_ptr + e, mask=in_e, other=0.0) * p
+    return freq, decayed
+
+
+@triton.jit
+def _update_policy(e, in_wave, clock, freq, decayed, freq_ptr, last_ptr, crf_ptr,
+                   POLICY: tl.constexpr):
+    """The policy's on_access for the wave's experts, at the pre-step clock (``freq`` and
+    ``decayed`` from ``_load_policy``)."""
+    if POLICY == 1 or POLICY == 2:
         tl.store(freq_ptr + e, freq + 1, mask=in_wave)
     if POLICY == 3 or POLICY == 4:
-        dt = clock - tl.load(last_ptr + e, mask=in_wave, other=0)
-        p = tl.load(pow_ptr + tl.minimum(dt, D - 1), mask=in_wave, other=0.0)
-        decayed = tl.load(crf_ptr + e, mask=in_wave, other=0.0) * p
         tl.store(crf_ptr + e, decayed + 1.0, mask=in_wave)
     if POLICY != 1:
         tl.store(last_ptr + e, tl.zeros_like(e).to(tl.int64) + clock, mask=in_wave)
 
 
 @triton.jit
-def _round_half_even(x):
-    """torch.round of float64 x with |x| < 2**52 (lrfu_next's |x| < 2**41): adding 2**52 leaves
-    no fraction bits, so IEEE addition rounds to an integer, half to even; a zero keeps the sign
-    of x, as torch's does."""
-    r = tl.where(x >= 0, (x + TWO_52) - TWO_52, (x - TWO_52) + TWO_52)
-    return tl.where(r == 0.0, x * 0.0, r)
-
-
-@triton.jit
-def _clamp_fix(x):
-    return tl.minimum(tl.maximum(x, -FIX_MAX), FIX_MAX)
-
-
-@triton.jit
-def _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_E: tl.constexpr):
-    """lrfu_next's learning step (policy.py on_access) when the wave in_wave [BLOCK_E] is not
-    empty: delta = round(((in_wave - p(. | prev)) * lr) / (|prev| + 1) * 2**32); bias and the
-    rows of prev += delta, clamped to +-2**40; prev = in_wave."""
-    in_e = e < E
-    p = _predict(e, in_e, prev_ptr, 1, E, wt_ptr, b_ptr, ROWS_E)
-    n_prev = tl.sum((tl.load(prev_ptr + e, mask=in_e, other=0) != 0).to(tl.int64), axis=0)
-    err = in_wave.to(tl.float64) - p
-    delta = _round_half_even(err * tl.load(par_ptr + 3) / (n_prev.to(tl.float64) + 1.0) * FIX_ONE)
-    bias = tl.load(b_ptr + e, mask=in_e, other=0.0)
-    tl.debug_barrier()              # every read of weight and prev above precedes the writes
-    learn = tl.where(any_used, in_e, False)   # not `& any_used`: the interpreter makes that int32
-    tl.store(b_ptr + e, _clamp_fix(bias + delta), mask=learn)
-    for r0 in range(0, E, ROWS_E):
-        i = r0 + tl.arange(0, ROWS_E)
-        rows = tl.where(any_used, (i < E) & (tl.load(prev_ptr + i, mask=i < E, other=0) != 0),
-                        False)
-        ptrs = wt_ptr + i[:, None] * E + e[None, :]                      # [ROWS_E, BLOCK_E]
-        m = rows[:, None] & in_e[None, :]
-        tl.store(ptrs, _clamp_fix(tl.load(ptrs, mask=m, other=0.0) + delta[None, :]), mask=m)
-    tl.debug_barrier()              # the loop above read prev
-    tl.store(prev_ptr + e, in_wave.to(tl.uint8), mask=learn)
-
-
-@triton.jit
-def _bump(cnt_ptr, idx, value, any_used):
-    old = tl.load(cnt_ptr + idx)
+def _bump(cnt_ptr, idx, old, value, any_used):
     tl.store(cnt_ptr + idx, tl.where(any_used, old + value, old))
 
 
@@ -243,25 +225,43 @@ def _residency_step_kernel(
         ids_ptr, rows_ptr, P, K, E, N, w, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
         freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
         pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
-        FIRST_WAVE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_P: tl.constexpr, ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
-    if FIRST_WAVE:
-        _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe_ptr, woe_ptr, cnt_ptr, HAS_ROWS,
-                      BLOCK_E, BLOCK_P)
+        FIRST_WAVE: tl.constexpr, SMALL_E: tl.constexpr, BLOCK_E: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, ROW_BLOCK: tl.constexpr,
+        ROWS_E: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
-    in_wave = (e < E) & (tl.load(woe_ptr + e, mask=e < E, other=-1) == w)
-    miss = in_wave & (tl.load(soe_ptr + e, mask=e < E, other=0) < 0)
+    in_e = e < E
+    # What nothing in this launch writes before reading it is loaded first, so each load's
+    # latency overlaps the phases before its use instead of adding a round trip: the
+    # residency before placement, the policy state, lrfu_next's bias and prev, the counters.
+    soe = tl.load(soe_ptr + e, mask=in_e, other=-1)
+    clock = tl.load(cnt_ptr + CLOCK)
+    freq, decayed = _load_policy(e, in_e, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
+    bias = tl.zeros_like(e).to(tl.float64)
+    prev = tl.zeros_like(e).to(tl.uint8)
+    if POLICY == 4:
+        bias = tl.load(b_ptr + e, mask=in_e, other=0.0)
+        prev = tl.load(prev_ptr + e, mask=in_e, other=0)
+    if FIRST_WAVE:
+        woe = _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe, woe_ptr, cnt_ptr, HAS_ROWS,
+                            BLOCK_E, BLOCK_P)
+    else:
+        woe = tl.load(woe_ptr + e, mask=in_e, other=-1)
+    in_wave = in_e & (woe == w)
+    miss = in_wave & (soe < 0)
     hits = tl.sum((in_wave & ~miss).to(tl.int64), axis=0)
     M = tl.sum(miss.to(tl.int64), axis=0)
-    clock = tl.load(cnt_ptr + CLOCK)
     miss_rank = tl.cumsum(miss.to(tl.int32), axis=0).to(tl.int64) - 1
     tl.store(pe_ptr + miss_rank, e.to(tl.int64), mask=miss)                # misses by id
     i = tl.arange(0, BLOCK_N)
     tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
     tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
     _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
-                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, BLOCK_N, ROW_BLOCK, ROWS_E)
+                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, SMALL_E, BLOCK_E, BLOCK_N,
+                ROW_BLOCK, ROWS_E)
     tl.debug_barrier()
+    old_hits, old_misses = tl.load(cnt_ptr + HITS), tl.load(cnt_ptr + MISSES)
+    old_evictions, old_waves = tl.load(cnt_ptr + EVICTIONS), tl.load(cnt_ptr + WAVES)
+    old_last_hits, old_last_misses = tl.load(cnt_ptr + LAST_HITS), tl.load(cnt_ptr + LAST_MISSES)
     live = i < M
     ps = tl.load(ps_ptr + i, mask=live, other=0)
     pe = tl.load(pe_ptr + i, mask=live, other=0)
@@ -271,24 +271,26 @@ def _residency_step_kernel(
     tl.debug_barrier()
     tl.store(eos_ptr + ps, pe, mask=live)
     tl.store(soe_ptr + pe, ps, mask=live)
-    _update_policy(e, in_wave, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
+    _update_policy(e, in_wave, clock, freq, decayed, freq_ptr, last_ptr, crf_ptr, POLICY)
     any_used = hits + M > 0
     if POLICY == 4:
-        _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, ROWS_E)
-    _bump(cnt_ptr, HITS, hits, any_used)
-    _bump(cnt_ptr, MISSES, M, any_used)
-    _bump(cnt_ptr, EVICTIONS, tl.sum(evicted.to(tl.int64), axis=0), any_used)
-    _bump(cnt_ptr, WAVES, 1, any_used)
-    _bump(cnt_ptr, CLOCK, 1, any_used)
-    tl.store(cnt_ptr + LAST_HITS, tl.where(any_used, hits, tl.load(cnt_ptr + LAST_HITS)))
-    tl.store(cnt_ptr + LAST_MISSES, tl.where(any_used, M, tl.load(cnt_ptr + LAST_MISSES)))
+        _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, bias, prev,
+                    SMALL_E, BLOCK_E, ROWS_E)
+    _bump(cnt_ptr, HITS, old_hits, hits, any_used)
+    _bump(cnt_ptr, MISSES, old_misses, M, any_used)
+    _bump(cnt_ptr, EVICTIONS, old_evictions, tl.sum(evicted.to(tl.int64), axis=0), any_used)
+    _bump(cnt_ptr, WAVES, old_waves, 1, any_used)
+    _bump(cnt_ptr, CLOCK, clock, 1, any_used)
+    tl.store(cnt_ptr + LAST_HITS, tl.where(any_used, hits, old_last_hits))
+    tl.store(cnt_ptr + LAST_MISSES, tl.where(any_used, M, old_last_misses))
     tl.debug_barrier()
     for start in range(0, P, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         ids, valid = _pair_ids(ids_ptr, rows_ptr, p, P, K, E, HAS_ROWS)
-        valid = valid & (tl.load(woe_ptr + ids, mask=valid, other=-1) == w)
+        # Both reads wait on the ids only (the slot is dropped where the wave differs).
+        wave = tl.load(woe_ptr + ids, mask=valid, other=-1)
         slot = tl.load(soe_ptr + ids, mask=valid, other=-1)
-        tl.store(sid_ptr + p, tl.where(valid, slot, -1), mask=p < P)
+        tl.store(sid_ptr + p, tl.where(valid & (wave == w), slot, -1), mask=p < P)
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str, device: torch.device) -> None:
@@ -340,9 +342,16 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
         slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use, crf, weight,
         bias, prev, params, decay_pow, decay_pow.numel(), plan_slots, plan_experts,
         plan_valid.view(torch.uint8), slot_ids, key_score, key_expert, POLICY=policy_code,
-        HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, BLOCK_E=block_e, BLOCK_N=block_n,
+        HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, SMALL_E=block_e <= SMALL_E,
+        BLOCK_E=block_e, BLOCK_N=block_n,
         BLOCK_P=BLOCK_P, ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e),
-        **LAUNCH_OPTIONS)
+        num_warps=num_warps(policy_code), **LAUNCH_OPTIONS)
+
+
+def num_warps(policy_code: int) -> int:
+    """lrfu_next's [ROWS_E, BLOCK_N] float64 weight tiles over 8 warps (64 slots of 64 experts
+    spilled over 4 under Triton 3.6); the other policies' [E] and [N] vectors over 4."""
+    return 8 if policy_code == 4 else 4
 
 
 def rows_e(block_e: int) -> int:
