@@ -53,6 +53,13 @@ def test_triton_step_equals_reference(triton_step, policy, E, K, N, num_steps):
     _run(triton_step, E, K, N, policy, num_steps, seed=E * 100 + N)
 
 
+@pytest.mark.parametrize("policy", ["lrfu", "lrfu_next"])
+def test_triton_step_equals_reference_with_padded_expert_lanes(triton_step, policy):
+    """E = 40 (64 lanes: lrfu_next's unrolled weight tiles of 32 rows, the second one
+    partly past E), N = 20 (a 32-lane slot block, partly past N)."""
+    _run(triton_step, 40, 6, 20, policy, 50, seed=40)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lrfu", "lrfu_next"])
 def test_triton_step_equals_reference_at_large_shapes(triton_step, policy):
     """E = 160 (padded to 256 lanes), N = 80 (more victims than one row block), prefill-sized
