@@ -66,11 +66,12 @@ def test_large_rows_span_many_blocks(ops):
     assert torch.equal(dst.cpu(), reference(src, torch.zeros_like(dst), experts, slots, valid))
 
 
-@pytest.mark.parametrize("pattern", ["scattered", "last only", "all"])
+@pytest.mark.parametrize("pattern", ["scattered", "last only", "all", "none"])
 def test_entries_past_the_grid_rows_are_copied(ops, pattern):
     """29 entries over the kernel's 8 rows of blocks (kEntryRows): each block walks entries y,
     y + 8, ...; valid ones anywhere, the last (row 4's fourth) included, with rows of several
-    64 KiB chunks and kUnroll-wide loads ending in a partial pass."""
+    64 KiB chunks and kUnroll-wide loads ending in a partial pass. A block whose entries are all
+    invalid leaves after reading their flags together; the others must still copy theirs."""
     g = torch.Generator().manual_seed(9)
     E, N, R = 40, 29, 2 * 65536 + 4096 + 48
     src = torch.randint(0, 255, (E, R), dtype=torch.uint8, generator=g).pin_memory()
@@ -78,7 +79,8 @@ def test_entries_past_the_grid_rows_are_copied(ops, pattern):
     experts = torch.randperm(E, generator=g)[:N].clone()
     slots = torch.randperm(N, generator=g)
     valid = {"scattered": torch.rand(N, generator=g) < 0.4,
-             "last only": torch.arange(N) == N - 1, "all": torch.ones(N, dtype=torch.bool)}[pattern]
+             "last only": torch.arange(N) == N - 1, "all": torch.ones(N, dtype=torch.bool),
+             "none": torch.zeros(N, dtype=torch.bool)}[pattern]
     experts[~valid] = -1
     experts, slots, valid = experts.cuda(), slots.cuda(), valid.cuda()
     ops.expert_gather(src, dst, experts, slots, valid)
