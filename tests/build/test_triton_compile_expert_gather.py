@@ -22,7 +22,7 @@ fn = m._expert_gather_kernel
 POINTERS = ("src_ptr", "dst_ptr", "experts_ptr", "slots_ptr", "valid_ptr")
 
 def compile_one(word, w_type, w_div16, cc):
-    consts = dict(BLOCK=m.BLOCK, ITERS=m.ITERS)
+    consts = dict(BLOCK=m.BLOCK, ITERS=m.ITERS, FLAGS=m.flags_per_row(63))
     types = {"src_ptr": "*" + word, "dst_ptr": "*" + word, "experts_ptr": "*i64",
              "slots_ptr": "*i64", "valid_ptr": "*u8", "n": "i32", "E": "i32", "N": "i32",
              "W": w_type}
@@ -79,7 +79,7 @@ values = dict(table_ptr="*i64", experts_ptr="*i64", slots_ptr="*i64", valid_ptr=
               N=16, T=18)
 for cc in (90, 120):
     for name, word in (("i64", tl.int64), ("u8", tl.uint8)):
-        consts = dict(WORD=word, BLOCK=g.BLOCK, ITERS=g.ITERS)
+        consts = dict(WORD=word, BLOCK=g.BLOCK, ITERS=g.ITERS, FLAGS=g.flags_per_row(63))
         out[f"{cc}/{name}"] = compile_like_jit(m._expert_gather_many_kernel, values, consts, cc,
                                                g.LAUNCH_OPTIONS)
 """

@@ -18,7 +18,8 @@ The contract is ``UvaCopyKernel``'s (``expert_cache/copy.py``), the same as the 
     launcher; triton-lang/triton#1197), so there is no staging copy.
   * No host read of the plan and a grid fixed by the shapes (min(n, ``ENTRY_ROWS``) x row
     chunks, each program looping over its entries), so a launch can be captured in a CUDA graph
-    and replayed with new plan contents. Invalid entries cost one byte load, without reading
+    and replayed with new plan contents. Invalid entries cost one byte load (a program reads
+    its row's flags together first, and stops there when none is valid), without reading
     their (garbage, possibly -1) expert or slot ids, let alone a row.
   * Out-of-range ids (expert outside [0, E) or slot outside [0, N)) on a valid entry are
     SKIPPED: a kernel cannot raise, and reading or writing out of bounds is worse. The CUDA
@@ -46,6 +47,14 @@ ENTRY_ROWS = 8
 """The grid's rows of plan entries: program (c, y) copies chunk c of entries y, y + 8, ...; a
 step that hits everywhere launches min(n, 8) rows of programs that read their flags and exit,
 not n (csrc/moe/expert_gather.cu has the arithmetic)."""
+
+
+_ROWS = tl.constexpr(ENTRY_ROWS)
+
+
+def flags_per_row(n: int) -> int:
+    """FLAGS of a launch over n entries: a power of two >= the entries of one row."""
+    return triton.next_power_of_2(triton.cdiv(n, min(n, ENTRY_ROWS)))
 NUM_WARPS = 4
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 """Compile options of every launch (no floating point here: enable_fp_fusion is set only so
@@ -56,10 +65,23 @@ WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 @triton.jit
 def _gather_chunk(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N,
-                  BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                  BLOCK: tl.constexpr, ITERS: tl.constexpr, FLAGS: tl.constexpr):
     """This program's row of plan entries, i = program_id(1), + num_programs(1), ...: for each
     valid one in range, words [start, start + BLOCK * ITERS) of row experts[i] of src [E, W]
-    into row slots[i] of dst [N, W] (both kernels' entry walk)."""
+    into row slots[i] of dst [N, W] (both kernels' entry walk). The row's FLAGS flags are read
+    together first: with none valid (a step that hits everywhere) the program stops there,
+    instead of after one dependent load per entry."""
+    # [FLAGS] this row's entries (and some past n): rows are ENTRY_ROWS apart whenever a row
+    # has more than one entry (n >= ENTRY_ROWS; else FLAGS is 1).
+    f = tl.program_id(1) + _ROWS * tl.arange(0, FLAGS)
+    if tl.max(tl.load(valid_ptr + f, mask=f < n, other=0), axis=0) != 0:
+        _walk_entries(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N,
+                      BLOCK, ITERS)
+
+
+@triton.jit
+def _walk_entries(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N,
+                  BLOCK: tl.constexpr, ITERS: tl.constexpr):
     for i in range(tl.program_id(1), n, tl.num_programs(1)):
         if tl.load(valid_ptr + i) != 0:
             e = tl.load(experts_ptr + i)                  # int64: e * W is an int64 offset
@@ -75,13 +97,13 @@ def _gather_chunk(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr,
 
 @triton.jit
 def _expert_gather_kernel(src_ptr, dst_ptr, experts_ptr, slots_ptr, valid_ptr, n, E, N, W,
-                          BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                          BLOCK: tl.constexpr, ITERS: tl.constexpr, FLAGS: tl.constexpr):
     """Grid (cdiv(W, BLOCK * ITERS), min(n, ENTRY_ROWS)): program (c, y) copies words
     [c * BLOCK * ITERS, ...) of row experts[i] of src [E, W] into row slots[i] of dst [N, W]
     (words, not elements) for the entries i = y, y + ENTRY_ROWS, ... that are valid."""
     start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
     _gather_chunk(src_ptr, dst_ptr, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N,
-                  BLOCK, ITERS)
+                  BLOCK, ITERS, FLAGS)
 
 
 WHO = "triton expert_gather"
@@ -128,4 +150,4 @@ def expert_gather(src: torch.Tensor, dst: torch.Tensor, experts: torch.Tensor,
     with guard:                              # Triton launches on the current device
         _expert_gather_kernel[grid](
             _as_words(src, word), _as_words(dst, word), experts, slots, valid.view(torch.uint8),
-            n, E, N, W, BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)
+            n, E, N, W, BLOCK=BLOCK, ITERS=ITERS, FLAGS=flags_per_row(n), **LAUNCH_OPTIONS)

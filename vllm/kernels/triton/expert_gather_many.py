@@ -30,7 +30,7 @@ import triton.language as tl
 from vllm.kernels.gather_checks import check_many
 from vllm.kernels.triton.expert_gather import (BLOCK, ENTRY_ROWS, ITERS, LAUNCH_OPTIONS,
                                                _check_interpreted, _gather_chunk, _word,
-                                               expert_gather)
+                                               expert_gather, flags_per_row)
 
 MAX_TENSORS = 16
 """Tensors per launch (rows of one table)."""
@@ -42,7 +42,8 @@ _WORD_TYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.uint8}
 
 @triton.jit
 def _expert_gather_many_kernel(table_ptr, experts_ptr, slots_ptr, valid_ptr, n, E, N, T,
-                               WORD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                               WORD: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                               FLAGS: tl.constexpr):
     """Grid (chunks of all T rows, min(n, ENTRY_ROWS)): program (c, y) copies chunk c of the
     tensors' rows laid end to end (tensor t's row: chunks [first[t], first[t + 1])) of row
     experts[i] into row slots[i], for the entries i = y, y + ENTRY_ROWS, ...; invalid or
@@ -56,7 +57,8 @@ def _expert_gather_many_kernel(table_ptr, experts_ptr, slots_ptr, valid_ptr, n, 
     start = (c - tl.load(row + 3)) * (BLOCK * ITERS)
     src = tl.load(row).to(tl.pointer_type(WORD), bitcast=True)
     dst = tl.load(row + 1).to(tl.pointer_type(WORD), bitcast=True)
-    _gather_chunk(src, dst, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N, BLOCK, ITERS)
+    _gather_chunk(src, dst, start, W, experts_ptr, slots_ptr, valid_ptr, n, E, N, BLOCK, ITERS,
+                  FLAGS)
 
 
 def _table(rows: list[tuple[int, int, int]], first: list[int],
@@ -115,4 +117,5 @@ def _launch(srcs: list[torch.Tensor], dsts: list[torch.Tensor], size: int,
         return
     _expert_gather_many_kernel[(first[-1], min(n, ENTRY_ROWS))](
         table, experts, slots, valid.view(torch.uint8), n, srcs[0].shape[0], dsts[0].shape[0],
-        len(rows), WORD=_WORD_TYPES[size], BLOCK=BLOCK, ITERS=ITERS, **LAUNCH_OPTIONS)
+        len(rows), WORD=_WORD_TYPES[size], BLOCK=BLOCK, ITERS=ITERS, FLAGS=flags_per_row(n),
+        **LAUNCH_OPTIONS)
