@@ -4,8 +4,9 @@
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
 #                                       # build, a C++-exception probe under gdb, every gpu
 #                                       # test (-n 8), the decode headline, one cached
-#                                       # layer's graph cost by kernel, the quantized
-#                                       # figures, a short offload run, eager decode
+#                                       # layer's graph cost by kernel (16 and 63 slots), a
+#                                       # short offload run (copy speed by plan entries),
+#                                       # the quantized figures, eager decode
 #   bash tools/gpu_session.sh retry     # after fixes: build, probe, gpu tests, quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
@@ -167,10 +168,12 @@ first)
         --output-len 32 --profile-steps 4 --profile-trace-dir "$LOGS/traces" \
         --out "$OUT/decode-graphs.json"
     step 60 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
-    quant_steps 70 50
-    # ours+cpu: misses computed by the machine's 16 cores where cheaper than a copy (--threads).
+    # Before the quantized rows (measured once already): its header times the copy engine on
+    # plans of 1, 2, 4, 8 and E valid entries (does one miss copy at the link's speed?), and
+    # ours+cpu computes misses on the machine's 16 cores where cheaper than a copy.
     offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 \
         --designs resident sync-lfru uva ours ours+overlap ours+prefetch ours+cpu
+    quant_steps 70 50
     step 40 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
     ;;
