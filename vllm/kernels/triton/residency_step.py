@@ -230,9 +230,10 @@ def _residency_step_kernel(
         ROWS_E: tl.constexpr):
     e = tl.arange(0, BLOCK_E)
     in_e = e < E
-    # What nothing in this launch writes before reading it is loaded first, so each load's
-    # latency overlaps the phases before its use instead of adding a round trip: the
-    # residency before placement, the policy state, lrfu_next's bias and prev, the counters.
+    # What nothing in this launch writes before reading it is loaded early, so each load's
+    # latency overlaps the phases before its use instead of adding a round trip: here the
+    # residency before placement, the policy state, lrfu_next's bias and prev; the counters
+    # once the ranking is done (they wait in registers through the placement and learning).
     soe = tl.load(soe_ptr + e, mask=in_e, other=-1)
     clock = tl.load(cnt_ptr + CLOCK)
     freq, decayed = _load_policy(e, in_e, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
