@@ -14,11 +14,12 @@ FIX_ONE, FIX_MAX, TWO_52 = (tl.constexpr(float(2 ** k)) for k in (32, 40, 52))
 
 
 @triton.jit
-def _predict_rows(acc, r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E: tl.constexpr,
-                  ROWS_E: tl.constexpr):
-    """acc + the sum of weight[i, cols] over rows r0 <= i < r0 + ROWS_E with sel_ptr[i] == sel.
-    SMALL_E: the tile is loaded whatever the rows' selection (its load does not wait for the
-    selection's), and unselected rows count as 0.0, as a masked load's ``other``."""
+def _weight_rows(r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E: tl.constexpr,
+                 ROWS_E: tl.constexpr):
+    """(ptrs, rows, tile) of weight rows r0 <= i < r0 + ROWS_E at ``cols`` (where ``mask``):
+    rows [ROWS_E] the ones with sel_ptr[i] == sel (none unless ``active``), tile
+    [ROWS_E, cols] their values, 0.0 elsewhere. SMALL_E: the tile is loaded whatever the rows'
+    selection (its load does not wait for the selection's), which applies in registers."""
     i = r0 + tl.arange(0, ROWS_E)
     in_rows = tl.where(active, i < E, False)   # not `& active`: the interpreter makes int32
     rows = in_rows & (tl.load(sel_ptr + i, mask=in_rows, other=0) == sel)
@@ -28,7 +29,7 @@ def _predict_rows(acc, r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E:
         tile = tl.where(rows[:, None], tile, 0.0)
     else:
         tile = tl.load(ptrs, mask=rows[:, None] & mask[None, :], other=0.0)
-    return acc + tl.sum(tile, axis=0)
+    return ptrs, rows, tile
 
 
 @triton.jit
@@ -43,12 +44,14 @@ def _predict(cols, mask, active, sel_ptr, sel, E, wt_ptr, bias, SMALL_E: tl.cons
     acc = tl.zeros_like(cols).to(tl.float64)
     if SMALL_E:
         for r0 in tl.static_range(0, BLOCK_E, ROWS_E):
-            acc = _predict_rows(acc, r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E,
-                                ROWS_E)
+            _, _, tile = _weight_rows(r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E,
+                                      ROWS_E)
+            acc += tl.sum(tile, axis=0)
     else:
         for r0 in range(0, E, ROWS_E):
-            acc = _predict_rows(acc, r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E,
-                                ROWS_E)
+            _, _, tile = _weight_rows(r0, cols, mask, active, sel_ptr, sel, E, wt_ptr, SMALL_E,
+                                      ROWS_E)
+            acc += tl.sum(tile, axis=0)
     return (bias + acc) / FIX_ONE
 
 
@@ -69,18 +72,11 @@ def _clamp_fix(x):
 @triton.jit
 def _learn_rows(r0, e, in_e, any_used, E, wt_ptr, prev_ptr, delta, SMALL_E: tl.constexpr,
                 ROWS_E: tl.constexpr):
-    """Rows r0 <= i < r0 + ROWS_E of prev (the last plan's experts): weight[i, :] += delta,
-    clamped. SMALL_E: the tile's load does not wait for prev's (its store stays masked)."""
-    i = r0 + tl.arange(0, ROWS_E)
-    in_rows = tl.where(any_used, i < E, False)
-    rows = in_rows & (tl.load(prev_ptr + i, mask=in_rows, other=0) != 0)
-    ptrs = wt_ptr + i[:, None] * E + e[None, :]                      # [ROWS_E, BLOCK_E]
-    m = rows[:, None] & in_e[None, :]
-    if SMALL_E:
-        tile = tl.load(ptrs, mask=in_rows[:, None] & in_e[None, :], other=0.0)
-    else:
-        tile = tl.load(ptrs, mask=m, other=0.0)
-    tl.store(ptrs, _clamp_fix(tile + delta[None, :]), mask=m)
+    """Rows r0 <= i < r0 + ROWS_E of prev (the last plan's experts, 0/1): weight[i, :] +=
+    delta, clamped (the store masked to those rows)."""
+    ptrs, rows, tile = _weight_rows(r0, e, in_e, any_used, prev_ptr, 1, E, wt_ptr, SMALL_E,
+                                    ROWS_E)
+    tl.store(ptrs, _clamp_fix(tile + delta[None, :]), mask=rows[:, None] & in_e[None, :])
 
 
 @triton.jit
