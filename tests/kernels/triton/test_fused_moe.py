@@ -190,6 +190,26 @@ def test_slot_ids_with_unused_slots_and_skipped_pairs(km):
     assert torch.equal(waves, out)
 
 
+def test_max_ids_bounded_grids_give_the_same_pairs(km):
+    """A cache's waves with their bounds (max_ids: the distinct slots a wave can hold): the
+    shorter grids compute the same pairs, bit for bit, as grids sized for every slot."""
+    T, K, H, N, G = 32, 2, 32, 16, 9
+    x, w13, w2, w, _, b13, b2 = make(T, G, K, H, N, bias=True, G=G)
+    g = torch.Generator().manual_seed(7)
+    first = torch.randperm(G, generator=g)[:2 * K]
+    ids = torch.stack([first[torch.randperm(2 * K, generator=g)[:K]] for _ in range(T)])
+    ids = ids.to(DEVICE)
+    want = torch.full((T, K, H), 3.0, device=DEVICE)
+    km.fused_moe_pairs(x, w13, w2, w, ids, want, "silu", ALPHA, LIMIT, b13, b2)
+    for wave, bound in (((ids == first[0]), 1), ((ids != first[0]), 2 * K - 1)):
+        for max_ids in (bound, bound + 3, None):
+            got = torch.full((T, K, H), 3.0, device=DEVICE)
+            km.fused_moe_pairs(x, w13, w2, w, torch.where(wave, ids, -1), got, "silu", ALPHA,
+                               LIMIT, b13, b2, max_ids=max_ids)
+            assert torch.equal(got[wave], want[wave]), (bound, max_ids)
+            assert torch.equal(got[~wave], torch.full_like(got[~wave], 3.0))
+
+
 def test_rejects_bad_inputs(km):
     x, w13, w2, w, ids, _, _ = make(4, 4, 2, 32, 16)
     out = torch.zeros(4, 2, 32, device=DEVICE)

@@ -62,3 +62,46 @@ def test_the_kernel_runs_up_to_its_limit_and_torch_past_it(ma, monkeypatch):
         want = ma.moe_align_block_size_torch(ids, 32, 16)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert launches == [(1,)]
+
+
+def _padded(P: int, groups: int, block_m: int) -> int:
+    """The worst case of ``groups`` expert groups over P pairs, each padded to block_m."""
+    return -(-(P + min(groups, P) * (block_m - 1)) // block_m) * block_m
+
+
+@pytest.mark.parametrize("T,K,E,used,block_m", [(32, 8, 64, 1, 16), (32, 8, 64, 5, 16),
+                                                  (9, 2, 7, 3, 32), (40, 4, 13, 13, 16)])
+def test_max_ids_shortens_the_padding_and_keeps_the_groups(ma, T, K, E, used, block_m):
+    """ids using ``used`` of E experts (and -1s), aligned with max_ids = used and used + 2: the
+    same groups as without the bound, in a sorted_ids / block_expert of the bound's worst case
+    (a cache's last wave: one expert at N = E - 1 gives 32 + 15 pairs' room, not 32 + 64 * 15)."""
+    g = torch.Generator().manual_seed(T * E + used)
+    experts = torch.randperm(E, generator=g)[:used]
+    ids = experts[torch.randint(0, used, (T, K), generator=g)]
+    ids[torch.rand(T, K, generator=g) < 0.3] = -1
+    full = ma.moe_align_block_size_torch(ids, block_m, E)
+    for max_ids in (used, used + 2):
+        S = _padded(T * K, min(E, max_ids), block_m)
+        for fn in (ma.moe_align_block_size, ma.moe_align_block_size_torch):
+            sorted_ids, block_expert, num_padded = fn(ids, block_m, E, max_ids)
+            assert sorted_ids.shape == (S,) and block_expert.shape == (S // block_m,)
+            assert torch.equal(num_padded, full[2]) and int(num_padded) <= S
+            assert torch.equal(sorted_ids, full[0][:S])
+            assert torch.equal(block_expert, full[1][:S // block_m])
+            # what the bound cut off was padding only
+            assert (full[0][S:] == T * K).all() and (full[1][S // block_m:] == -1).all()
+
+
+def test_a_broken_max_ids_promise_drops_pairs_and_writes_nothing_past_s(ma):
+    """Five experts used under max_ids = 1: the pairs placed past S are dropped by both
+    versions alike (the kernel masks its scatter, torch clamps it): no write out of bounds."""
+    ids = torch.arange(40).reshape(20, 2) % 5
+    got = ma.moe_align_block_size(ids, 16, 8, 1)
+    want = ma.moe_align_block_size_torch(ids, 16, 8, 1)
+    assert got[0].shape == (_padded(40, 1, 16),)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_max_ids_must_not_be_negative(ma):
+    with pytest.raises(ValueError, match="max_ids=-1 must be >= 0"):
+        ma.moe_align_block_size(torch.zeros(2, 2, dtype=torch.int64), 16, 4, -1)

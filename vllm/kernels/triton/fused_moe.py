@@ -219,11 +219,13 @@ def fused_moe_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                     activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    config: dict[str, int] | None = None, device_name: str = "") -> None:
+                    config: dict[str, int] | None = None, device_name: str = "",
+                    max_ids: int | None = None) -> None:
     """out[t, k] = topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for ids in [0, G); other
     pairs untouched. x [T, H]; w13 [G, 2N, H] ([gate; up]; [G, N, H] up alone for
     relu2_no_mul); w2 [G, H, N]; optional b13 [G, 2N or N], b2 [G, H]; out [T, K, H]
-    contiguous. ``config``: block sizes (default: ``get_moe_config`` for ``device_name``)."""
+    contiguous. ``config``: block sizes (default: ``get_moe_config`` for ``device_name``).
+    ``max_ids``: at most that many distinct ids (``moe_align_block_size``: the grids' size)."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2)
     T, K = topk_ids.shape
     G, H, N = w2.shape
@@ -231,7 +233,7 @@ def fused_moe_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if P == 0:
         return
     cfg = config or get_moe_config(N, T, device_name)
-    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G)
+    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G, max_ids)
     gate_up = x.new_empty(P, w13.shape[1])           # [P, 2N] rows of the call's pairs
     _gemm(x, w13, b13, gate_up, None, align, K, cfg)
     act = x.new_empty(P, N)                          # [P, N]

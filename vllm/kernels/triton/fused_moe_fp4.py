@@ -217,7 +217,8 @@ def fused_moe_fp4_pairs(x: torch.Tensor, w13: Fp4Projection, w2: Fp4Projection,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                         activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                         b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                        config: dict[str, int] | None = None, device_name: str = "") -> None:
+                        config: dict[str, int] | None = None, device_name: str = "",
+                        max_ids: int | None = None) -> None:
     """``fused_moe_quant_pairs`` on FP4 experts: out[t, k] = topk_weights[t, k] *
     expert_{topk_ids[t, k]}(x[t]) for ids in [0, G); other pairs untouched. x [T, H];
     w13 [G, 2N, H] ([gate; up]) and w2 [G, H, N] as Fp4Projections; optional biases
@@ -225,7 +226,7 @@ def fused_moe_fp4_pairs(x: torch.Tensor, w13: Fp4Projection, w2: Fp4Projection,
     _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2,
                   check=check_fp4_projection, who="fused_moe_fp4")
     run_pairs(_fp4_gemm, x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit,
-              b13, b2, config, device_name)
+              b13, b2, config, device_name, max_ids)
 
 
 def fused_moe_fp4(x: torch.Tensor, w13: Fp4Projection, w2: Fp4Projection,

@@ -320,30 +320,33 @@ def fused_moe_quant_pairs(x: torch.Tensor, w13: QuantProjection, w2: QuantProjec
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                           activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                           b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                          config: dict[str, int] | None = None, device_name: str = "") -> None:
+                          config: dict[str, int] | None = None, device_name: str = "",
+                          max_ids: int | None = None) -> None:
     """``fused_moe.fused_moe_pairs`` on quantized experts: out[t, k] = topk_weights[t, k] *
     expert_{topk_ids[t, k]}(x[t]) for ids in [0, G); other pairs untouched. x [T, H];
     w13 [G, 2N, H] ([gate; up]) and w2 [G, H, N] as QuantProjections; optional biases
     b13 [G, 2N], b2 [G, H] in x's dtype; out [T, K, H] contiguous. Gated activations only."""
     _check_inputs(x, w13, w2, topk_weights, topk_ids, out, activation, b13, b2)
     run_pairs(_quant_gemm, x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit,
-              b13, b2, config, device_name)
+              b13, b2, config, device_name, max_ids)
 
 
 def run_pairs(gemm, x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, out: torch.Tensor, activation: str, alpha: float,
               limit: float, b13: torch.Tensor | None, b2: torch.Tensor | None,
-              config: dict[str, int] | None, device_name: str) -> None:
+              config: dict[str, int] | None, device_name: str,
+              max_ids: int | None = None) -> None:
     """The three launches of a quantized pairs call on checked inputs: ``gemm(a, proj, bias,
     c, weights, align, row_div, cfg)`` (this module's ``_quant_gemm``, fused_moe_fp4's
-    ``_fp4_gemm``) for gate-up, the activation, then gemm for down into out [T, K, H]."""
+    ``_fp4_gemm``) for gate-up, the activation, then gemm for down into out [T, K, H]; grids
+    sized for at most ``max_ids`` distinct ids (``fused_moe.fused_moe_pairs``)."""
     T, K = topk_ids.shape
     G, H, N = w13.codes.shape[0], x.shape[1], w2.cols
     P = T * K
     if P == 0:
         return
     cfg = config or get_moe_config(N, T, device_name)
-    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G)
+    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G, max_ids)
     gate_up = x.new_empty(P, 2 * N)                  # [P, 2N] rows of the call's pairs
     gemm(x, w13, b13, gate_up, None, align, K, cfg)
     act = x.new_empty(P, N)                          # [P, N]

@@ -38,7 +38,10 @@ BLOCK_FILL = 256          # sorted_ids entries (and at most block_expert entries
 # launch (tests/build/test_triton_compile_moe_routing.py).
 
 
-def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> None:
+def _check(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+           max_ids: int | None = None) -> None:
+    if max_ids is not None and max_ids < 0:
+        raise ValueError(f"moe_align_block_size: max_ids={max_ids} must be >= 0 (or None)")
     if block_m < 1:
         raise ValueError(f"moe_align_block_size: block_m={block_m} must be >= 1")
     if num_experts < 1:
@@ -52,22 +55,32 @@ def padded_size(P: int, E: int, block_m: int) -> int:
     return triton.cdiv(P + min(E, P) * (block_m - 1), block_m) * block_m
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+def groups(num_experts: int, max_ids: int | None) -> int:
+    """How many expert groups the padding must allow for: at most ``max_ids`` distinct ids
+    (``WaveIds.max_ids``, a caller's promise), else every expert."""
+    return num_experts if max_ids is None else min(num_experts, max_ids)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                         max_ids: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pairs grouped by expert, each group padded to a multiple of ``block_m``.
 
     topk_ids [T, K] (any int dtype; ids outside [0, num_experts) are skipped) -> (sorted_ids
     [S] int64: pair indices t * K + k, ascending within each expert, padding = the sentinel
     P = T * K; block_expert [S // block_m] int64: the expert of each block, -1 past the end;
-    num_padded [1] int64: the padded pair count). S = ``padded_size(P, E, block_m)``."""
+    num_padded [1] int64: the padded pair count). S = ``padded_size(P, G, block_m)``, G =
+    ``groups(E, max_ids)``: ``max_ids`` promises at most that many distinct ids, so a cache's
+    last wave (one expert at N = E - 1) gets a short S and the GEMMs a short grid. A broken
+    promise drops the pairs whose place falls past S (never a write out of bounds)."""
     P = topk_ids.numel()
     if not 0 < P <= KERNEL_MAX_PAIRS:
-        return moe_align_block_size_torch(topk_ids, block_m, num_experts)   # checks too
-    _check(topk_ids, block_m, num_experts)
+        return moe_align_block_size_torch(topk_ids, block_m, num_experts, max_ids)  # checks too
+    _check(topk_ids, block_m, num_experts, max_ids)
     E, dev = num_experts, topk_ids.device
     flat = topk_ids.reshape(-1)
     flat = flat if flat.dtype == torch.int64 else flat.to(torch.int64)
-    S = padded_size(P, E, block_m)
+    S = padded_size(P, groups(E, max_ids), block_m)
     sorted_ids = torch.empty(S, dtype=torch.int64, device=dev)
     block_expert = torch.empty(S // block_m, dtype=torch.int64, device=dev)
     num_padded = torch.empty(1, dtype=torch.int64, device=dev)
@@ -126,18 +139,19 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, P, E, S
         before = (key[:, None] == key[None, :]) & (r[None, :] < r[:, None])
         rank = tl.sum(before.to(tl.int64), axis=1) + tl.sum(hot * seen[None, :], axis=1)
         dest = tl.sum(hot * padded_start[None, :], axis=1) + rank
-        tl.store(sorted_ptr + dest, i.to(tl.int64), mask=tl.sum(hot, axis=1) > 0)
+        tl.store(sorted_ptr + dest, i.to(tl.int64), mask=(tl.sum(hot, axis=1) > 0) & (dest < S))
         seen += tl.sum(hot, axis=0)
 
 
-def moe_align_block_size_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int
+def moe_align_block_size_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int,
+                               max_ids: int | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``moe_align_block_size`` in torch ops (any number of pairs; the kernel's reference)."""
-    _check(topk_ids, block_m, num_experts)
+    _check(topk_ids, block_m, num_experts, max_ids)
     E, dev = num_experts, topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)                     # [P]
     P = flat.numel()
-    S = padded_size(P, E, block_m)
+    S = padded_size(P, groups(E, max_ids), block_m)
     key = torch.where((flat >= 0) & (flat < E), flat, E)            # [P] skipped pairs -> E
     counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
     counts.index_add_(0, key, torch.ones_like(key))
@@ -149,6 +163,7 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, block_m: int, num_experts
     e = sorted_key.clamp(max=E - 1)
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[e]   # [P] rank in group
     dest = torch.where(sorted_key < E, padded_end[e] - padded[e] + rank, S)   # S = dropped
+    dest = dest.clamp(max=S)                                        # past S: max_ids broken
     sorted_ids = torch.full((S + 1,), P, dtype=torch.int64, device=dev)
     sorted_ids.scatter_(0, dest, order)
     block_start = torch.arange(0, S, block_m, device=dev)           # [S // block_m]

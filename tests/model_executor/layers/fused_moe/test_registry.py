@@ -140,7 +140,7 @@ class CountingExperts(MoEExperts):
         return {n: t.transpose(-1, -2).contiguous() if n == "w2_weight" else t
                 for n, t in tensors.items()}
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         type(self).calls += 1
         expert_pairs_ref(x, weights["w13_weight"], weights["w2_weight"].transpose(-1, -2),
                          topk_weights, ids, out)

@@ -100,3 +100,29 @@ def test_tiny_model_tokens_equal_torch_backend(interpreted, tiny_model_factory):
 
 def test_gpt_oss_biased_swigluoai_tokens_equal_torch_backend(interpreted, gpt_oss):
     _tokens_equal_torch_backend(gpt_oss, (0, 3))
+
+
+def test_a_cached_step_s_last_wave_gets_grids_for_its_one_expert(interpreted, tiny_model_factory,
+                                                                 monkeypatch):
+    """At N = E - 1 a step needing every expert runs two waves, the second with one expert:
+    its align (and so its GEMM and activation grids) is sized for one group of pairs, not for
+    E - 1; tokens still equal the uncached run's."""
+    from vllm.kernels.triton import fused_moe as fm
+    calls, align = [], fm.moe_align_block_size
+
+    def recording(topk_ids, block_m, num_experts, max_ids=None):
+        out = align(topk_ids, block_m, num_experts, max_ids)
+        calls.append((topk_ids.numel(), block_m, num_experts, max_ids, out[0].numel()))
+        return out
+    monkeypatch.setattr(fm, "moe_align_block_size", recording)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    ref, *_ = _run(path, moe_backend="triton", enforce_eager=True)
+    assert {c[3] for c in calls} == {None}                 # uncached: one bound-free pass
+    calls.clear()
+    got, *_ = _run(path, moe_backend="triton", moe_expert_cache_size=E - 1, enforce_eager=True)
+    assert got == ref
+    last_waves = [c for c in calls if c[3] == 1]
+    assert last_waves and all(c[2] == E - 1 for c in calls)
+    for P, block_m, _, _, S in last_waves:
+        assert P >= E and S == -(-(P + block_m - 1) // block_m) * block_m
+    assert all(c[3] == min(E - 1, c[0]) for c in calls if c[3] != 1)

@@ -213,7 +213,7 @@ class CutlassW4A16Experts(MoEExperts):
             raise RuntimeError("cutlass_w4a16: pack before bind_scheme")
         return pack_gptq_for_cutlass(self.method, tensors)
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         T, K = ids.shape
         if T == 0:
             return

@@ -247,7 +247,7 @@ class FlashInferCutlassExperts(MoEExperts):
         """FlashInfer's fold of e8m0 scales [E, rows, cols / 32] (torch: any device)."""
         return getattr(self.api, MXFP4_API[1])(s.contiguous(), 32)
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         T, K = ids.shape
         if T == 0:
             return

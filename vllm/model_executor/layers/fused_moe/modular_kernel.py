@@ -101,6 +101,18 @@ class MoEKernelQuery:
                 f"on {self.platform.name}{sm}")
 
 
+@dataclass(frozen=True)
+class WaveIds:
+    """The ids of one ``apply_pairs`` pass of a step (a cache wave, or half of one with
+    overlap; the whole step without a cache): ids [T, top_k] into dim 0 of the weights, -1 =
+    skip the pair; ``max_ids`` bounds how many distinct ids >= 0 they hold, fixed by shapes
+    alone (None: up to G, dim 0 of the weights). A backend may size its grids by it: a CUDA
+    graph's launches are fixed at capture, and a cache's last wave holds few experts (at
+    N = E - 1 and T*k >= E, one), so grids sized for G would launch mostly idle blocks."""
+    ids: torch.Tensor
+    max_ids: int | None = None
+
+
 class MoEExperts:
     """One layer's expert computation (a backend bound to the layer's scheme and activation)."""
 
@@ -118,9 +130,11 @@ class MoEExperts:
         return tensors
 
     def apply_pairs(self, weights: dict[str, torch.Tensor], x: torch.Tensor,
-                    topk_weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+                    topk_weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+                    max_ids: int | None = None) -> None:
         """x [T, H]; topk_weights, ids [T, top_k] (ids index dim 0 of every tensor in
-        ``weights``, -1 = skip); out [T, top_k, H]: the pair contract above."""
+        ``weights``, -1 = skip); out [T, top_k, H]: the pair contract above. ``max_ids``:
+        ``WaveIds.max_ids`` (a promise of the caller; a backend may ignore it)."""
         raise NotImplementedError
 
 

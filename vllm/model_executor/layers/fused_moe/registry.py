@@ -188,7 +188,7 @@ class CpuKernelExperts(MoEExperts):
                                   (torch.arange(N, dtype=torch.int32) // (b or N))[None])
         return self._groups[H, N]
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         biases = weights.get("w13_bias"), weights.get("w2_bias")
         if self.qlayout is None:
             expert_pairs_cpu(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
@@ -212,7 +212,7 @@ class GroupedMMExperts(MoEExperts):
     def __init__(self, activation: MoEActivation):
         self.activation = activation
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         expert_pairs_grouped(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
                              out, self.activation, weights.get("w13_bias"),
                              weights.get("w2_bias"))
@@ -226,7 +226,7 @@ class TorchExperts(MoEExperts):
     def __init__(self, activation: MoEActivation, dequantize: Dequantize | None = None):
         self.activation, self.dequantize = activation, dequantize
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         biases = weights.get("w13_bias"), weights.get("w2_bias")
         if self.dequantize is None:
             expert_pairs_ref(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,

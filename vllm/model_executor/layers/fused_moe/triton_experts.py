@@ -138,7 +138,7 @@ class TritonExperts(MoEExperts):
     """``fused_moe_pairs`` (unquantized) or ``fused_moe_quant_pairs`` / ``fused_moe_fp4_pairs``
     (after ``bind_scheme``) over the layer's tensors (no repacking)."""
     name = "triton"
-    cuda_graph_safe = True    # grids and block sizes fixed by [T, top_k] and G; no host read
+    cuda_graph_safe = True    # grids fixed by [T, top_k], G and max_ids; no host read
 
     def __init__(self, activation: MoEActivation):
         self.activation = activation
@@ -164,7 +164,7 @@ class TritonExperts(MoEExperts):
             self._device_names[device] = platform_for(device).device_name(device)
         return self._device_names[device]
 
-    def apply_pairs(self, weights, x, topk_weights, ids, out):
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         # Imported here: triton is optional, and the registry module imports this one.
         act = self.activation
         biases = weights.get("w13_bias"), weights.get("w2_bias")
@@ -172,15 +172,16 @@ class TritonExperts(MoEExperts):
         if self._projections is None:
             from vllm.kernels.triton.fused_moe import fused_moe_pairs
             fused_moe_pairs(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
-                            out, act.name, act.alpha, act.limit, *biases, device_name=name)
+                            out, act.name, act.alpha, act.limit, *biases, device_name=name,
+                            max_ids=max_ids)
             return
         if self.kind in FP4_KINDS:
             from vllm.kernels.triton.fused_moe_fp4 import Fp4Projection, fused_moe_fp4_pairs
             w13, w2 = (Fp4Projection(self.kind, **p) for p in self._projections(weights))
             fused_moe_fp4_pairs(x, w13, w2, topk_weights, ids, out, act.name, act.alpha,
-                                act.limit, *biases, device_name=name)
+                                act.limit, *biases, device_name=name, max_ids=max_ids)
             return
         from vllm.kernels.triton.fused_moe_quant import QuantProjection, fused_moe_quant_pairs
         w13, w2 = (QuantProjection(self.kind, **p) for p in self._projections(weights))
         fused_moe_quant_pairs(x, w13, w2, topk_weights, ids, out, act.name, act.alpha,
-                              act.limit, *biases, device_name=name)
+                              act.limit, *biases, device_name=name, max_ids=max_ids)

@@ -17,7 +17,7 @@ from torch import nn
 
 from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, MoEActivation,
                                                                  MoEExperts, MoEKernelQuery,
-                                                                 combine_pairs)
+                                                                 WaveIds, combine_pairs)
 from vllm.model_executor.layers.fused_moe.registry import Dequantize, select_moe_backend
 from vllm.model_executor.layers.scratch import scratch
 from vllm.platforms import Platform
@@ -119,17 +119,20 @@ class FusedMoEMethodBase:
 
     # ---- compute ---------------------------------------------------------------------------------
     def apply_pairs(self, weights: dict[str, torch.Tensor], x: torch.Tensor,
-                    topk_weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+                    topk_weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+                    max_ids: int | None = None) -> None:
         """out[t, k] = w[t, k] * expert(x[t]) for pairs with ids >= 0 (ids index ``weights``,
-        which hold experts or cache slots). Other pairs are untouched."""
-        self.kernel.apply_pairs(weights, x, topk_weights, ids, out)
+        which hold experts or cache slots). Other pairs are untouched. ``max_ids``: at most
+        that many distinct ids (``WaveIds``)."""
+        self.kernel.apply_pairs(weights, x, topk_weights, ids, out, max_ids=max_ids)
 
     def apply(self, weights: dict[str, torch.Tensor], x: torch.Tensor,
-              topk_weights: torch.Tensor, waves: Iterable[torch.Tensor],
+              topk_weights: torch.Tensor, waves: Iterable[WaveIds],
               host_pairs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. ``waves``: the ids [T, top_k] of each wave (one wave of expert ids
-        without a cache); every pair is computed in exactly one wave, then all are reduced over
-        top_k in k order, the same reduction however the step was split. ``host_pairs``: called
+        without a cache) with their bounds (``WaveIds``); every pair is computed in exactly one
+        wave, then all are reduced over top_k in k order, the same reduction however the step
+        was split. ``host_pairs``: called
         after the waves are enqueued (so the CPU works while the device does) with the
         [T, top_k, H] pairs, it writes the pairs computed elsewhere, which the waves skip (ids
         -1) and so left 0."""
@@ -137,8 +140,8 @@ class FusedMoEMethodBase:
         out = scratch("moe.pairs", (*topk_weights.shape, x.shape[-1]), x.dtype, x.device).zero_()
         waves = iter(waves)
         try:
-            for ids in waves:
-                self.apply_pairs(weights, x, topk_weights, ids, out)
+            for wave in waves:
+                self.apply_pairs(weights, x, topk_weights, wave.ids, out, max_ids=wave.max_ids)
         finally:
             # A wave that raised closes the plan now, not when it is collected: an overlapped
             # wave joins its side stream on close (before a graph capture's capture_end runs).

@@ -111,8 +111,9 @@ def mru_policy():
 
 class ApplySpy:
     """Wraps the layer's apply_pairs: at every call checks that each slot the kernel is about to
-    read holds exactly the expert its pairs were routed to, and counts how often each pair is
-    computed (must be once per forward)."""
+    read holds exactly the expert its pairs were routed to, that the pass has no more distinct
+    slots than its ``max_ids`` bound, and counts how often each pair is computed (must be once
+    per forward)."""
 
     def __init__(self, layer, w, monkeypatch):
         self.layer, self.w, self.ids = layer, w, None
@@ -122,16 +123,17 @@ class ApplySpy:
     def start(self, ids):
         self.ids, self.covered, self.calls = ids, torch.zeros_like(ids), 0
 
-    def __call__(self, weights, x, topk_weights, slot_ids, out):
+    def __call__(self, weights, x, topk_weights, slot_ids, out, max_ids=None):
         self.calls += 1
         valid = slot_ids >= 0
         self.covered += valid.long()
         pairs = torch.stack([slot_ids[valid], self.ids[valid]], 1).unique(dim=0).tolist()
         slots_used = [s for s, _ in pairs]
         assert len(slots_used) == len(set(slots_used)), f"a slot serves two experts: {pairs}"
+        assert max_ids is not None and len(slots_used) <= max_ids, (pairs, max_ids)
         for s, e in pairs:
             assert slot_holds(self.layer, s, self.w, e), f"slot {s} is not expert {e}"
-        self.inner(weights, x, topk_weights, slot_ids, out)
+        self.inner(weights, x, topk_weights, slot_ids, out, max_ids=max_ids)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "lrfu_next", "test_mru"])

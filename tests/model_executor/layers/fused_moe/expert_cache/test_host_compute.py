@@ -69,7 +69,7 @@ def test_split_sends_missing_experts_pairs_to_the_cpu():
 
 def test_compute_writes_only_the_cpus_pairs():
     class Doubler:       # stands in for a kernel: out[t, k] = 2 * x[t] * w[t, k] where ids >= 0
-        def apply_pairs(self, weights, x, w, ids, out):
+        def apply_pairs(self, weights, x, w, ids, out, max_ids=None):
             assert set(ids[ids >= 0].tolist()) == {0, 2, 5}
             out[ids >= 0] = (2 * x[:, None, :] * w[..., None]).expand_as(out)[ids >= 0]
 

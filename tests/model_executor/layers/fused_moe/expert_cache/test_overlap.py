@@ -58,9 +58,11 @@ def _spy(llm):
             side.log.append(("copy", side.forked, plan.slots.clone(), plan.valid.clone()))
             copy(slots, plan)
 
-        def spy_apply(weights, x, w, ids, out, apply_pairs=apply_pairs, side=side):
+        def spy_apply(weights, x, w, ids, out, max_ids=None, apply_pairs=apply_pairs,
+                      side=side):
+            assert max_ids is not None and ids[ids >= 0].unique().numel() <= max_ids
             side.log.append(("pass", ids.clone()))
-            apply_pairs(weights, x, w, ids, out)
+            apply_pairs(weights, x, w, ids, out, max_ids=max_ids)
         provider.copy, method.apply_pairs = spy_copy, spy_apply
 
 
@@ -176,7 +178,7 @@ def test_a_wave_that_raises_between_fork_and_join_still_joins(monkeypatch, fails
     freed while the side stream may read it): the join runs before the error leaves the layer."""
     layer, side = _layer_with_recording_side_stream()
 
-    def boom(*args):
+    def boom(*args, **kwargs):
         side.log.append("raise")
         raise RuntimeError("boom")
     if fails == "copy":

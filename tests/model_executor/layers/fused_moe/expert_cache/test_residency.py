@@ -6,7 +6,7 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import (
-    Residency, num_waves, split_waves)
+    Residency, num_waves, split_waves, wave_capacity)
 
 
 def _random_steps(num_steps, num_experts, top_k, seed):
@@ -120,6 +120,31 @@ def test_split_waves_order_and_count():
     got = [torch.nonzero(w).flatten().tolist() for w in waves]
     # resident-first (2, 7), then by id (1, 4 | 8, 9); last wave empty.
     assert got == [[1, 2, 4, 7], [8, 9], []]
+
+
+@pytest.mark.parametrize("E,N,max_needed", [(10, 4, 12), (64, 63, 256), (64, 16, 8),
+                                             (8, 3, 8), (6, 5, 2), (5, 1, 9)])
+def test_wave_capacity_bounds_every_wave_and_is_reached(E, N, max_needed):
+    """No wave of split_waves ever holds more experts than wave_capacity, over random needed
+    sets of every size up to min(E, max_needed); when all of them are needed each wave holds
+    exactly its capacity (N for all but a last wave: one expert at N = 63 of 64)."""
+    D = min(E, max_needed)
+    W = num_waves(E, max_needed, N)
+    caps = [wave_capacity(E, max_needed, N, w) for w in range(W)]
+    assert sum(caps) == D and all(1 <= c <= N for c in caps)
+    rng = random.Random(E * N + max_needed)
+    for trial in range(60):
+        soe = torch.full((E,), -1, dtype=torch.int64)
+        for slot, e in enumerate(rng.sample(range(E), N)):
+            soe[e] = slot
+        size = D if trial == 0 else rng.randint(0, D)
+        waves = split_waves(_mask(rng.sample(range(E), size), E), soe, N, max_needed)
+        counts = [int(w.sum()) for w in waves]
+        assert all(c <= cap for c, cap in zip(counts, caps)), (counts, caps)
+        if size == D:
+            assert counts == caps
+    with pytest.raises(ValueError, match=f"wave={W} is invalid"):
+        wave_capacity(E, max_needed, N, W)
 
 
 def test_waves_through_plan_match_sequential_lru():

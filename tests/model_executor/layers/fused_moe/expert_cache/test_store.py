@@ -46,7 +46,7 @@ class Int8ScaledMethod(FusedMoEMethodBase):
         out["w2_qweight"] = tensors["w2_qweight"].t().contiguous()       # [I, H] -> [H, I]
         return out
 
-    def apply_pairs(self, weights, x, topk_weights, topk_ids, out):
+    def apply_pairs(self, weights, x, topk_weights, topk_ids, out, max_ids=None):
         # perm permutes the input features per expert; undo it through the expert's weights.
         xs = x * self.input_scale
         w13 = weights["w13_qweight"].float() * weights["w13_scale"][..., None]   # [n, 2I, H]

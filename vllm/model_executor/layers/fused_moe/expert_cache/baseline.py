@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
+from vllm.model_executor.layers.fused_moe.modular_kernel import WaveIds
 
 
 class SyncLFRUProvider:
@@ -39,9 +40,10 @@ class SyncLFRUProvider:
     def slot_weights(self) -> dict[str, torch.Tensor]:
         return self.slots
 
-    def prepare(self, topk_ids: torch.Tensor, row_slots=None) -> Iterator[torch.Tensor]:
-        """topk_ids [T, K] (-1 = skip) -> waves of slot ids [T, K] (-1 outside the wave).
-        A generator: each wave's copies happen when the kernel asks for the wave."""
+    def prepare(self, topk_ids: torch.Tensor, row_slots=None) -> Iterator[WaveIds]:
+        """topk_ids [T, K] (-1 = skip) -> waves of slot ids [T, K] (-1 outside the wave), with
+        no bound (the kernels size their grids for every slot, as upstream's do). A generator:
+        each wave's copies happen when the kernel asks for the wave."""
         needed = sorted({e for row in topk_ids.tolist() for e in row if e >= 0})
         ordered = [e for e in needed if e in self.slot_of_expert] + \
                   [e for e in needed if e not in self.slot_of_expert]
@@ -52,7 +54,7 @@ class SyncLFRUProvider:
             for e in wave:
                 slot_map[e] = self.slot_of_expert[e]
             # -1 ids index the trailing -1 entry.
-            yield slot_map.to(topk_ids.device)[topk_ids.long()]
+            yield WaveIds(slot_map.to(topk_ids.device)[topk_ids.long()])
 
     def _plan(self, wave: list[int]) -> None:
         in_wave = set(wave)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
+from vllm.model_executor.layers.fused_moe.modular_kernel import WaveIds
 from vllm.platforms.interface import SideStream
 
 
@@ -39,8 +40,10 @@ def split_pairs(slot_ids: torch.Tensor, plan: LoadPlan, num_slots: int
 
 
 def overlapped_wave(copy, slots: dict[str, torch.Tensor], plan: LoadPlan,
-                    slot_ids: torch.Tensor, side: SideStream) -> Iterator[torch.Tensor]:
-    """Steps 2-4 above for one wave: yields the hit ids, then (after the join) the miss ids.
+                    slot_ids: torch.Tensor, side: SideStream, max_ids: int | None = None
+                    ) -> Iterator[WaveIds]:
+    """Steps 2-4 above for one wave: yields the hit ids, then (after the join) the miss ids,
+    each with the wave's bound ``max_ids`` (``WaveIds``: both are subsets of the wave).
     The caller runs the kernels of each before asking for the next; a caller that stops early
     closes the generator (``FusedMoEMethodBase.apply``), which still joins."""
     try:
@@ -49,10 +52,10 @@ def overlapped_wave(copy, slots: dict[str, torch.Tensor], plan: LoadPlan,
         # After the copy is enqueued: a step stopped between the residency step and its copy
         # would leave experts marked resident that were never copied.
         hits, misses = split_pairs(slot_ids, plan, next(iter(slots.values())).shape[0])
-        yield hits
+        yield WaveIds(hits, max_ids)
     finally:
         # Even when the copy, the split or the hit pass raised: a capture must not end with the
         # side stream forked (cudaErrorStreamCaptureUnjoined), and eagerly the plan must not be
         # freed on the current stream while the side stream's copy may still read it.
         side.join()
-    yield misses
+    yield WaveIds(misses, max_ids)

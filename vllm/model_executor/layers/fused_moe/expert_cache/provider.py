@@ -54,10 +54,12 @@ from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (Prefetch
                                                                         wanted_experts)
 from vllm.kernels.cpu.graph import capturing
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import (LoadPlan, Residency,
-                                                                         num_waves)
+                                                                         num_waves,
+                                                                         wave_capacity)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
     ReferenceStep, ResidencyStep, select_residency_step)
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, as_parameter
+from vllm.model_executor.layers.fused_moe.modular_kernel import WaveIds
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore, ProcessExpert
 from vllm.platforms import platform_for
 
@@ -85,8 +87,9 @@ class WeightProvider:
     """The layer's expert-indexed tensor names (keys of ``slot_weights()``)."""
 
     def prepare(self, topk_ids: torch.Tensor, row_slots: torch.Tensor | None = None
-                ) -> "Iterator[torch.Tensor] | tuple[torch.Tensor]":
-        """topk_ids [T, K] expert ids (-1 = skip) -> waves of ids [T, K] into ``slot_weights()``.
+                ) -> "Iterator[WaveIds] | tuple[WaveIds]":
+        """topk_ids [T, K] expert ids (-1 = skip) -> waves of ids [T, K] into ``slot_weights()``
+        with their bounds (``WaveIds``).
         row_slots [T] int64 or None: the step's KV slot per row; a cache routes rows whose slot
         is PAD_SLOT_ID (decode-graph padding) nowhere."""
         raise NotImplementedError
@@ -111,7 +114,7 @@ class IdentityProvider(WeightProvider):
         self.names = tuple(weights)
 
     def prepare(self, topk_ids, row_slots=None):
-        return (topk_ids,)
+        return (WaveIds(topk_ids),)
 
     def slot_weights(self):
         return self._weights
@@ -130,22 +133,24 @@ class ExpertPlan:
     def __len__(self) -> int:
         return self.num_waves
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[WaveIds]:
         p = self.provider
         step, res = p.step_for_this_call(), p.residency
         skip_empty = step.on_host and not capturing()
-        # A wave loads at most min(N, T*K) experts, the plan's first entries: the copy gets only
-        # those (a GPU copy's blocks walk its entries: 8 flags to read at batch 1, top-8, not 63).
-        loads = min(res.num_slots, self.topk_ids.numel())
         p.join_prefetch()           # the real step may hit on an expert still being copied
         for wave in range(self.num_waves):
             plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
-            plan = plan.head(loads)
+            # The wave holds at most `cap` experts (min(N, T*K) but for a last wave), so it
+            # loads at most that many, the plan's first entries: the copy gets only those (a GPU
+            # copy's blocks walk its entries: 8 flags to read at batch 1, top-8, not 63), and
+            # the expert kernels size their grids by it.
+            cap = wave_capacity(res.num_experts, self.topk_ids.numel(), res.num_slots, wave)
+            plan = plan.head(cap)
             if p.side_stream is not None:
-                yield from overlapped_wave(p.copy, p.slots, plan, slot_ids, p.side_stream)
+                yield from overlapped_wave(p.copy, p.slots, plan, slot_ids, p.side_stream, cap)
             else:
                 p.copy(p.slots, plan)
-                yield slot_ids
+                yield WaveIds(slot_ids, cap)
             if skip_empty and wave + 1 >= int(res.step_waves):
                 return
 

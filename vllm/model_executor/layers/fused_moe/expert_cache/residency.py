@@ -49,6 +49,17 @@ def num_waves(num_experts: int, max_needed: int, num_slots: int) -> int:
     return max(1, -(-min(num_experts, max_needed) // num_slots))
 
 
+def wave_capacity(num_experts: int, max_needed: int, num_slots: int, wave: int) -> int:
+    """Static bound on the distinct experts (so slots, and loads) of ``wave``: the needed
+    experts, at most D = min(E, T*k), are ranked and cut into chunks of ``num_slots``, so wave w
+    holds ranks [w N, (w + 1) N) of them: min(N, D - w N). Below N only for a last wave (at
+    N = E - 1 and T*k >= E: one expert), whose grids the expert kernels size by it."""
+    waves = num_waves(num_experts, max_needed, num_slots)
+    if not 0 <= wave < waves:
+        raise ValueError(f"wave={wave} is invalid: this step has waves 0..{waves - 1}")
+    return min(num_slots, min(num_experts, max_needed) - wave * num_slots)
+
+
 def wave_index(needed: torch.Tensor, slot_of_expert: torch.Tensor, num_slots: int) -> torch.Tensor:
     """[..., E] int64: which wave each needed expert runs in (-1 = not needed).
 
