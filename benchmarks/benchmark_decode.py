@@ -25,7 +25,9 @@ their wall seconds; hit rate, bytes copied and copy GB/s (bytes / decode seconds
 cache's counters over the same steps. ``tokens_identical`` says, per batch, whether every cache size
 produced the same greedy tokens. ``--profile-steps K`` adds a ``profile`` to each row: K more
 decode steps under torch.profiler (``decode_profile.py``: kernel and graph launches, GPU kernels
-and busy time, aten ops, per step). ``--unrouted-experts K`` zeroes the router rows of the last K
+and busy time, aten ops, per step; with a cache the bytes it copied in those steps and the miss
+copies' own speed, ``gather_gbps``: bytes over the gather kernels' device time).
+``--unrouted-experts K`` zeroes the router rows of the last K
 experts (``decode_models.UNROUTED``): with N = E - K slots, filled by a warm-up of 32 prompts,
 the cache then hits on every access, its pure cost. ``--attention-backend`` picks the engine's
 (e.g. ``flashinfer_paged``, which only that option selects).

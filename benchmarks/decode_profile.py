@@ -24,6 +24,9 @@ KERNEL_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
 GRAPH_LAUNCHES = ("cudaGraphLaunch",)
 COPIES = ("Memcpy", "Memset")
 """Device events that are copies, not kernels (CUPTI names them "Memcpy HtoD (...)" etc.)."""
+GATHER_KERNELS = "expert_gather"
+"""The expert cache's miss copies (``vllm._C``'s ``expert_gather_many_kernel``, the Triton
+``_expert_gather_kernel`` / ``_expert_gather_many_kernel``): kernels whose names contain it."""
 TOP_KERNELS = 24
 NAME_CHARS = 100
 """Kernel names are cut to this in the report (C++ template names run to kilobytes); they are
@@ -37,11 +40,14 @@ def _device_time_us(event) -> float:
     return 0.0
 
 
-def summarize(events, steps: int, wall_s: float) -> dict:
-    """Profiler ``key_averages()`` of ``steps`` decode steps -> per-step counts."""
+def summarize(events, steps: int, wall_s: float, bytes_copied: int | None = None) -> dict:
+    """Profiler ``key_averages()`` of ``steps`` decode steps -> per-step counts. With the
+    expert cache's ``bytes_copied`` over those steps: the miss copies' own speed (bytes over
+    the gather kernels' device time), beside the link's, where the wall-time figure also
+    counts the compute between copies."""
     count = {"launches": 0, "graph_launches": 0, "torch_ops": 0, "gpu_kernels": 0,
              "gpu_copies": 0}
-    gpu_us = copy_us = 0.0
+    gpu_us = copy_us = gather_us = 0.0
     per_kernel: dict[str, list[float]] = {}          # name -> [count, device us]
     for e in events:
         if e.key in KERNEL_LAUNCHES:
@@ -59,6 +65,7 @@ def summarize(events, steps: int, wall_s: float) -> dict:
         else:
             count["gpu_kernels"] += e.count
             gpu_us += us
+            gather_us += us if GATHER_KERNELS in e.key else 0.0
         k = per_kernel.setdefault(e.key, [0, 0.0])
         k[0] += e.count
         k[1] += us
@@ -67,7 +74,11 @@ def summarize(events, steps: int, wall_s: float) -> dict:
                gpu_busy_ms_per_step=gpu_us / 1e3 / steps,
                gpu_copy_ms_per_step=copy_us / 1e3 / steps,
                gpu_busy_fraction=(gpu_us / 1e6) / wall_s if wall_s > 0 else None,
+               gather_ms_per_step=gather_us / 1e3 / steps,
                kernels=top_kernels(per_kernel, steps))
+    if bytes_copied is not None:
+        out["bytes_copied"] = bytes_copied
+        out["gather_gbps"] = bytes_copied / (gather_us * 1e3) if gather_us > 0 else None
     return out
 
 
@@ -114,6 +125,7 @@ def profile_decode_steps(llm, prompts: list[list[int]], steps: int,
         engine.step()
     on_cuda = engine.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    copied = _bytes_copied(llm)                      # a host read, outside the profile
     if on_cuda:
         torch.cuda.synchronize()
     done = 0
@@ -125,10 +137,18 @@ def profile_decode_steps(llm, prompts: list[list[int]], steps: int,
         if on_cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    after = _bytes_copied(llm)                       # before any step past the profiled ones
     while engine.has_unfinished_requests():
         engine.step()
     if trace is not None:
         prof.export_chrome_trace(trace)
-    out = summarize(prof.key_averages(), max(done, 1), wall)
+    out = summarize(prof.key_averages(), max(done, 1), wall,
+                    None if after is None else after - copied)
     out["gpu_span_ms_per_step"] = device_span_ms(prof.events(), max(done, 1))
     return out
+
+
+def _bytes_copied(llm) -> int | None:
+    """The expert cache's bytes copied so far over every layer (None: no cache)."""
+    stats = llm.get_moe_cache_stats()
+    return None if stats is None else int(stats["bytes_copied"])

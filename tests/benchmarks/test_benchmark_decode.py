@@ -143,6 +143,9 @@ def test_profile_steps_count_what_a_decode_step_dispatches(tmp_path):
         assert p["steps"] == 3 and p["launches_per_step"] == 0 == p["graph_launches_per_step"]
         assert p["gpu_kernels_per_step"] == 0 and p["torch_ops_per_step"] > 10
         assert p["wall_ms_per_step"] > 0 and p["gpu_span_ms_per_step"] is None
+        # the cache's bytes over the profiled steps (none without a cache); no kernel on CPU
+        assert ("bytes_copied" in p) == (r["moe_expert_cache_size"] > 0)
+        assert p.get("gather_gbps") is None and p["gather_ms_per_step"] == 0
         trace = tmp_path / "traces" / f"decode-n{r['moe_expert_cache_size']}-b2.json"
         assert '"traceEvents"' in trace.read_text()[:4096]
 
@@ -172,6 +175,29 @@ def test_profile_summary_counts_launches():
         {"name": "gemm_kernel", "per_step": 3, "us_per_step": 500.0, "us_each": 2000 / 12},
         {"name": "Memcpy HtoD (Pinned -> Device)", "per_step": 2, "us_per_step": 100.0,
          "us_each": 50.0}]
+
+
+def test_profile_summary_times_the_miss_copies_by_their_kernels():
+    """The gather kernels' device time, and the bytes the cache copied over the profiled steps
+    over it: 94 MB in 2 ms of copy kernels is 47 GB/s, whatever else ran."""
+    from types import SimpleNamespace
+
+    import torch
+    from decode_profile import summarize
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [SimpleNamespace(key="gemm_kernel", count=12, device_type=cuda,
+                              self_device_time_total=3000.0),
+              SimpleNamespace(key="void vllm::(anonymous namespace)::expert_gather_many_kernel"
+                              "(vllm::(anonymous namespace)::GatherBatch, long const*)", count=8,
+                              device_type=cuda, self_device_time_total=1500.0),
+              SimpleNamespace(key="_expert_gather_kernel", count=4, device_type=cuda,
+                              self_device_time_total=500.0)]
+    got = summarize(events, steps=4, wall_s=0.01, bytes_copied=94_000_000)
+    assert got["gather_ms_per_step"] == 0.5 and got["bytes_copied"] == 94_000_000
+    assert got["gather_gbps"] == 47.0
+    plain = summarize(events, steps=4, wall_s=0.01)
+    assert "gather_gbps" not in plain and plain["gather_ms_per_step"] == 0.5
+    assert summarize(events[:1], 4, 0.01, bytes_copied=0)["gather_gbps"] is None
 
 
 def test_profile_kernels_are_cut_to_the_largest_and_ordered_by_time():
