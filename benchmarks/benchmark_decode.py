@@ -26,7 +26,8 @@ cache's counters over the same steps. ``tokens_identical`` says, per batch, whet
 produced the same greedy tokens. ``--profile-steps K`` adds a ``profile`` to each row: K more
 decode steps under torch.profiler (``decode_profile.py``: kernel and graph launches, GPU kernels
 and busy time, aten ops, per step; with a cache the bytes it copied in those steps and the miss
-copies' own speed, ``gather_gbps``: bytes over the gather kernels' device time).
+copies' own speed, ``gather_gbps``: bytes over the gather kernels' device time; ``gpu_gaps``:
+the device's idle time per step and its longest gaps, each with the activity around it).
 ``--unrouted-experts K`` zeroes the router rows of the last K
 experts (``decode_models.UNROUTED``): with N = E - K slots, filled by a warm-up of 32 prompts,
 the cache then hits on every access, its pure cost. ``--attention-backend`` picks the engine's

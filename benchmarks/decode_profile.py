@@ -28,6 +28,7 @@ GATHER_KERNELS = "expert_gather"
 """The expert cache's miss copies (``vllm._C``'s ``expert_gather_many_kernel``, the Triton
 ``_expert_gather_kernel`` / ``_expert_gather_many_kernel``): kernels whose names contain it."""
 TOP_KERNELS = 24
+TOP_GAPS = 8
 NAME_CHARS = 100
 """Kernel names are cut to this in the report (C++ template names run to kilobytes); they are
 told apart by the whole name."""
@@ -101,6 +102,29 @@ def device_span_ms(events, steps: int) -> float | None:
     return (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e3 / steps
 
 
+def device_gaps(events, steps: int) -> dict | None:
+    """The device's idle time over the profiled steps (``prof.events()``), on one timeline of
+    its kernels and copies (streams merged): per step the total, and the ``TOP_GAPS`` longest
+    gaps with the activity before and after each. A gap between the last kernel of a step and
+    the first of the next is the host's (sampling, scheduling, the graph launch); one between
+    two kernels of a replayed step is idle time inside the graph (a wait across streams, a
+    launch's latency). None without device events (CPU)."""
+    ev = sorted((e.time_range.start, e.time_range.end, getattr(e, "name", "?")) for e in events
+                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    if not ev:
+        return None
+    gaps, end, last = [], ev[0][1], ev[0][2]
+    for start, stop, name in ev[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    top = sorted(gaps, key=lambda g: (-g[0], g[1], g[2]))[:TOP_GAPS]
+    return {"idle_ms_per_step": sum(g[0] for g in gaps) / 1e3 / steps,
+            "largest": [{"us": us, "after": a[:NAME_CHARS], "before": b[:NAME_CHARS]}
+                        for us, a, b in top]}
+
+
 def prefilled(engine) -> bool:
     """Whether every request of ``engine`` has its whole prompt computed (decode steps from now)."""
     s = engine.scheduler
@@ -145,6 +169,7 @@ def profile_decode_steps(llm, prompts: list[list[int]], steps: int,
     out = summarize(prof.key_averages(), max(done, 1), wall,
                     None if after is None else after - copied)
     out["gpu_span_ms_per_step"] = device_span_ms(prof.events(), max(done, 1))
+    out["gpu_gaps"] = device_gaps(prof.events(), max(done, 1))
     return out
 
 

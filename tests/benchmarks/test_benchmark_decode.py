@@ -143,6 +143,7 @@ def test_profile_steps_count_what_a_decode_step_dispatches(tmp_path):
         assert p["steps"] == 3 and p["launches_per_step"] == 0 == p["graph_launches_per_step"]
         assert p["gpu_kernels_per_step"] == 0 and p["torch_ops_per_step"] > 10
         assert p["wall_ms_per_step"] > 0 and p["gpu_span_ms_per_step"] is None
+        assert p["gpu_gaps"] is None
         # the cache's bytes over the profiled steps (none without a cache); no kernel on CPU
         assert ("bytes_copied" in p) == (r["moe_expert_cache_size"] > 0)
         assert p.get("gather_gbps") is None and p["gather_ms_per_step"] == 0
@@ -229,6 +230,31 @@ def test_device_span_runs_from_the_first_device_event_to_the_last():
               event(cuda, 4_000, 5_000)]
     assert device_span_ms(events, steps=2) == 4.0            # (9000 - 1000) us over 2 steps
     assert device_span_ms([event(cpu, 0, 10)], steps=1) is None
+
+
+def test_device_gaps_merge_the_streams_and_name_the_activity_around_each():
+    """Idle time on one device timeline: overlapping events (a copy on a side stream beside a
+    GEMM) leave no gap; each gap names the activity that ended last before it and the next."""
+    from types import SimpleNamespace
+
+    import torch
+    from decode_profile import TOP_GAPS, device_gaps
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(start=start, end=end))
+    events = [event("host", 0, 90_000, cpu), event("norm", 1_000, 1_010),
+              event("gemm", 1_020, 1_100), event("gather", 1_030, 1_200),    # beside gemm
+              event("residency", 1_250, 1_260), event("logits", 1_300, 1_310),
+              event("norm", 2_000, 2_010)]
+    got = device_gaps(events, steps=2)
+    # gaps: 10 (norm -> gemm), 50 (gather -> residency), 40, 690 (logits -> next step's norm)
+    assert got["idle_ms_per_step"] == (10 + 50 + 40 + 690) / 1e3 / 2
+    assert got["largest"][:2] == [{"us": 690, "after": "logits", "before": "norm"},
+                                  {"us": 50, "after": "gather", "before": "residency"}]
+    assert len(got["largest"]) == 4 <= TOP_GAPS
+    assert device_gaps([event("host", 0, 1, cpu)], steps=1) is None
 
 
 def test_a_run_cut_short_keeps_the_rows_it_measured(result, monkeypatch, tmp_path):
