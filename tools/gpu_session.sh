@@ -163,7 +163,8 @@ first)
     throw_probe
     step 200 pytest-gpu "${PYTEST[@]}" -m gpu "${NOT_FI[@]}" "${PARALLEL[@]}" --durations=10
     # The Chrome traces of the profiled steps go into logs.tgz: where the cache's host time goes
-    # (at 63 of 64 slots the H100's step took 0.89 ms more, the GPU busy 0.23 ms more).
+    # (at 63 of 64 slots the H100's step took 0.89 ms more, the GPU busy 0.23 ms more); each
+    # row's profile has gpu_gaps (idle time and its longest gaps, named) and gather_gbps.
     step 150 decode-graphs "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 16 63 \
         --output-len 32 --profile-steps 4 --profile-trace-dir "$LOGS/traces" \
         --out "$OUT/decode-graphs.json"
