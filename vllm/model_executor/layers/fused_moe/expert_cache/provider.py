@@ -59,8 +59,8 @@ from vllm.model_executor.layers.fused_moe.expert_cache.residency import (LoadPla
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
     ReferenceStep, ResidencyStep, select_residency_step)
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, as_parameter
-from vllm.model_executor.layers.fused_moe.modular_kernel import WaveIds
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore, ProcessExpert
+from vllm.model_executor.layers.fused_moe.modular_kernel import WaveIds
 from vllm.platforms import platform_for
 
 logger = init_logger(__name__)
