@@ -203,7 +203,8 @@ def test_biased_swigluoai_and_gelu(qm, scheme):
 def test_slot_ids_over_a_subset_and_waves(qm, scheme):
     """G = 9 slots, ids use three of them (each slot's own codes AND scales, zero points and
     g_idx); -1 and ids >= G are skipped and their rows of out keep what was there (the expert
-    cache's waves); two waves equal one call."""
+    cache's waves); two waves equal one call, with their grids sized for their distinct ids
+    (``max_ids``: one slot, then two) as the cache's waves are."""
     kind, quant = SCHEMES[scheme]
     T, K, H, N, G = 23, 2, 32, 16, 9
     x, (p13, p2), (d13, d2), w, _, b13, b2 = make(qm, kind, T, G, K, H, N, torch.float32, G=G,
@@ -221,9 +222,9 @@ def test_slot_ids_over_a_subset_and_waves(qm, scheme):
     torch.testing.assert_close(out[valid], want[valid], atol=1e-4, rtol=1e-4)
     assert torch.equal(out[~valid], torch.full_like(out[~valid], 3.0))
     waves = torch.full((T, K, H), 3.0, device=DEVICE)
-    for wave in ((ids == 4), (ids != 4)):
+    for wave, max_ids in (((ids == 4), 1), ((ids != 4), 2)):
         qm.fused_moe_quant_pairs(x, p13, p2, w, torch.where(wave, ids, -1), waves, "silu",
-                                 ALPHA, LIMIT, b13, b2, config=SMALL)
+                                 ALPHA, LIMIT, b13, b2, config=SMALL, max_ids=max_ids)
     assert torch.equal(waves, out)
 
 
