@@ -190,24 +190,30 @@ def test_slot_ids_with_unused_slots_and_skipped_pairs(km):
     assert torch.equal(waves, out)
 
 
-def test_max_ids_bounded_grids_give_the_same_pairs(km):
-    """A cache's waves with their bounds (max_ids: the distinct slots a wave can hold): the
-    shorter grids compute the same pairs, bit for bit, as grids sized for every slot."""
+def _bounded_waves_equal_one_call(km, dtype):
+    """Two waves with their bounds (max_ids: the distinct slots each holds), and looser or no
+    bounds: the shorter grids compute the same pairs, bit for bit, as grids sized for every
+    slot."""
     T, K, H, N, G = 32, 2, 32, 16, 9
-    x, w13, w2, w, _, b13, b2 = make(T, G, K, H, N, bias=True, G=G)
+    x, w13, w2, w, _, b13, b2 = make(T, G, K, H, N, dtype, bias=True, G=G)
     g = torch.Generator().manual_seed(7)
     first = torch.randperm(G, generator=g)[:2 * K]
     ids = torch.stack([first[torch.randperm(2 * K, generator=g)[:K]] for _ in range(T)])
     ids = ids.to(DEVICE)
-    want = torch.full((T, K, H), 3.0, device=DEVICE)
+    want = torch.full((T, K, H), 3.0, device=DEVICE, dtype=dtype)
     km.fused_moe_pairs(x, w13, w2, w, ids, want, "silu", ALPHA, LIMIT, b13, b2)
     for wave, bound in (((ids == first[0]), 1), ((ids != first[0]), 2 * K - 1)):
         for max_ids in (bound, bound + 3, None):
-            got = torch.full((T, K, H), 3.0, device=DEVICE)
+            got = torch.full((T, K, H), 3.0, device=DEVICE, dtype=dtype)
             km.fused_moe_pairs(x, w13, w2, w, torch.where(wave, ids, -1), got, "silu", ALPHA,
                                LIMIT, b13, b2, max_ids=max_ids)
             assert torch.equal(got[wave], want[wave]), (bound, max_ids)
             assert torch.equal(got[~wave], torch.full_like(got[~wave], 3.0))
+
+
+def test_max_ids_bounded_grids_give_the_same_pairs(km):
+    """A cache's waves with their bounds (``WaveIds.max_ids``)."""
+    _bounded_waves_equal_one_call(km, torch.float32)
 
 
 def test_rejects_bad_inputs(km):
@@ -294,6 +300,14 @@ def test_compiled_on_cuda(dtype, activation):
                           (8193, 7, 3, 96, 40)]:
         for bias in (False, True):
             check(km, T, E, K, H, N, dtype, activation, bias, seed=T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_max_ids_bounded_grids_on_cuda(dtype):
+    """The compiled kernels with a cache wave's bounded grids: the same bits as unbounded."""
+    from vllm.kernels.triton import fused_moe as km
+    _bounded_waves_equal_one_call(km, dtype)
 
 
 @pytest.mark.gpu
