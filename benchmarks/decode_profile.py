@@ -34,6 +34,11 @@ NAME_CHARS = 100
 told apart by the whole name."""
 
 
+def _on_device(event) -> bool:
+    """Whether a profiler event is the device's (a kernel or a copy), not the host's."""
+    return getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA
+
+
 def _device_time_us(event) -> float:
     for name in ("self_device_time_total", "self_cuda_time_total"):
         if hasattr(event, name):
@@ -57,7 +62,7 @@ def summarize(events, steps: int, wall_s: float, bytes_copied: int | None = None
             count["graph_launches"] += e.count
         elif e.key.startswith("aten::"):
             count["torch_ops"] += e.count
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+        if not _on_device(e):
             continue
         us = _device_time_us(e)
         if e.key.startswith(COPIES):
@@ -96,7 +101,7 @@ def device_span_ms(events, steps: int) -> float | None:
     profiled steps (``prof.events()``): beside the busy time it gives the device's idle gaps
     inside the steps, and beside the wall time the host's share outside them."""
     spans = [(e.time_range.start, e.time_range.end) for e in events
-             if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+             if _on_device(e)]
     if not spans:
         return None
     return (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e3 / steps
@@ -110,7 +115,7 @@ def device_gaps(events, steps: int) -> dict | None:
     two kernels of a replayed step is idle time inside the graph (a wait across streams, a
     launch's latency). None without device events (CPU)."""
     ev = sorted((e.time_range.start, e.time_range.end, getattr(e, "name", "?")) for e in events
-                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+                if _on_device(e))
     if not ev:
         return None
     gaps, end, last = [], ev[0][1], ev[0][2]
