@@ -47,20 +47,18 @@ ENTRY_ROWS = 8
 """The grid's rows of plan entries: program (c, y) copies chunk c of entries y, y + 8, ...; a
 step that hits everywhere launches min(n, 8) rows of programs that read their flags and exit,
 not n (csrc/moe/expert_gather.cu has the arithmetic)."""
-
-
 _ROWS = tl.constexpr(ENTRY_ROWS)
-
-
-def flags_per_row(n: int) -> int:
-    """FLAGS of a launch over n entries: a power of two >= the entries of one row."""
-    return triton.next_power_of_2(triton.cdiv(n, min(n, ENTRY_ROWS)))
 NUM_WARPS = 4
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 """Compile options of every launch (no floating point here: enable_fp_fusion is set only so
 Triton does not warn that its default changes; tests/build compiles with these)."""
 WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 """(bytes, dtype) a row may move as, widest first."""
+
+
+def flags_per_row(n: int) -> int:
+    """FLAGS of a launch over n entries: a power of two >= the entries of one row."""
+    return triton.next_power_of_2(triton.cdiv(n, min(n, ENTRY_ROWS)))
 
 
 @triton.jit
