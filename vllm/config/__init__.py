@@ -163,8 +163,9 @@ class MoECacheConfig:
     cpu_compute: str = "off"
     """"off"; "auto": compute a missing expert's tokens on the CPU from the host store instead of
     copying it until the CPU has spent one copy's time on it (ski rental, over a cost model
-    measured at load; for slow links); "always": every miss on the CPU. Not loaded, not counted
-    as a miss; eager steps only; outputs may differ by rounding
+    measured at load; for slow links), and, where the copies run beside the CPU (a GPU), the
+    least used of the other misses while that shortens the step; "always": every miss on the
+    CPU. Not loaded, not counted as a miss; eager steps only; outputs may differ by rounding
     (``expert_cache/host_compute.py``)."""
 
     def __post_init__(self) -> None:

@@ -67,7 +67,8 @@ class EngineArgs:
     moe_expert_cpu_compute: str = "off"
     """Expert cache: off; auto (compute a missing expert's tokens on the CPU from host memory
     until the CPU has spent one copy's time on it, then copy it: ski rental over a cost model
-    measured at load; for slow links such as PCIe x4 or WSL); always (every miss on the CPU).
+    measured at load; for slow links such as PCIe x4 or WSL; on a GPU also the least used
+    misses while the CPU beside the copies shortens the step); always (every miss on the CPU).
     Eager steps only; outputs may differ by rounding; see docs/expert-cache.md."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""

@@ -16,7 +16,7 @@ from tools.quantize_checkpoint import main as quantize_main
 from vllm import LLM, SamplingParams
 from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
-    HostCostModel, HostMissCompute, host_experts, measure_cost_model, rent_or_buy)
+    HostCostModel, HostMissCompute, balance, host_experts, measure_cost_model, rent_or_buy)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts, TorchExperts
 from vllm.model_executor.model_loader import get_model
@@ -132,6 +132,45 @@ def test_auto_starts_renting_afresh_once_an_expert_was_resident():
     assert rented == [True, True, True, False]
 
 
+def test_balance_moves_the_least_used_misses_while_that_shortens_the_step():
+    f64 = dict(dtype=torch.float64)
+    buy = torch.tensor([True, True, True, True, False])
+    use = torch.tensor([3.0, 0.0, 2.0, 0.0, 0.0], **f64)     # order: 1, 3 (ties: id), 2, 0
+    cpu = torch.tensor([0.3] * 5, **f64)
+    # Copies 1.0 s each. Taking k of the 4: the step waits max(0.3 k, 4 - k): 4, 3, 2, 1, 1.2.
+    assert balance(buy, use, cpu, 1.0, 0.0).tolist() == [False, True, True, True, False]
+    # The CPU already busy 2.5 s with rentals: max(2.5 + 0.3 k, 4 - k) = 4, 3, 3.1, ...
+    assert balance(buy, use, cpu, 1.0, 2.5).tolist() == [False, True, False, False, False]
+    # A tie keeps the copy (it serves later uses too): one miss, 1.0 s either way.
+    one = torch.tensor([False, False, True, False, False])
+    assert not balance(one, use, torch.ones(5, **f64), 1.0, 0.0).any()
+    assert not balance(torch.zeros(5, dtype=torch.bool), use, cpu, 1.0, 0.0).any()
+    # Expert 4 is no candidate (not to be copied) however little it was used.
+    assert not balance(buy, use, cpu, 1.0, 0.0)[4]
+    # A candidate too slow on the CPU (expert 1: 5 s) is copied; the next one is still taken:
+    # the wait max(2 - 1, 0.2) = 1 against 2.
+    two = torch.tensor([False, True, True, False, False])
+    slow = torch.tensor([0.3, 5.0, 0.2, 0.3, 0.3], **f64)
+    assert balance(two, use, slow, 1.0, 0.0).tolist() == [False, False, True, False, False]
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_auto_balances_only_where_copies_run_beside_the_cpu(concurrent):
+    # One token costs the CPU 1.2 s against a 1.0 s copy: ski rental alone never rents. Side by
+    # side, three misses take 3.0 s copied, 2.0 s with one on the CPU (1.2 s beside 2 copies):
+    # the least used of them goes to the CPU.
+    cost = HostCostModel(copy_seconds=1.0, cpu_fixed=1.1, cpu_per_token=0.1,
+                         concurrent=concurrent)
+    hc = HostMissCompute("auto", experts=None, store_tensors={}, cost=cost)
+    for warm in ([[0, 5]], [[0, 1]], [[5, 1]]):          # resident 1: 0 and 5 used twice each
+        hc.host_pairs(torch.tensor([[1, 3]]), RESIDENT)      # hits only: nothing rented
+        hc.host_pairs(torch.tensor(warm), RESIDENT.clone().fill_(0))   # "all resident"
+    ids, on_cpu = hc.host_pairs(torch.tensor([[0, 2], [5, 1]]), RESIDENT)
+    assert on_cpu.tolist() == ([[False, True], [False, False]] if concurrent else
+                               [[False, False], [False, False]])
+    assert hc.spent.tolist() == pytest.approx([0.0, 0.0, 1.2 if concurrent else 0.0] + [0.0] * 5)
+
+
 def test_modes_are_checked():
     with pytest.raises(ValueError, match=r"moe_expert_cpu_compute='off' is invalid here"):
         HostMissCompute("off", None, {}, None)
@@ -164,6 +203,22 @@ def test_cached_with_cpu_compute_equals_uncached_bitwise(moe_backend, dtype, mod
         assert stats["bytes_copied"] == 0
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_balanced_cpu_compute_equals_uncached_bitwise(n):
+    """'auto' with a cost model whose copies run beside the CPU (a GPU's, injected: on a CPU
+    device they do not): the misses split between copies and the CPU, same bits."""
+    ref, layer = build(0), build(n)
+    cost = HostCostModel(copy_seconds=1.0, cpu_fixed=0.9, cpu_per_token=0.05, concurrent=True)
+    layer.expert_cache.enable_host_compute("auto", layer.quant_method, H, torch.float32, cost)
+    g = torch.Generator().manual_seed(2)
+    for T in [1, 1, 2, 1, 5, 1, 1, 3]:
+        x = torch.randn(T, H, generator=g)
+        logits = torch.randn(T, E, generator=g)
+        assert torch.equal(layer(x, logits), ref(x, logits)), T
+    stats = layer.expert_cache.stats()
+    assert stats["cpu_pairs"] > 0 and stats["misses"] > 0, stats
+
+
 def test_the_measured_cost_model_is_finite_and_non_negative():
     layer = build(2)
     cache = layer.expert_cache
@@ -171,6 +226,7 @@ def test_the_measured_cost_model_is_finite_and_non_negative():
                               torch.float32)
     values = (cost.copy_seconds, cost.cpu_fixed, cost.cpu_per_token)
     assert all(math.isfinite(v) and v >= 0 for v in values) and cost.copy_seconds > 0
+    assert not cost.concurrent       # a CPU device's copies take the CPU's own cores
 
 
 def test_layers_of_one_layout_share_one_measurement(monkeypatch):

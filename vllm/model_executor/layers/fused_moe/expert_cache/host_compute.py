@@ -8,7 +8,9 @@ Per step and cached layer, with a mode other than "off":
   2. each *missing* expert (needed, not resident) goes to the CPU in mode "always", and in
      "auto" while the CPU time spent on it since it was last copied, this step's included,
      stays under one copy's (``rent_or_buy``, ski rental over ``HostCostModel``); else it is
-     copied as usual;
+     copied as usual. Where the copies and the CPU run side by side (a GPU: its link and the
+     host's cores), "auto" also moves to the CPU the least used of the misses it would copy
+     while that shortens the step (``balance``: the step waits for the longer of the two);
   3. its pairs leave the device's ids (-1), so the residency step, the copies and the policy
      see only the rest: a miss computed on the CPU is not loaded, and the cache's contents
      change only through the misses that are copied (and prefetch);
@@ -35,13 +37,23 @@ from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 from vllm.platforms import platform_for
 
 
+USE_HALF_LIFE = 30.0
+"""Steps over which a layer's per-expert use counts (``HostMissCompute.use``) halve. They order
+the misses ``balance`` moves to the CPU, least used first: the copies skipped are those least
+likely to have served a later hit. 30 is ``lrfu``'s half-life, tuned on the DeepSeek-V2-Lite
+trace (docs/expert-cache-policies.md): a memory of tens of steps."""
+
+
 @dataclass(frozen=True)
 class HostCostModel:
     """Seconds to serve one missing expert: copy it (``copy_seconds``), or run its ``t`` tokens
-    on the CPU (``cpu_fixed + cpu_per_token * t``: reading the weights, then the FLOPs)."""
+    on the CPU (``cpu_fixed + cpu_per_token * t``: reading the weights, then the FLOPs).
+    ``concurrent``: whether the copies run while the CPU computes (a GPU's link beside the
+    host's cores; not a CPU device, whose copies take the same cores)."""
     copy_seconds: float
     cpu_fixed: float
     cpu_per_token: float
+    concurrent: bool = False
 
     def cpu_seconds(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [E] int64 (pairs per expert this step) -> [E] float64 seconds on the CPU."""
@@ -59,6 +71,29 @@ def rent_or_buy(spent: torch.Tensor, cpu_seconds: torch.Tensor, tokens: torch.Te
     missing = tokens > 0
     rent = missing & (spent + cpu_seconds < copy_seconds)
     return rent, torch.where(rent, spent + cpu_seconds, torch.where(missing, 0.0, spent))
+
+
+def balance(buy: torch.Tensor, use: torch.Tensor, cpu_seconds: torch.Tensor,
+            copy_seconds: float, cpu_busy: float) -> torch.Tensor:
+    """Which of the misses to be copied (``buy`` [E] bool) the CPU takes instead, when the copies
+    and the CPU run side by side and the step waits for the longer: (copies left) x
+    ``copy_seconds`` against ``cpu_busy`` (the CPU's rentals so far) plus the CPU time
+    (``cpu_seconds`` [E]) of those taken. Candidates least used first (``use`` [E]; ties: lower
+    id), each taken when that makes the wait strictly shorter, i.e. when the CPU's time with it
+    stays under the current wait (a tie keeps the copy: it also serves the expert's later
+    uses); one too slow for the CPU is copied and the next is tried. -> [E] bool."""
+    moved = torch.zeros_like(buy)
+    ids = buy.nonzero().squeeze(1)                                      # ascending
+    order = ids[torch.sort(use[ids], stable=True).indices].tolist()
+    seconds = cpu_seconds.tolist()
+    copies, cpu = len(order), cpu_busy
+    for e in order:
+        # Taking e: max((copies - 1) x copy, cpu + seconds[e]) against max(copies x copy, cpu).
+        if cpu + seconds[e] < max(copies * copy_seconds, cpu):
+            cpu += seconds[e]
+            copies -= 1
+            moved[e] = True
+    return moved
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
@@ -112,7 +147,8 @@ def measure_cost_model(store_tensors: dict[str, torch.Tensor], slots: dict[str, 
     copy_seconds = _best_seconds(copy_one)
     one, many = _best_seconds(cpu(1, 3)), _best_seconds(cpu(probe_tokens, 6))
     per_token = max(0.0, (many - one) / (probe_tokens - 1))
-    return HostCostModel(copy_seconds, max(0.0, one - per_token), per_token)
+    return HostCostModel(copy_seconds, max(0.0, one - per_token), per_token,
+                         concurrent=device.type != "cpu")
 
 
 _COST_MODELS: dict[tuple, HostCostModel] = {}
@@ -182,6 +218,9 @@ class HostMissCompute:
         """(step, expert) calls computed on the CPU so far: each saved one expert copy."""
         self.spent: torch.Tensor | None = None
         """[E] float64 seconds of CPU work per expert since it was last copied (mode "auto")."""
+        self.use: torch.Tensor | None = None
+        """[E] float64 steps that used each expert, halved every ``USE_HALF_LIFE`` steps (mode
+        "auto"): ``balance``'s order."""
 
     def host_pairs(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,15 +236,30 @@ class HostMissCompute:
         if self.mode == "auto":
             if self.spent is None:
                 self.spent = torch.zeros(num_experts, dtype=torch.float64)
+                self.use = torch.zeros(num_experts, dtype=torch.float64)
             # A resident expert was copied since it last ran on the CPU (as a miss or by
             # prefetch): its next rental starts from nothing.
             self.spent.masked_fill_(resident, 0.0)
-        if self.mode == "auto" and bool(miss.any()):
-            tokens = torch.bincount(ids[miss], minlength=num_experts)   # [E] pairs per miss
-            rent, self.spent = rent_or_buy(self.spent, self.cost.cpu_seconds(tokens), tokens,
-                                           self.cost.copy_seconds)
-            miss &= rent[ids.clamp(0, num_experts - 1)]
+            if bool(miss.any()):
+                miss &= self._rent(ids[miss], num_experts)[ids.clamp(0, num_experts - 1)]
+            used = torch.bincount(ids[known], minlength=num_experts) > 0
+            self.use.mul_(0.5 ** (1.0 / USE_HALF_LIFE)).add_(used.double())
         return ids, miss
+
+    def _rent(self, missing_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """Mode "auto": [E] bool, the missing experts the CPU computes this step (ski rental,
+        then ``balance`` where the copies run beside the CPU); updates ``spent``."""
+        cost = self.cost
+        tokens = torch.bincount(missing_ids, minlength=num_experts)     # [E] pairs per miss
+        cpu = cost.cpu_seconds(tokens)
+        rent, spent = rent_or_buy(self.spent, cpu, tokens, cost.copy_seconds)
+        if cost.concurrent:
+            moved = balance((tokens > 0) & ~rent, self.use, cpu, cost.copy_seconds,
+                            float(cpu[rent].sum()))
+            rent |= moved
+            spent = torch.where(moved, self.spent + cpu, spent)
+        self.spent = spent
+        return rent
 
     def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
               topk_weights: torch.Tensor) -> HostSplit | None:

@@ -298,7 +298,9 @@ class CachedWeightProvider(WeightProvider):
                                   copy=self.copy)
             log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (a missing "
                      "expert runs on the CPU until the CPU has spent one copy's time on it, "
-                     "then it is copied)")
+                     "then it is copied" + ("; and the least used misses while the CPU beside "
+                                            "the copies shortens the step)" if cost.concurrent
+                                            else ")"))
         self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
 
     def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
