@@ -5,7 +5,9 @@ the CPU's time for an expert's 1 and 8 tokens from host memory (the torch loop, 
 machine), and its copy into a host "slot" (a RAM-to-RAM copy here: the link's time on a GPU
 machine is what the engine measures there). The break-even link bandwidth is the expert's bytes
 over the CPU's 1-token time: on links slower than that, ``auto`` rents a 1-token miss at first
-(ski rental: until the CPU has spent one copy's time on the expert).
+(ski rental: until the CPU has spent one copy's time on the expert); on faster ones, where the
+copies run beside the CPU (a GPU), it still gives the CPU the least used misses while that
+shortens the step (``balance``).
 
     python benchmarks/benchmark_cpu_miss_cost.py --shape probe-4.8g dsv2-lite --threads 1 2 --json
 """

@@ -2,7 +2,7 @@
 
     python benchmarks/benchmark_expert_offload.py --trace T.npz --shape dsv2-lite|small|tiny
         [--capacity 8 16 32] [--batch 1 8] [--designs all | resident sync-lfru uva ours
-        ours+overlap ours+prefetch ours+cpu] [--threads T]
+        ours+overlap ours+prefetch ours+cpu] [--threads T] [--cpu-cost COPY CPU PER_TOKEN]
         [--policy auto] [--layers L] [--max-tokens N] [--sequences odd|even|all]
         [--dtype bfloat16] [--device cpu|cuda] [--repeat R] [--json] [--out FILE.json]
 
@@ -33,9 +33,18 @@ Designs (``DESIGNS``):
                  prediction is the top-k of the summed rows of its layer-l experts. Predictions
                  are made before timing (they stand in for one [E, H] router matmul).
   ours+cpu       ours, and a missing expert runs on the CPU instead of being copied while the
-                 CPU has spent less than one copy's time on it (``moe_expert_cpu_compute``
-                 "auto"; ``offload_designs.py``): fewer bytes over the link, a host read per
-                 step and layer. ``--threads`` sets the CPU's threads (default 1).
+                 CPU has spent less than one copy's time on it, and on a GPU the least used
+                 misses too while the CPU beside the copies shortens the step
+                 (``moe_expert_cpu_compute`` "auto"; ``offload_designs.py``): fewer bytes over
+                 the link, a host read per step and layer. ``--threads`` sets the CPU's
+                 threads (default 1). ``--cpu-cost COPY CPU PER_TOKEN`` (milliseconds: one
+                 expert's copy, the CPU's fixed and per-token time) gives its cost model
+                 instead of measuring it, with the copies beside the CPU as on a GPU: on a
+                 CPU machine the replay then shows what "auto" would choose on that GPU host
+                 (hit rate, bytes, CPU pairs; not its speed), and the rows of ours and
+                 ours+cpu get ``modelled_wait_seconds``: per layer and step, max(experts
+                 copied x COPY, the CPU's time for the experts it computes), summed (ours:
+                 misses x COPY); a model of the wait for misses, compute left out.
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
@@ -59,6 +68,7 @@ step are uploaded before the timing (the timed loop copies no routing host to de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -71,8 +81,9 @@ from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
                             measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
 from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, layer_step,
-                             make_providers, uva_refusal)
+                             make_providers, model_wait_seconds, uva_refusal)
 
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.provider import resolve_policy_name
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
@@ -151,6 +162,8 @@ class Setup:
         self.inputs = torch.randn(16, max_batch, self.hidden, generator=g).to(dtype).to(
             self.device)
         self.affinity_pred: torch.Tensor | None = None
+        self.cpu_cost: HostCostModel | None = None
+        """ours+cpu's cost model (``--cpu-cost``); None: measured on layer 0's provider."""
 
     def steps(self, batch: int) -> list[torch.Tensor]:
         """Per step, the trace tokens of its active lanes ([b] int64)."""
@@ -179,6 +192,8 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     providers = make_providers(s, design, capacity, policy)
     counted = count_copies(providers, s.store.bytes_per_expert) \
         if count and design in CACHED else None
+    modelled = model_wait_seconds(providers, s.cpu_cost) \
+        if design == "ours+cpu" and s.cpu_cost is not None else None
     pred = s.affinity_pred if design == "ours+prefetch" else None
     steps, L = s.steps(batch)[:max_steps], s.trace.num_layers
     step_ids, step_pred, host_ids = upload_steps(s, steps, pred)
@@ -205,6 +220,10 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
         host_ids, s.trace.num_experts, s.store.bytes_per_expert)
     if count:
         row["bytes_copied_counted"] = counted[0] if counted is not None else 0
+    if s.cpu_cost is not None and design in ("ours", "ours+cpu"):
+        # --cpu-cost: the modelled wait for misses (ours: every miss copied).
+        row["modelled_wait_seconds"] = modelled[0] if modelled is not None else \
+            row["misses"] * s.cpu_cost.copy_seconds
     if keep_outputs:
         row["_outputs"] = outputs
     return row
@@ -238,11 +257,16 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
     setup = Setup(trace, args.shape, _DTYPES[args.dtype], args.device, max(args.batch))
     if "ours+prefetch" in designs:
         setup.affinity_pred = predict_next(trace, fit_affinity(fit))
+    if args.cpu_cost is not None:
+        copy, fixed, per_token = (ms / 1e3 for ms in args.cpu_cost)
+        setup.cpu_cost = HostCostModel(copy, fixed, per_token, concurrent=True)
     jobs = [(batch, design, c) for batch in args.batch for design in designs
             for c in (args.capacity if design in CACHED else [None])]
     bandwidth = measure_bandwidth(setup.store, setup.device)
     head = _header(args, setup, bandwidth, measure_copy_engine(setup.store, setup.device),
                    measure_copy_engine_by_entries(setup.store, setup.device))
+    if setup.cpu_cost is not None:
+        head["cpu_cost_given"] = dataclasses.asdict(setup.cpu_cost)
     for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
         run_design(setup, design, c, batch, args.policy, max_steps=2)
     rows: dict = {}
@@ -282,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="cold runs per row, interleaved; seconds = the median")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (the CPU's share of ours+cpu; 1 for steady figures)")
+    ap.add_argument("--cpu-cost", type=float, nargs=3, default=None,
+                    metavar=("COPY_MS", "CPU_MS", "PER_TOKEN_MS"),
+                    help="ours+cpu's cost model, given (copies beside the CPU, as on a GPU)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten "
                     "after every measured row with \"partial\": true)")
@@ -290,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--repeat {args.repeat} is invalid: must be >= 1")
     if args.threads < 1:
         ap.error(f"--threads {args.threads} is invalid: must be >= 1")
+    if args.cpu_cost is not None and (min(args.cpu_cost) < 0 or args.cpu_cost[0] <= 0):
+        ap.error(f"--cpu-cost {args.cpu_cost} is invalid: the copy's milliseconds must be > 0 "
+                 "and the CPU's >= 0")
     if any(b < 1 for b in args.batch):
         ap.error(f"--batch {args.batch} is invalid: every batch must be >= 1")
     get_policy(args.policy)

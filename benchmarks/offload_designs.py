@@ -4,7 +4,9 @@ and the counters it reports (the module docstring there describes each design).
 ``ours+cpu``: ours with ``moe_expert_cpu_compute="auto"`` (``expert_cache/host_compute.py``): a
 missing expert's pairs run on the CPU from the host store while what the CPU has spent on that
 expert since it was last copied stays under one copy's time (ski rental over the cost model,
-measured once on layer 0's provider and shared); else it is copied. One host read of the routing
+measured once on layer 0's provider and shared); else it is copied, but on a GPU (copies beside
+the CPU) the least used of those misses go to the CPU too while that shortens the step
+(``balance``). One host read of the routing
 per step and layer (eager only, as in the engine). Where the device is the CPU both sides run
 the same kernel, so its outputs equal the others' bit for bit; on CUDA they may differ by
 rounding (another kernel computes those pairs). Its hit rate counts only the experts that went
@@ -61,7 +63,8 @@ def make_providers(s, design: str, capacity: int | None, policy: str) -> list:
     for p in out[:1] if design == "ours+prefetch" else ():
         p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
     if design == "ours+cpu":
-        out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype)      # measures the cost
+        # Measures the cost model unless the run gives one (--cpu-cost).
+        out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=s.cpu_cost)
         for p in out[1:]:
             p.enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=out[0].host_compute.cost)
     return out
@@ -78,6 +81,32 @@ def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
         ids, host_pairs = split.device_ids, partial(provider.host_compute.compute, split)
     waves = provider.prepare(ids)
     return h + qm.apply(provider.slot_weights(), h, w, waves, host_pairs=host_pairs)
+
+
+def model_wait_seconds(providers: list, cost) -> list[float]:
+    """``--cpu-cost``: wrap each ours+cpu layer's split (``HostMissCompute.host_pairs``) to add
+    up, per layer and step, what ``balance`` minimises: max(experts copied x the copy's
+    seconds, the CPU's seconds for the experts it computes), in the given cost model. Compute,
+    the rows' transfers and the host read are left out: a model, not a timing (one more host
+    read per call). Returns the one-element total."""
+    total = [0.0]
+    for p in providers:
+        hc = p.host_compute
+        inner = hc.host_pairs
+
+        def host_pairs(topk_ids, slot_of_expert, inner=inner):
+            ids, on_cpu = inner(topk_ids, slot_of_expert)
+            resident = slot_of_expert.cpu() >= 0
+            E = resident.numel()
+            known = (ids >= 0) & (ids < E)
+            needed = torch.bincount(ids[known], minlength=E) > 0
+            rented = torch.bincount(ids[on_cpu], minlength=E)              # [E] CPU pairs
+            copied = int((needed & ~resident & (rented == 0)).sum())
+            cpu = float(cost.cpu_seconds(rented)[rented > 0].sum())
+            total[0] += max(copied * cost.copy_seconds, cpu)
+            return ids, on_cpu
+        hc.host_pairs = host_pairs
+    return total
 
 
 def count_copies(providers: list, bytes_per_expert: int) -> list[int]:

@@ -171,7 +171,8 @@ first)
     step 60 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
     # Before the quantized rows (measured once already): its header times the copy engine on
     # plans of 1, 2, 4, 8 and E valid entries (does one miss copy at the link's speed?), and
-    # ours+cpu computes misses on the machine's 16 cores where cheaper than a copy.
+    # ours+cpu computes misses on the machine's 16 cores where cheaper than a copy, and the
+    # least used ones beside the copies while that shortens the step.
     offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 \
         --designs resident sync-lfru uva ours ours+overlap ours+prefetch ours+cpu
     quant_steps 70 50

@@ -336,3 +336,43 @@ def test_cpu_compute_design_serves_misses_on_the_cpu(result, monkeypatch):
         assert cpu["misses"] > 0 and cpu["hits"] > 0
         assert cpu["hits"] + cpu["misses"] + cpu["cpu_expert_calls"] == needed
         assert cpu["bytes_copied"] == cpu["bytes_copied_counted"] == cpu["misses"] * per_expert
+
+
+def test_a_given_cpu_cost_is_used_as_a_gpu_hosts(result, monkeypatch):
+    """--cpu-cost: ours+cpu takes the given cost model (nothing measured) with the copies beside
+    the CPU; the CPU is slower than a copy here (1.2 against 1.0 ms), so ski rental alone rents
+    nothing and every CPU call is ``balance``'s. Outputs stay bitwise the resident design's."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute, provider
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured a cost model although --cpu-cost gave one")
+    monkeypatch.setattr(provider, "cost_model_for", no_measuring)
+    monkeypatch.setattr(host_compute, "measure_cost_model", no_measuring)
+    path, _, _ = result
+    args = bench.parse_args(["--trace", path, "--shape", "tiny", "--dtype", "float32",
+                             "--capacity", "2", "--batch", "1", "--designs", "resident",
+                             "ours+cpu", "--cpu-cost", "1.0", "1.2", "0"])
+    out = bench.run(args, keep_outputs=True)
+    assert out["cpu_cost_given"] == {"copy_seconds": 1e-3, "cpu_fixed": 1.2e-3,
+                                     "cpu_per_token": 0.0, "concurrent": True}
+    (ref,), (cpu,) = (_rows(out, d, 1) for d in ("resident", "ours+cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(ref["_outputs"], cpu["_outputs"]))
+    trace = bench.prepare_trace(path)[0]
+    assert cpu["cpu_expert_calls"] > 0 and cpu["misses"] > 0
+    assert cpu["hits"] + cpu["misses"] + cpu["cpu_expert_calls"] == int(step_masks(trace, 1).sum())
+    # Each (layer, step) waits max(copies x 1.0, CPU calls x 1.2) ms: at least the larger of
+    # the totals spread evenly, at most their sum.
+    copies, calls = cpu["misses"] * 1e-3, cpu["cpu_expert_calls"] * 1.2e-3
+    steps = len(interleave(trace.offsets, 1)) * trace.num_layers
+    wait = cpu["modelled_wait_seconds"]
+    assert max(copies, calls, (copies + calls) / 2) - 1e-9 <= wait <= copies + calls + 1e-9
+    assert wait <= steps * 2.4e-3 + 1e-9            # never more than two CPU calls per step
+    assert "modelled_wait_seconds" not in ref
+
+
+@pytest.mark.parametrize("bad", [["0", "1", "0"], ["1", "-1", "0"], ["1", "1", "-0.5"]])
+def test_bad_cpu_costs_are_refused(result, bad, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trace", result[0], "--cpu-cost", *bad])
+    err = capsys.readouterr().err
+    assert f"--cpu-cost {[float(v) for v in bad]} is invalid" in err, err
