@@ -10,23 +10,54 @@ copies run beside the CPU (a GPU), it still gives the CPU the least used misses 
 shortens the step (``balance``).
 
     python benchmarks/benchmark_cpu_miss_cost.py --shape probe-4.8g dsv2-lite --threads 1 2 --json
+
+Each row also times the host's decision per cached layer and step that "auto" adds
+(``HostMissCompute.host_pairs`` on host ids: the read of the routing excluded), at the shape's
+E and top_k with E/4 experts resident, one token per step, random routing: ``decision_us``
+(ski rental alone: a CPU device, or a CPU slower than the copy) and ``decision_balance_us``
+(with ``balance``, as on a GPU; its cost model makes the CPU a little slower than a copy, so
+``balance`` runs on every step with a miss). Best of 3 runs of 2,000 steps.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import time
 
 import torch
 from benchmark_decode import PRESETS
 
-from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import measure_cost_model
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (HostCostModel,
+                                                                         HostMissCompute,
+                                                                         measure_cost_model)
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 
 SHAPES = {name: (cfg["hidden_size"], cfg["moe_intermediate_size"])
           for name, (_, cfg) in PRESETS.items()}
 """name -> (hidden, moe_intermediate) of benchmark_decode's presets."""
+ROUTING = {name: (cfg.get("num_experts") or cfg["n_routed_experts"], cfg["num_experts_per_tok"])
+           for name, (_, cfg) in PRESETS.items()}
+"""name -> (experts, top_k)."""
+
+
+def time_decision(experts: int, top_k: int, concurrent: bool, steps: int = 2000) -> float:
+    """Microseconds per ``host_pairs`` call of mode "auto" (see the module docstring)."""
+    cost = HostCostModel(copy_seconds=1.0, cpu_fixed=1.1, cpu_per_token=0.0,
+                         concurrent=concurrent)
+    resident = torch.full((experts,), -1)
+    resident[:experts // 4] = torch.arange(experts // 4)
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randperm(experts, generator=g)[:top_k].view(1, top_k) for _ in range(steps)]
+    best = float("inf")
+    for _ in range(3):
+        hc = HostMissCompute("auto", None, {}, cost)
+        start = time.perf_counter()
+        for step in ids:
+            hc.host_pairs(step, resident)
+        best = min(best, time.perf_counter() - start)
+    return best / steps * 1e6
 
 
 def measure(hidden: int, inter: int, threads: int, repeats: int, experts: int = 8) -> dict:
@@ -67,7 +98,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.repeats < 1 or any(t < 1 for t in args.threads):
         ap.error(f"--repeats {args.repeats} and --threads {args.threads} must be >= 1")
-    rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats)}
+    rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats),
+             "decision_us": time_decision(*ROUTING[s], False),
+             "decision_balance_us": time_decision(*ROUTING[s], True)}
             for s in args.shape for t in args.threads]
     print(json.dumps(rows) if args.json else "\n".join(map(str, rows)))
     return rows

@@ -27,6 +27,27 @@ def test_rows_per_shape_and_thread_count(capsys):
         assert r["cpu_1_token_ms"] > 0 and r["ram_copy_ms"] > 0 and r["cpu_per_token_ms"] >= 0
         assert r["break_even_gbps"] == pytest.approx(
             r["expert_bytes"] / (r["cpu_1_token_ms"] / 1e3) / 1e9)
+        assert 0 < r["decision_us"] < 1e6 and 0 < r["decision_balance_us"] < 1e6
+
+
+def test_the_timed_decision_is_autos_with_and_without_balance(monkeypatch):
+    """time_decision runs mode "auto" at the shape's E and top_k, E/4 resident; with
+    ``concurrent`` its cost model sends some misses to the CPU (balance), else none."""
+    from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostMissCompute
+    seen = []
+    real = HostMissCompute.host_pairs
+
+    def spy(self, topk_ids, slot_of_expert):
+        ids, on_cpu = real(self, topk_ids, slot_of_expert)
+        seen.append((self.mode, self.cost.concurrent, tuple(ids.shape),
+                     int((slot_of_expert >= 0).sum()), int(on_cpu.sum())))
+        return ids, on_cpu
+    monkeypatch.setattr(HostMissCompute, "host_pairs", spy)
+    for concurrent in (False, True):
+        seen.clear()
+        bench.time_decision(64, 6, concurrent, steps=20)
+        assert {s[:4] for s in seen} == {("auto", concurrent, (1, 6), 16)} and len(seen) == 60
+        assert (sum(s[4] for s in seen) > 0) == concurrent
 
 
 def test_bad_arguments_are_refused(capsys):

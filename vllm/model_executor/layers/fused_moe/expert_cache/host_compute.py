@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm.config import MOE_CPU_COMPUTE_MODES
@@ -55,38 +56,40 @@ class HostCostModel:
     cpu_per_token: float
     concurrent: bool = False
 
-    def cpu_seconds(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [E] int64 (pairs per expert this step) -> [E] float64 seconds on the CPU."""
-        return self.cpu_fixed + self.cpu_per_token * tokens.double()
+    def cpu_seconds(self, tokens) -> np.ndarray:
+        """tokens [E] (pairs per expert this step) -> [E] float64 seconds on the CPU."""
+        return self.cpu_fixed + self.cpu_per_token * np.asarray(tokens, dtype=np.float64)
 
 
-def rent_or_buy(spent: torch.Tensor, cpu_seconds: torch.Tensor, tokens: torch.Tensor,
-                copy_seconds: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rent_or_buy(spent, cpu_seconds, tokens, copy_seconds: float
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Ski rental per missing expert: compute on the CPU ("rent") while what the CPU has spent
     on it since it was last loaded, this step included, stays under one copy ("buy"); then
     copy it. An expert needed once is never copied; one that keeps missing is copied once the
     CPU has spent a copy's worth on it (at most twice the cost of knowing the future).
     spent [E] float64, cpu_seconds [E], tokens [E] (0: not missing) -> (rent [E] bool, the new
-    spent: grown where rented, 0 where bought, kept elsewhere)."""
-    missing = tokens > 0
-    rent = missing & (spent + cpu_seconds < copy_seconds)
-    return rent, torch.where(rent, spent + cpu_seconds, torch.where(missing, 0.0, spent))
+    spent: grown where rented, 0 where bought, kept elsewhere). Host arrays (numpy, or
+    anything ``np.asarray`` takes): [E] is small, and the step waits on this decision."""
+    spent, cpu = np.asarray(spent, dtype=np.float64), np.asarray(cpu_seconds, dtype=np.float64)
+    missing = np.asarray(tokens) > 0
+    rent = missing & (spent + cpu < copy_seconds)
+    return rent, np.where(rent, spent + cpu, np.where(missing, 0.0, spent))
 
 
-def balance(buy: torch.Tensor, use: torch.Tensor, cpu_seconds: torch.Tensor,
-            copy_seconds: float, cpu_busy: float) -> torch.Tensor:
+def balance(buy, use, cpu_seconds, copy_seconds: float, cpu_busy: float) -> np.ndarray:
     """Which of the misses to be copied (``buy`` [E] bool) the CPU takes instead, when the copies
     and the CPU run side by side and the step waits for the longer: (copies left) x
     ``copy_seconds`` against ``cpu_busy`` (the CPU's rentals so far) plus the CPU time
     (``cpu_seconds`` [E]) of those taken. Candidates least used first (``use`` [E]; ties: lower
     id), each taken when that makes the wait strictly shorter, i.e. when the CPU's time with it
     stays under the current wait (a tie keeps the copy: it also serves the expert's later
-    uses); one too slow for the CPU is copied and the next is tried. -> [E] bool."""
-    moved = torch.zeros_like(buy)
-    ids = buy.nonzero().squeeze(1)                                      # ascending
-    order = ids[torch.sort(use[ids], stable=True).indices].tolist()
-    seconds = cpu_seconds.tolist()
-    copies, cpu = len(order), cpu_busy
+    uses); one too slow for the CPU is copied and the next is tried. -> [E] bool (numpy)."""
+    buy = np.asarray(buy, dtype=bool)
+    moved = np.zeros_like(buy)
+    ids = np.flatnonzero(buy)                                           # ascending
+    order = ids[np.argsort(np.asarray(use)[ids], kind="stable")].tolist()
+    seconds = np.asarray(cpu_seconds, dtype=np.float64)
+    copies, cpu = len(order), float(cpu_busy)
     for e in order:
         # Taking e: max((copies - 1) x copy, cpu + seconds[e]) against max(copies x copy, cpu).
         if cpu + seconds[e] < max(copies * copy_seconds, cpu):
@@ -216,9 +219,9 @@ class HostMissCompute:
         """Pairs computed on the CPU so far."""
         self.expert_calls = 0
         """(step, expert) calls computed on the CPU so far: each saved one expert copy."""
-        self.spent: torch.Tensor | None = None
+        self.spent: np.ndarray | None = None
         """[E] float64 seconds of CPU work per expert since it was last copied (mode "auto")."""
-        self.use: torch.Tensor | None = None
+        self.use: np.ndarray | None = None
         """[E] float64 steps that used each expert, halved every ``USE_HALF_LIFE`` steps (mode
         "auto"): ``balance``'s order."""
 
@@ -229,35 +232,39 @@ class HostMissCompute:
         the device."""
         T, K = topk_ids.shape
         both = torch.cat([topk_ids.reshape(-1), slot_of_expert]).to("cpu")   # the sync
-        ids, resident = both[:T * K].view(T, K), both[T * K:] >= 0
+        ids = both[:T * K].view(T, K)
+        # numpy from here: a few [E] and [T, K] operations, each far cheaper than a torch op.
+        flat, resident = ids.numpy(), both[T * K:].numpy() >= 0
         num_experts = resident.shape[0]
-        known = (ids >= 0) & (ids < num_experts)             # others route nowhere, as the steps
-        miss = known & ~resident[ids.clamp(0, num_experts - 1)]
+        known = (flat >= 0) & (flat < num_experts)          # others route nowhere, as the steps
+        clamped = flat.clip(0, num_experts - 1)
+        miss = known & ~resident[clamped]
         if self.mode == "auto":
             if self.spent is None:
-                self.spent = torch.zeros(num_experts, dtype=torch.float64)
-                self.use = torch.zeros(num_experts, dtype=torch.float64)
+                self.spent = np.zeros(num_experts)
+                self.use = np.zeros(num_experts)
             # A resident expert was copied since it last ran on the CPU (as a miss or by
             # prefetch): its next rental starts from nothing.
-            self.spent.masked_fill_(resident, 0.0)
-            if bool(miss.any()):
-                miss &= self._rent(ids[miss], num_experts)[ids.clamp(0, num_experts - 1)]
-            used = torch.bincount(ids[known], minlength=num_experts) > 0
-            self.use.mul_(0.5 ** (1.0 / USE_HALF_LIFE)).add_(used.double())
-        return ids, miss
+            self.spent[resident] = 0.0
+            if miss.any():
+                miss &= self._rent(flat[miss], num_experts)[clamped]
+            used = np.bincount(flat[known], minlength=num_experts) > 0
+            self.use *= 0.5 ** (1.0 / USE_HALF_LIFE)
+            self.use += used
+        return ids, torch.from_numpy(miss)
 
-    def _rent(self, missing_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    def _rent(self, missing_ids: np.ndarray, num_experts: int) -> np.ndarray:
         """Mode "auto": [E] bool, the missing experts the CPU computes this step (ski rental,
         then ``balance`` where the copies run beside the CPU); updates ``spent``."""
         cost = self.cost
-        tokens = torch.bincount(missing_ids, minlength=num_experts)     # [E] pairs per miss
+        tokens = np.bincount(missing_ids, minlength=num_experts)        # [E] pairs per miss
         cpu = cost.cpu_seconds(tokens)
         rent, spent = rent_or_buy(self.spent, cpu, tokens, cost.copy_seconds)
         if cost.concurrent:
             moved = balance((tokens > 0) & ~rent, self.use, cpu, cost.copy_seconds,
                             float(cpu[rent].sum()))
             rent |= moved
-            spent = torch.where(moved, self.spent + cpu, spent)
+            spent = np.where(moved, self.spent + cpu, spent)
         self.spent = spent
         return rent
 
@@ -268,24 +275,26 @@ class HostMissCompute:
         graphs refuse this mode). Two reads of the device (the routing, then the CPU's rows of
         the inputs) and one upload (the device's ids and the CPU's rows and pairs)."""
         ids, miss = self.host_pairs(topk_ids, slot_of_expert)
-        if not bool(miss.any()):
+        flat, miss = ids.numpy(), miss.numpy()                        # host [T, K]
+        if not miss.any():
             return None
         T, K = ids.shape
         self.pairs += int(miss.sum())
-        self.expert_calls += int(torch.unique(ids[miss]).numel())
-        rows = miss.any(1).nonzero().squeeze(1)                       # [R] ascending
-        pair_index = miss.reshape(-1).nonzero().squeeze(1)            # [P] ascending
+        self.expert_calls += len(np.unique(flat[miss]))
+        rows = np.flatnonzero(miss.any(1))                            # [R] ascending
+        pair_index = np.flatnonzero(miss)                             # [P] ascending
         dev = topk_ids.device
-        up = platform_for(dev).upload(
-            torch.cat([torch.where(miss, -1, ids).reshape(-1), rows, pair_index]), dev)
+        up = platform_for(dev).upload(torch.from_numpy(
+            np.concatenate([np.where(miss, -1, flat).reshape(-1), rows, pair_index])), dev)
         device_ids = up[:T * K].view(T, K).to(topk_ids.dtype)
-        rows_dev, R = up[T * K:T * K + rows.numel()], rows.numel()
+        rows_dev, R = up[T * K:T * K + rows.size], rows.size
         # The device is idle here (the router's ids were just read), so this read waits only
         # for the gather; the device's waves are enqueued after it.
         inputs = torch.cat([x.index_select(0, rows_dev),
                             topk_weights.index_select(0, rows_dev).to(x.dtype)], 1).to("cpu")
         H = x.shape[-1]
-        return HostSplit(device_ids, up[T * K + R:], torch.where(miss[rows], ids[rows], -1),
+        return HostSplit(device_ids, up[T * K + R:],
+                         torch.from_numpy(np.where(miss[rows], flat[rows], -1)),
                          inputs[:, :H].contiguous(), inputs[:, H:].contiguous())
 
     def compute(self, split: HostSplit, out: torch.Tensor) -> None:
