@@ -1,7 +1,7 @@
 """What a missing expert costs on this CPU: the inputs of ``moe_expert_cpu_compute='auto'``.
 
 ``measure_cost_model`` (``expert_cache/host_compute.py``) on random bf16 experts of a shape:
-the CPU's time for an expert's 1 and 8 tokens from host memory (the torch loop, as on a GPU
+the CPU's time for an expert's 1 and 8 tokens from host memory (``HostExperts``, as on a GPU
 machine), and its copy into a host "slot" (a RAM-to-RAM copy here: the link's time on a GPU
 machine is what the engine measures there). The break-even link bandwidth is the expert's bytes
 over the CPU's 1-token time: on links slower than that, ``auto`` rents a 1-token miss at first
@@ -29,10 +29,10 @@ import torch
 from benchmark_decode import PRESETS
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (HostCostModel,
+                                                                         HostExperts,
                                                                          HostMissCompute,
                                                                          measure_cost_model)
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
-from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 
 SHAPES = {name: (cfg["hidden_size"], cfg["moe_intermediate_size"])
           for name, (_, cfg) in PRESETS.items()}
@@ -77,7 +77,7 @@ def _measure(hidden: int, inter: int, threads: int, repeats: int, experts: int) 
              "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
                            ).to(torch.bfloat16)}
     slots = {n: torch.empty_like(t[:2]) for n, t in store.items()}
-    runs = [measure_cost_model(store, slots, TorchExperts(MoEActivation.of("silu")), hidden,
+    runs = [measure_cost_model(store, slots, HostExperts(MoEActivation.of("silu")), hidden,
                                torch.bfloat16) for _ in range(repeats)]
     expert_bytes = 3 * hidden * inter * 2
     cpu_1 = statistics.median(r.cpu_fixed + r.cpu_per_token for r in runs)

@@ -55,7 +55,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, GAT
                                                                  MOE_ACTIVATIONS,
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
-from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop, expert_pairs_ref
+from vllm.model_executor.layers.fused_moe.torch_ref import expert_pairs_loop
 from vllm.model_executor.layers.fused_moe.triton_experts import (TRITON_DTYPES, TRITON_SCHEMES,
                                                                  TritonExperts,
                                                                  triton_moe_refusal)
@@ -226,16 +226,19 @@ class TorchExperts(MoEExperts):
     def __init__(self, activation: MoEActivation, dequantize: Dequantize | None = None):
         self.activation, self.dequantize = activation, dequantize
 
+    mlp = None
+    """What computes one expert (``expert_pairs_loop``'s ``mlp``); None: ``expert_mlp``."""
+
     def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         biases = weights.get("w13_bias"), weights.get("w2_bias")
-        if self.dequantize is None:
-            expert_pairs_ref(x, weights["w13_weight"], weights["w2_weight"], topk_weights, ids,
-                             out, self.activation, *biases)
-            return
         rows = next(iter(weights.values())).shape[0]                  # E experts or N slots
-        deq = self.dequantize
-        expert_pairs_loop(x, rows, lambda e: deq({n: t[e] for n, t in weights.items()}, x.dtype),
-                          topk_weights, ids, out, self.activation, *biases)
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.dequantize is None:
+                return weights["w13_weight"][e], weights["w2_weight"][e]
+            return self.dequantize({n: t[e] for n, t in weights.items()}, x.dtype)
+        expert_pairs_loop(x, rows, expert, topk_weights, ids, out, self.activation, *biases,
+                          mlp=self.mlp)
 
 
 def _grouped_mm_check(q: MoEKernelQuery) -> str | None:

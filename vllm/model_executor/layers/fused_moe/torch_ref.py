@@ -44,10 +44,12 @@ def expert_pairs_loop(x: torch.Tensor, num_rows: int,
                       expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
                       activation: str | MoEActivation = "silu", b13: torch.Tensor | None = None,
-                      b2: torch.Tensor | None = None) -> None:
+                      b2: torch.Tensor | None = None, mlp: Callable | None = None) -> None:
     """``expert_pairs_ref`` with each present row's (w13 [2N, K_h], w2 [K_h, N]) given by
     ``expert_weights(row)`` (quantized formats dequantize the row there); rows in [0, num_rows).
-    Biases (b13 [num_rows, 2N], b2 [num_rows, K_h]) are read per row in x's dtype."""
+    Biases (b13 [num_rows, 2N], b2 [num_rows, K_h]) are read per row in x's dtype. ``mlp``:
+    what computes one expert (``expert_mlp``'s signature; default ``expert_mlp``)."""
+    mlp = mlp or expert_mlp
     act = MoEActivation.of(activation)
     T, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)                      # [T * top_k]
@@ -56,9 +58,8 @@ def expert_pairs_loop(x: torch.Tensor, num_rows: int,
     for e in _present_experts(flat_ids, num_rows):
         pair = (flat_ids == e).nonzero().squeeze(1)      # [P] ascending pair indices
         w13, w2 = expert_weights(e)
-        y = expert_mlp(x[pair // top_k], w13, w2, act,
-                       None if b13 is None else b13[e].to(x.dtype),
-                       None if b2 is None else b2[e].to(x.dtype))
+        y = mlp(x[pair // top_k], w13, w2, act, None if b13 is None else b13[e].to(x.dtype),
+                None if b2 is None else b2[e].to(x.dtype))
         out_flat.index_copy_(0, pair, y * flat_w[pair, None])
 
 
