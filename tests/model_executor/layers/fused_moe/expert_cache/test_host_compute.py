@@ -69,6 +69,21 @@ def test_split_sends_missing_experts_pairs_to_the_cpu():
     assert hc.stats() == {"cpu_pairs": 0, "cpu_expert_calls": 0}
 
 
+def test_a_large_steps_inputs_are_read_after_the_split(monkeypatch):
+    """Past ``EARLY_READ_BYTES`` the CPU's rows are gathered on the device and read after the
+    routing (prefill), below it all rows come with the routing (decode): the same split."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    ids = torch.tensor([[1, 0], [3, 2], [-1, 6], [0, 5], [8, 3]])
+    splits = []
+    for limit in (1 << 18, 0):
+        monkeypatch.setattr(host_compute, "EARLY_READ_BYTES", limit)
+        splits.append(_split(HostMissCompute("always", None, {}, None), ids))
+    for name in ("device_ids", "pair_index", "host_ids", "x", "topk_weights"):
+        a, b = (getattr(s, name) for s in splits)
+        assert torch.equal(a, b) and a.is_contiguous() and b.is_contiguous(), name
+    assert splits[0].x[:, 0].tolist() == [0, 1, 3]
+
+
 def test_compute_writes_only_the_cpus_pairs():
     class Doubler:       # stands in for a kernel: out[t, k] = 2 * x[t] * w[t, k] where ids >= 0
         def apply_pairs(self, weights, x, w, ids, out, max_ids=None):

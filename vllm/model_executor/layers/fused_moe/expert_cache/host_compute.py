@@ -46,6 +46,12 @@ likely to have served a later hit. 30 is ``lrfu``'s half-life, tuned on the Deep
 trace (docs/expert-cache-policies.md): a memory of tens of steps."""
 
 
+EARLY_READ_BYTES = 1 << 18
+"""Steps whose inputs (x and the top-k weights, [T, H + top_k]) take at most this many bytes
+(decode: a few rows) send them to the host with the routing's read, whether or not a pair goes
+to the CPU: one device round trip per layer instead of two."""
+
+
 @dataclass(frozen=True)
 class HostCostModel:
     """Seconds to serve one missing expert: copy it (``copy_seconds``), or run its ``t`` tokens
@@ -296,28 +302,39 @@ class HostMissCompute:
               topk_weights: torch.Tensor) -> HostSplit | None:
         """The step's split (``host_pairs``), or None when the device computes every pair.
         x [T, H] and topk_weights [T, top_k] are the device's; eager steps only (no padding rows:
-        graphs refuse this mode). Two reads of the device (the routing, then the CPU's rows of
-        the inputs) and one upload (the device's ids and the CPU's rows and pairs)."""
+        graphs refuse this mode). One read of the device for a small step (its inputs come with
+        the routing: ``EARLY_READ_BYTES``), else two (the routing, then the CPU's rows of the
+        inputs); one upload (the device's ids and pairs, and the CPU's rows if read later)."""
+        T, K = topk_ids.shape
+        early = None
+        if T * (x.shape[1] + K) * x.element_size() <= EARLY_READ_BYTES:
+            # Queued before host_pairs' blocking read on the same stream, so it has landed when
+            # that read returns.
+            early = torch.cat([x, topk_weights.to(x.dtype)], 1).to("cpu", non_blocking=True)
         ids, miss = self.host_pairs(topk_ids, slot_of_expert)
         flat, miss = ids.numpy(), miss.numpy()                        # host [T, K]
         if not miss.any():
             return None
-        T, K = ids.shape
         self.pairs += int(miss.sum())
         self.expert_calls += len(np.unique(flat[miss]))
         rows = np.flatnonzero(miss.any(1))                            # [R] ascending
         pair_index = np.flatnonzero(miss)                             # [P] ascending
         dev = topk_ids.device
-        up = platform_for(dev).upload(torch.from_numpy(
-            np.concatenate([np.where(miss, -1, flat).reshape(-1), rows, pair_index])), dev)
+        sent = [np.where(miss, -1, flat).reshape(-1), pair_index] + ([rows] if early is None
+                                                                     else [])
+        up = platform_for(dev).upload(torch.from_numpy(np.concatenate(sent)), dev)
         device_ids = up[:T * K].view(T, K).to(topk_ids.dtype)
-        rows_dev, R = up[T * K:T * K + rows.size], rows.size
-        # The device is idle here (the router's ids were just read), so this read waits only
-        # for the gather; the device's waves are enqueued after it.
-        inputs = torch.cat([x.index_select(0, rows_dev),
-                            topk_weights.index_select(0, rows_dev).to(x.dtype)], 1).to("cpu")
+        P = pair_index.size
+        if early is not None:
+            inputs = early[torch.from_numpy(rows)]
+        else:
+            # The device is idle here (the router's ids were just read), so this read waits
+            # only for the gather; the device's waves are enqueued after it.
+            rows_dev = up[T * K + P:]
+            inputs = torch.cat([x.index_select(0, rows_dev),
+                                topk_weights.index_select(0, rows_dev).to(x.dtype)], 1).to("cpu")
         H = x.shape[-1]
-        return HostSplit(device_ids, up[T * K + R:],
+        return HostSplit(device_ids, up[T * K:T * K + P],
                          torch.from_numpy(np.where(miss[rows], flat[rows], -1)),
                          inputs[:, :H].contiguous(), inputs[:, H:].contiguous())
 
