@@ -44,7 +44,8 @@ Designs (``DESIGNS``):
                  (hit rate, bytes, CPU pairs; not its speed), and the rows of ours and
                  ours+cpu get ``modelled_wait_seconds``: per layer and step, max(experts
                  copied x COPY, the CPU's time for the experts it computes), summed (ours:
-                 misses x COPY); a model of the wait for misses, compute left out.
+                 misses x COPY); a model of the wait for misses, compute left out. Its
+                 rows carry ``cpu_cost``, the cost model used (given or measured).
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
@@ -216,6 +217,8 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
            "tokens": len(s.trace.experts), "seconds": seconds,
            "tok_s": len(s.trace.experts) / seconds}
     row.update(cache_stats(providers, design))
+    if design == "ours+cpu":            # the cost model its choices rest on (given or measured)
+        row["cpu_cost"] = dataclasses.asdict(providers[0].host_compute.cost)
     row["link_bytes"] = row["bytes_copied"] if design != "uva" else uva_link_bytes(
         host_ids, s.trace.num_experts, s.store.bytes_per_expert)
     if count:

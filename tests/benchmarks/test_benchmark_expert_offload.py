@@ -336,6 +336,7 @@ def test_cpu_compute_design_serves_misses_on_the_cpu(result, monkeypatch):
         assert cpu["misses"] > 0 and cpu["hits"] > 0
         assert cpu["hits"] + cpu["misses"] + cpu["cpu_expert_calls"] == needed
         assert cpu["bytes_copied"] == cpu["bytes_copied_counted"] == cpu["misses"] * per_expert
+        assert cpu["cpu_cost"]["copy_seconds"] == 3.5e-3 and not cpu["cpu_cost"]["concurrent"]
 
 
 def test_a_given_cpu_cost_is_used_as_a_gpu_hosts(result, monkeypatch):
@@ -357,6 +358,7 @@ def test_a_given_cpu_cost_is_used_as_a_gpu_hosts(result, monkeypatch):
                                      "cpu_per_token": 0.0, "concurrent": True}
     (ref,), (cpu,) = (_rows(out, d, 1) for d in ("resident", "ours+cpu"))
     assert all(torch.equal(a, b) for a, b in zip(ref["_outputs"], cpu["_outputs"]))
+    assert cpu["cpu_cost"] == out["cpu_cost_given"] and "cpu_cost" not in ref
     trace = bench.prepare_trace(path)[0]
     assert cpu["cpu_expert_calls"] > 0 and cpu["misses"] > 0
     assert cpu["hits"] + cpu["misses"] + cpu["cpu_expert_calls"] == int(step_masks(trace, 1).sum())
