@@ -222,12 +222,11 @@ class TorchExperts(MoEExperts):
     """The per-expert loop reference (``torch_ref.py``); quantized rows are dequantized to the
     activation dtype first, reading only the rows ``ids`` name (slot rows when cached)."""
     name = "torch"
+    mlp = None
+    """What computes one expert (``expert_pairs_loop``'s ``mlp``); None: ``expert_mlp``."""
 
     def __init__(self, activation: MoEActivation, dequantize: Dequantize | None = None):
         self.activation, self.dequantize = activation, dequantize
-
-    mlp = None
-    """What computes one expert (``expert_pairs_loop``'s ``mlp``); None: ``expert_mlp``."""
 
     def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         biases = weights.get("w13_bias"), weights.get("w2_bias")
