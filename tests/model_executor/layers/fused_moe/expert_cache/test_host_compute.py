@@ -16,11 +16,10 @@ from tools.quantize_checkpoint import main as quantize_main
 from vllm import LLM, SamplingParams
 from vllm.config import set_current_vllm_config
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
-    HostCostModel, HostExperts, HostMissCompute, balance, host_expert_mlp, host_experts,
-    measure_cost_model, rent_or_buy)
+    HostCostModel, HostExperts, HostMissCompute, balance, host_experts, measure_cost_model,
+    rent_or_buy)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.fused_moe.modular_kernel import MOE_ACTIVATIONS, MoEActivation
-from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts, TorchExperts
+from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts
 from vllm.model_executor.model_loader import get_model
 from model_executor.layers.quantization.published_ckpt import TINY
 from model_executor.tiny_checkpoints import layer_config, make_vllm_config
@@ -188,53 +187,6 @@ def test_auto_balances_only_where_copies_run_beside_the_cpu(concurrent):
     assert hc.spent.tolist() == pytest.approx([0.0, 0.0, 1.2 if concurrent else 0.0] + [0.0] * 5)
 
 
-def _mlp64(x, w13, w2, act, b13, b2):
-    """One expert in float64, written out: the activation on (x w13^T + b13), then w2."""
-    x, w13, w2, b13, b2 = (t.double() for t in (x, w13, w2, b13, b2))
-    h = x @ w13.T + b13
-    if act == "relu2_no_mul":
-        a = torch.relu(h) ** 2
-    else:
-        gate, up = h.chunk(2, dim=-1)
-        if act == "silu":
-            a = torch.nn.functional.silu(gate) * up
-        elif act == "gelu":
-            a = torch.nn.functional.gelu(gate) * up
-        else:                                   # GPT-OSS: interleaved is not this layout's
-            return None
-    return a @ w2.T + b2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", MOE_ACTIVATIONS)
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, act, tokens):
-    """The CPU's expert: one token by matrix-vector products (F.linear is not called), more by
-    the reference's expert_mlp; both the expert written out in float64."""
-    from vllm.model_executor.layers.fused_moe.torch_ref import expert_mlp
-    g = torch.Generator().manual_seed(3)
-    n, k = 16, 32
-    rows = n if act == "relu2_no_mul" else 2 * n
-    w13, w2 = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g) * 0.3
-    x, b13, b2 = torch.randn(tokens, k, generator=g), torch.randn(rows, generator=g), \
-        torch.randn(k, generator=g)
-    x, w13, w2, b13, b2 = (t.to(dtype) for t in (x, w13, w2, b13, b2))
-    want = expert_mlp(x, w13, w2, MoEActivation.of(act), b13, b2)
-    if tokens == 1:
-        def no_linear(*a, **kw):
-            raise AssertionError("F.linear on a one-token expert")
-        monkeypatch.setattr(torch.nn.functional, "linear", no_linear)
-    got = host_expert_mlp(x, w13, w2, MoEActivation.of(act), b13, b2)
-    assert got.shape == (tokens, k) and got.dtype == dtype
-    tol = dict(rtol=2e-2, atol=2e-2 * float(want.abs().max())) if dtype == torch.bfloat16 \
-        else dict(rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(got, want, **tol)
-    ref = _mlp64(x, w13, w2, act, b13, b2)
-    if ref is not None:
-        torch.testing.assert_close(got.double(), ref, rtol=tol["rtol"],
-                                   atol=tol["atol"] + 1e-3 * float(ref.abs().max()))
-
-
 def test_modes_are_checked():
     with pytest.raises(ValueError, match=r"moe_expert_cpu_compute='off' is invalid here"):
         HostMissCompute("off", None, {}, None)
@@ -399,3 +351,4 @@ def test_engine_refuses_a_bad_mode(tiny_model_factory):
     with pytest.raises(ValueError, match=r"moe_expert_cpu_compute='yes' is invalid"):
         LLM(tiny_model_factory("Qwen3MoeForCausalLM"), moe_expert_cache_size=2,
             moe_expert_cpu_compute="yes")
+

@@ -1,0 +1,90 @@
+"""The CPU side of ``moe_expert_cpu_compute`` off a CPU device (``expert_cache/host_compute.py``):
+``host_expert_mlp`` against the reference and an expert written out here, and (``gpu``) the mode
+on a CUDA GPU against the uncached engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import host_expert_mlp
+from vllm.model_executor.layers.fused_moe.modular_kernel import MOE_ACTIVATIONS, MoEActivation
+
+
+def _mlp64(x, w13, w2, act, b13, b2):
+    """One expert in float64, written out: the activation on (x w13^T + b13), then w2."""
+    x, w13, w2, b13, b2 = (t.double() for t in (x, w13, w2, b13, b2))
+    h = x @ w13.T + b13
+    if act == "relu2_no_mul":
+        a = torch.relu(h) ** 2
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        if act == "silu":
+            a = torch.nn.functional.silu(gate) * up
+        elif act == "gelu":
+            a = torch.nn.functional.gelu(gate) * up
+        else:                                   # GPT-OSS: interleaved is not this layout's
+            return None
+    return a @ w2.T + b2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", MOE_ACTIVATIONS)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, act, tokens):
+    """The CPU's expert: one token by matrix-vector products (F.linear is not called), more by
+    the reference's expert_mlp; both the expert written out in float64."""
+    from vllm.model_executor.layers.fused_moe.torch_ref import expert_mlp
+    g = torch.Generator().manual_seed(3)
+    n, k = 16, 32
+    rows = n if act == "relu2_no_mul" else 2 * n
+    w13, w2 = torch.randn(rows, k, generator=g), torch.randn(k, n, generator=g) * 0.3
+    x, b13, b2 = torch.randn(tokens, k, generator=g), torch.randn(rows, generator=g), \
+        torch.randn(k, generator=g)
+    x, w13, w2, b13, b2 = (t.to(dtype) for t in (x, w13, w2, b13, b2))
+    want = expert_mlp(x, w13, w2, MoEActivation.of(act), b13, b2)
+    if tokens == 1:
+        def no_linear(*a, **kw):
+            raise AssertionError("F.linear on a one-token expert")
+        monkeypatch.setattr(torch.nn.functional, "linear", no_linear)
+    got = host_expert_mlp(x, w13, w2, MoEActivation.of(act), b13, b2)
+    assert got.shape == (tokens, k) and got.dtype == dtype
+    tol = dict(rtol=2e-2, atol=2e-2 * float(want.abs().max())) if dtype == torch.bfloat16 \
+        else dict(rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    ref = _mlp64(x, w13, w2, act, b13, b2)
+    if ref is not None:
+        torch.testing.assert_close(got.double(), ref, rtol=tol["rtol"],
+                                   atol=tol["atol"] + 1e-3 * float(ref.abs().max()))
+
+
+def _cuda_outputs(path, **kw):
+    llm = LLM(path, device="cuda", dtype="float32", **kw)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [[5, 17, 99, 3], [250, 7], list(range(40, 90)), [11] * 9]
+    outs = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
+                                      for d in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
+    return outs, llm.get_moe_cache_stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,early", [("always", True), ("always", False), ("auto", True)])
+def test_cpu_compute_on_cuda_matches_uncached(tiny_model_factory, monkeypatch, mode, early):
+    """On a CUDA GPU (not yet run on one): misses computed on the CPU while the device runs its
+    waves give the uncached greedy tokens, and logprobs within float32 rounding (another kernel
+    computes those pairs); the decode inputs come back with the routing's read (``early``) or
+    after it (``EARLY_READ_BYTES`` 0: prefill's path everywhere)."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    if not early:
+        monkeypatch.setattr(host_compute, "EARLY_READ_BYTES", 0)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    ref, _ = _cuda_outputs(path)
+    got, stats = _cuda_outputs(path, moe_expert_cache_size=2, moe_expert_cpu_compute=mode)
+    if mode == "always":
+        assert stats["cpu_pairs"] > 0 and stats["misses"] == 0, stats
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, ref):
+        assert tokens == want_tokens
+        for row, want_row in zip(lps, want_lps):
+            assert [t for t, _ in row] == [t for t, _ in want_row]
+            assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want_row], abs=1e-3)
