@@ -350,6 +350,16 @@ def _print_table(out: dict) -> None:
               f"{r['hit_rate']:.3f} | {r['bytes_copied'] / 1e9:.2f} | {r['copy_gbps']:.2f} | "
               f"{r['link_bytes'] / 1e9:.2f} | {r['link_gbps']:.2f} | "
               f"{r.get('bound_tok_s', float('nan')):.1f} |")
+    for r in out["rows"]:
+        if "cpu_cost" in r:
+            c = r["cpu_cost"]
+            print(f"{r['design']} C={r['capacity']} batch {r['batch']}: {r['cpu_expert_calls']} "
+                  f"CPU calls; cost model: copy {c['copy_seconds'] * 1e3:.3f} ms, CPU "
+                  f"{c['cpu_fixed'] * 1e3:.3f} + {c['cpu_per_token'] * 1e3:.3f} ms a token "
+                  f"(concurrent {c['concurrent']})")
+        if "modelled_wait_seconds" in r:
+            print(f"{r['design']} C={r['capacity']} batch {r['batch']}: modelled wait for misses "
+                  f"{r['modelled_wait_seconds']:.3f} s")
 
 
 def main(argv: list[str] | None = None) -> dict:

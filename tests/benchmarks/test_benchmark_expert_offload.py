@@ -378,3 +378,12 @@ def test_bad_cpu_costs_are_refused(result, bad, capsys):
         bench.parse_args(["--trace", result[0], "--cpu-cost", *bad])
     err = capsys.readouterr().err
     assert f"--cpu-cost {[float(v) for v in bad]} is invalid" in err, err
+
+
+def test_the_table_prints_the_cost_model_and_the_modelled_wait(result, capsys):
+    bench.main(["--trace", result[0], "--shape", "tiny", "--dtype", "float32", "--capacity", "2",
+                "--batch", "1", "--designs", "ours", "ours+cpu", "--cpu-cost", "1", "1.2", "0"])
+    out = capsys.readouterr().out
+    assert "ours+cpu C=2 batch 1: " in out and "cost model: copy 1.000 ms, CPU 1.200 + 0.000 ms" \
+        in out and "(concurrent True)" in out
+    assert out.count("modelled wait for misses") == 2
