@@ -185,7 +185,7 @@ def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     activation: MoEActivation, b13: torch.Tensor | None = None,
                     b2: torch.Tensor | None = None) -> torch.Tensor:
     """``expert_mlp`` for the CPU's pairs: an expert with one token (a decode miss) as two
-    matrix-vector products, which on the CPU read the weights about 1.5x faster than
+    matrix-vector products, which on the CPU read the weights 1.3-1.5x faster than
     ``F.linear`` on one row (bf16, 1 and 2 threads: docs/benchmarks.md, "Misses on the CPU");
     more tokens as ``expert_mlp``. x [P, K] -> [P, K]."""
     if x.shape[0] != 1:
