@@ -36,6 +36,7 @@ the cache then hits on every access, its pure cost. ``--attention-backend`` pick
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -58,6 +59,16 @@ def _cache_counts(llm) -> dict | None:
     s = llm.get_moe_cache_stats()
     keys = ("hits", "misses", "bytes_copied", "cpu_pairs")   # cpu_pairs: with CPU compute on
     return None if s is None else {k: s[k] for k in keys if k in s}
+
+
+def _cpu_cost(llm) -> dict:
+    """{"cpu_cost": the cost model of moe_expert_cpu_compute 'auto'} (measured at load, shared by
+    the layers), or {} where no cached layer has one."""
+    for m in llm.llm_engine.runner.moe_layers:
+        hc = getattr(m.expert_cache, "host_compute", None)
+        if hc is not None and hc.cost is not None:
+            return {"cpu_cost": dataclasses.asdict(hc.cost)}
+    return {}
 
 
 def decode(llm, prompts: list[list[int]], output_len: int) -> dict:
@@ -139,7 +150,7 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
             # In every row, so a run cut short (partial JSON) still says it.
             same = r["tokens"] == next(iter(tokens[b].values()))
             rows.append(dict(_row(n, b, r), graphs=graphs_summary(llm, args.enforce_eager),
-                             tokens_match_first_size=same))
+                             tokens_match_first_size=same, **_cpu_cost(llm)))
             if args.profile_steps:
                 trace = None if args.profile_trace_dir is None else \
                     os.path.join(args.profile_trace_dir, f"decode-n{n}-b{b}.json")

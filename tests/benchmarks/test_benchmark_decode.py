@@ -296,6 +296,20 @@ def test_cpu_compute_rows_keep_the_tokens_and_copy_nothing(result):
     assert cached and all(r["bytes_copied"] == 0 and r["misses"] == 0 and r["cpu_pairs"] > 0
                           for r in cached)
     assert all("cpu_pairs" not in r for r in result[0]["rows"])
+    assert all("cpu_cost" not in r for r in out["rows"])         # 'always' has no cost model
+
+
+def test_auto_cpu_compute_rows_carry_the_measured_cost_model(result):
+    argv = result[2]
+    ckpt = argv[argv.index("--checkpoint") + 1]
+    out = bench.main(["--random-model", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch",
+                      "1", "--moe-expert-cache-size", "0", "2", "--output-len", "2",
+                      "--checkpoint", ckpt, "--moe-expert-cpu-compute", "auto", "--json"])
+    (uncached,), (cached,) = ([r for r in out["rows"] if r["moe_expert_cache_size"] == n]
+                              for n in (0, 2))
+    assert "cpu_cost" not in uncached
+    cost = cached["cpu_cost"]
+    assert cost["copy_seconds"] > 0 and cost["cpu_fixed"] >= 0 and not cost["concurrent"]
 
 
 def test_unrouted_experts_make_a_cache_of_the_rest_hit_on_every_access(tmp_path):
