@@ -59,7 +59,7 @@ SIGNATURES = {
     "silu_and_mul": [_PTR, _PTR, _PTR, _I64, _I64, _INT],
     "sigmoid_gate_add": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _INT],
     "moe_residency_step": [_PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
-                           _INT, *[_PTR] * 8, _I64, _PTR, _PTR, _PTR, _PTR],
+                           _INT, *[_PTR] * 8, _I64, _PTR, _PTR, _PTR, _PTR, _I64],
     "moe_cache_scores": [_INT, _I64, _I64, *[_PTR] * 8, _I64, _PTR],
     "expert_copy": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "run_graph": [_PTR, _I64, _PTR],

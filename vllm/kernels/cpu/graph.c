@@ -40,7 +40,8 @@ int sigmoid_gate_add(const void *, const void *, const void *, void *, int64_t, 
 int moe_residency_step(const int64_t *, const int64_t *, int64_t, int64_t, int64_t, int64_t,
                        int64_t, int64_t *, int64_t *, int64_t *, int64_t *, int, int64_t *,
                        int64_t *, double *, double *, double *, uint8_t *, const double *,
-                       const double *, int64_t, int64_t *, int64_t *, uint8_t *, int64_t *);
+                       const double *, int64_t, int64_t *, int64_t *, uint8_t *, int64_t *,
+                       int64_t);
 int expert_copy(const void *, void *, int64_t, const int64_t *, const int64_t *, const uint8_t *,
                 int64_t, int64_t, int64_t);
 
@@ -49,7 +50,7 @@ static const char GRAPH_OPS[] =
     "moe_expert_pairs,rms_norm,rope_cos_sin,rotary_embedding,dense_linear,paged_attention,"
     "write_kv_cache,topk_softmax,moe_sum,add,convert,zero,embedding,silu_and_mul,"
     "sigmoid_gate_add,moe_residency_step,expert_copy,moe_expert_pairs_quant";
-static const int64_t NARGS[] = {17, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 25, 9, 27};
+static const int64_t NARGS[] = {17, 7, 6, 11, 8, 19, 7, 8, 6, 5, 5, 2, 6, 6, 7, 26, 9, 27};
 #define NUM_OPS ((int64_t)(sizeof(NARGS) / sizeof(NARGS[0])))
 
 const char *graph_op_names(void) { return GRAPH_OPS; }
@@ -129,7 +130,7 @@ static int run_node(int64_t op, const int64_t *a) {
     case 15:
         return moe_residency_step(P(0), P(1), a[2], a[3], a[4], a[5], a[6], P(7), P(8), P(9),
                                   P(10), (int)a[11], P(12), P(13), P(14), P(15), P(16), P(17),
-                                  P(18), P(19), a[20], P(21), P(22), P(23), P(24));
+                                  P(18), P(19), a[20], P(21), P(22), P(23), P(24), a[25]);
     case 16:
         return expert_copy(P(0), P(1), a[2], P(3), P(4), P(5), a[6], a[7], a[8]);
     case 17:

@@ -1,8 +1,9 @@
 /* The expert cache's per-wave residency step and its miss copy, for CPU graphs and eager steps.
  *
- * moe_residency_step is one call per wave of a cached MoE layer and makes exactly the decisions
- * of the torch reference (expert_cache/residency_step.py: reference_step, over
- * Residency.plan and the policies in policy.py), bit for bit:
+ * moe_residency_step plans waves [wave, wave + num_waves) of a cached MoE layer in one call (the
+ * provider passes 0 and all W waves of the step: one call per layer) and makes exactly the
+ * decisions of the torch reference (expert_cache/residency_step.py: reference_step, over
+ * Residency.plan and the policies in policy.py) called once per wave in order, bit for bit:
  *   wave 0: needed[e] = some valid pair routes to e (pairs with id < 0, and every pair of a
  *           padding row, row_slots[t] == PAD_SLOT_ID, route nowhere); needed experts are ranked
  *           resident-first, then by expert id, and rank / N is each one's wave
@@ -13,7 +14,11 @@
  *           the policy state is updated for W at the pre-step clock; counters follow; the
  *           miss list (plan_slots, plan_experts, plan_valid [N], valid entries first, padding
  *           -1 / -1 / 0) and the slot ids [T*K] (slot of the pair's expert when it is in W,
- *           else -1) are written. An empty W changes no state.
+ *           else -1) are written, wave i of the call at offset i*N and i*T*K of those arrays
+ *           ([num_waves, N] and [num_waves, T*K]). An empty W changes no state.
+ *           Planning a later wave before an earlier wave's experts have run is safe because the
+ *           caller copies wave i's misses only after wave i-1's kernels (stream order): the plan
+ *           of wave i may name a slot that wave i-1 reads.
  * Policies (codes as policy.py's kernel_code), state int64 freq/last_use and float64 crf [E]:
  *   0 lru: score = last_use                  on use: last_use = clock
  *   1 lfu: score = freq                      on use: freq += 1
@@ -31,7 +36,7 @@
  * as torch computes them.
  *
  * Returns 0; -2 when a valid pair's id is >= E (nothing written); -1 when scratch could not be
- * allocated (no state changed but wave 0's wave plan).
+ * allocated (the waves before the failing one planned; the caller then trusts no slot).
  */
 #include <math.h>
 #include <stdint.h>
@@ -223,13 +228,37 @@ static int plan_wave(const policy_t *pol, int64_t N, int64_t wave, int64_t *slot
     return 0;
 }
 
+/* One wave w (the state after the waves before it); plan [N] and slot_ids [P] are its own. */
+static int one_wave(const policy_t *pol, const int64_t *ids, const int64_t *row_slots, int64_t P,
+                    int64_t K, int64_t N, int64_t wave, int64_t *slot_of_expert,
+                    int64_t *expert_of_slot, const int64_t *wave_of_expert, int64_t *counters,
+                    int64_t *plan_slots, int64_t *plan_experts, uint8_t *plan_valid,
+                    int64_t *slot_ids) {
+    for (int64_t i = 0; i < N; i++) plan_slots[i] = plan_experts[i] = -1;
+    memset(plan_valid, 0, (size_t)N);
+    int64_t n_wave = 0, misses = 0;
+    for (int64_t e = 0; e < pol->E; e++)
+        if (wave_of_expert[e] == wave) {
+            n_wave++;
+            if (slot_of_expert[e] < 0) plan_experts[misses++] = e;   /* misses by expert id */
+        }
+    if (n_wave && plan_wave(pol, N, wave, slot_of_expert, expert_of_slot, wave_of_expert,
+                            counters, n_wave, misses, plan_slots, plan_experts, plan_valid))
+        return -1;
+    for (int64_t p = 0; p < P; p++)
+        slot_ids[p] = pair_valid(ids, row_slots, p, K) && wave_of_expert[ids[p]] == wave
+                      ? slot_of_expert[ids[p]] : -1;
+    return 0;
+}
+
 int moe_residency_step(const int64_t *ids, const int64_t *row_slots, int64_t T, int64_t K,
                        int64_t E, int64_t N, int64_t wave, int64_t *slot_of_expert,
                        int64_t *expert_of_slot, int64_t *wave_of_expert, int64_t *counters,
                        int policy, int64_t *freq, int64_t *last_use, double *crf, double *weight,
                        double *bias, uint8_t *prev, const double *params,
                        const double *decay_pow, int64_t table_len, int64_t *plan_slots,
-                       int64_t *plan_experts, uint8_t *plan_valid, int64_t *slot_ids) {
+                       int64_t *plan_experts, uint8_t *plan_valid, int64_t *slot_ids,
+                       int64_t num_waves) {
     const policy_t pol = {policy, E, table_len, freq, last_use, crf, weight, bias, prev, params,
                           decay_pow};
     const int64_t P = T * K;
@@ -238,20 +267,11 @@ int moe_residency_step(const int64_t *ids, const int64_t *row_slots, int64_t T, 
                                     counters);
         if (rc) return rc;
     }
-    for (int64_t i = 0; i < N; i++) plan_slots[i] = plan_experts[i] = -1;
-    memset(plan_valid, 0, (size_t)N);
-    int64_t n_wave = 0, misses = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (wave_of_expert[e] == wave) {
-            n_wave++;
-            if (slot_of_expert[e] < 0) plan_experts[misses++] = e;   /* misses by expert id */
-        }
-    if (n_wave && plan_wave(&pol, N, wave, slot_of_expert, expert_of_slot, wave_of_expert,
-                            counters, n_wave, misses, plan_slots, plan_experts, plan_valid))
-        return -1;
-    for (int64_t p = 0; p < P; p++)
-        slot_ids[p] = pair_valid(ids, row_slots, p, K) && wave_of_expert[ids[p]] == wave
-                      ? slot_of_expert[ids[p]] : -1;
+    for (int64_t i = 0; i < num_waves; i++)
+        if (one_wave(&pol, ids, row_slots, P, K, N, wave + i, slot_of_expert, expert_of_slot,
+                     wave_of_expert, counters, plan_slots + i * N, plan_experts + i * N,
+                     plan_valid + i * N, slot_ids + i * P))
+            return -1;
     return 0;
 }
 

@@ -1,4 +1,5 @@
-"""Python wrappers of ``moe_cache.c``: the expert cache's fused residency step and its miss copy.
+"""Python wrappers of ``moe_cache.c``: the expert cache's fused residency step (all of a step's
+waves in one call) and its miss copy.
 
 Both go through ``graph.launch``, so a CPU graph records them like any other kernel: a cached
 MoE layer's decode step replays with its bookkeeping and copies inside the graph. They take raw
@@ -38,18 +39,34 @@ def _policy_ptrs(policy_code: int, state: dict[str, torch.Tensor], params: torch
             _ptr(params, f64, "params"), _ptr(decay_pow, f64, "decay_pow"), decay_pow.numel())
 
 
+def check_wave_outputs(who: str, num_waves: int, T: int, K: int, N: int,
+                       plan: tuple[torch.Tensor, ...], slot_ids: torch.Tensor) -> None:
+    """The residency step's output sizes: each plan tensor [num_waves * N] elements (a wave's
+    plan at offset i * N) and slot_ids [num_waves * T * K]; shared by both kernels."""
+    if not isinstance(num_waves, int) or num_waves < 1:
+        raise ValueError(f"{who}: num_waves={num_waves!r}; must be an int >= 1")
+    if any(t.numel() != num_waves * N for t in plan) or slot_ids.numel() != num_waves * T * K:
+        raise ValueError(f"{who}: for num_waves={num_waves}, N={N}, T={T}, K={K} the plan "
+                         f"tensors need {num_waves * N} elements and slot_ids "
+                         f"{num_waves * T * K}, got {[t.numel() for t in plan]} and "
+                         f"{slot_ids.numel()}")
+
+
 def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave: int,
                    slot_of_expert: torch.Tensor, expert_of_slot: torch.Tensor,
                    wave_of_expert: torch.Tensor, counters: torch.Tensor, policy_code: int,
                    state: dict[str, torch.Tensor], params: torch.Tensor, decay_pow: torch.Tensor,
                    plan_slots: torch.Tensor, plan_experts: torch.Tensor, plan_valid: torch.Tensor,
-                   slot_ids: torch.Tensor) -> None:
-    """One wave of one layer (the contract in ``moe_cache.c``). topk_ids [T, K] int64; row_slots
-    [T] int64 or None (rows whose slot is PAD_SLOT_ID route nowhere); the residency's tensors
-    and ``state`` (the policy's, by policy.py's names: freq, last_use, crf; lrfu_next's weight,
-    bias, prev) are updated in place; the plan [N] and slot_ids [T, K] are written."""
+                   slot_ids: torch.Tensor, num_waves: int = 1) -> None:
+    """Waves [wave, wave + num_waves) of one layer in one call (the contract in ``moe_cache.c``).
+    topk_ids [T, K] int64; row_slots [T] int64 or None (rows whose slot is PAD_SLOT_ID route
+    nowhere); the residency's tensors and ``state`` (the policy's, by policy.py's names: freq,
+    last_use, crf; lrfu_next's weight, bias, prev) are updated in place; the plans
+    [num_waves, N] and slot_ids [num_waves, T, K] are written."""
     T, K = topk_ids.shape
     E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
+    check_wave_outputs("moe_cache", num_waves, T, K, N, (plan_slots, plan_experts, plan_valid),
+                       slot_ids)
     i64 = torch.int64
     rc = launch(
         "moe_residency_step", _ptr(topk_ids, i64, "topk_ids"), _ptr(row_slots, i64, "row_slots"),
@@ -58,7 +75,7 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
         _ptr(counters, i64, "counters"), policy_code,
         *_policy_ptrs(policy_code, state, params, decay_pow, E),
         _ptr(plan_slots, i64, "plan_slots"), _ptr(plan_experts, i64, "plan_experts"),
-        _ptr(plan_valid, torch.bool, "plan_valid"), _ptr(slot_ids, i64, "slot_ids"))
+        _ptr(plan_valid, torch.bool, "plan_valid"), _ptr(slot_ids, i64, "slot_ids"), num_waves)
     if rc == -2:
         raise ValueError(f"moe_cache: topk_ids holds an expert id >= num_experts={E} (ids must be "
                          f"in [0, {E}) or negative to skip the pair)")
