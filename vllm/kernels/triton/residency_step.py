@@ -1,4 +1,5 @@
-"""The expert cache's residency step as one Triton launch per wave (CUDA).
+"""The expert cache's residency step as one Triton launch per layer and step (CUDA): all of the
+step's waves, planned one after the other by one program.
 
 The contract and the decisions are those of ``vllm/kernels/cpu/moe_cache.c`` (read its header):
 wave 0 ranks the needed experts resident-first and fixes their waves; each wave makes its
@@ -8,24 +9,29 @@ id)), updates the policy state at the pre-step clock and the counters, and write
 and the slot ids. The torch reference (``expert_cache/residency_step.py``: ``reference_step``) is
 what both kernels are tested against, bit for bit.
 
-One program (grid (1,)) does a whole wave: E and N are a few hundred at most, so the step is a
+One program (grid (1,)) does the waves: E and N are a few hundred at most, so a wave is a
 handful of vector operations over [E] and [N] plus an [N, N] comparison that ranks the victims
 (its loads masked off when the wave has no miss: an all-hits step does not wait on them),
 with ``debug_barrier`` between the phases that read what an earlier phase stored; lrfu_next
 (policy 4) adds loops over [ROWS_E, E] tiles of its weight [E, E] (masked to the rows of the
-wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). No host read:
-the wave's shapes are fixed, so the launch can be captured in a CUDA graph.
+wave or of ``prev``; ROWS_E * BLOCK_E <= WEIGHT_TILE for E <= 2048). A launch of one wave
+(``ONE_WAVE``: a decode step whose T*K fits the slots) is that body alone; a launch of W waves
+runs wave 0's assignment, then a loop of W bodies with a ``debug_barrier`` between them (later
+waves read the residency the earlier ones left; their copies run after the earlier waves'
+kernels, so planning them first is safe). No host read: the step's shapes are fixed, so the
+launch can be captured in a CUDA graph.
 
 Latency: a program this small is a chain of dependent memory round trips (each an L2 latency
-or more), and a cached layer runs one per wave on every decode step, so the all-hits path
+or more), and a cached layer runs one on every decode step, so the all-hits path
 keeps that chain short. State that nothing in the launch writes before reading it (the
 residency before placement, the policy state with its decay factor, lrfu_next's bias and
 prev, the counters) is loaded before the phases that need it; wave 0 hands its waves over in
 registers; a load waits only on what its address needs (a pair's slot and its wave both on
 the pair's id; lrfu_next's weight tiles, for E <= SMALL_E, on nothing: loaded unrolled, with
 the rows' selection applied in registers). lrfu_next runs on 8 warps (its float64 tiles; on 4,
-63 slots took 255 registers and spilled under Triton 3.6), the others on 4. Not yet timed on
-a GPU. Differences from
+63 slots took 255 registers and spilled under Triton 3.6), the others on 4, or 8 for several
+waves (``num_warps``). Not yet timed on a GPU; the launch of several waves has not run on
+one. Differences from
 the C kernel: a valid pair with an id >= E routes nowhere (a launch cannot raise; the router
 never produces one), and its only scratch is the victim ranking's [BLOCK_N] keys, allocated
 per call (from the graph's pool inside a capture).
@@ -44,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels.cpu.moe_cache import check_wave_outputs
 from vllm.kernels.triton.lrfu_next import _learn_next, _predict
 
 # Counter indices (residency.py's counters) and the padding-row slot, as constexprs: a @triton.jit
@@ -221,13 +228,15 @@ def _bump(cnt_ptr, idx, old, value, any_used):
 
 
 @triton.jit
-def _residency_step_kernel(
+def _wave_step(
         ids_ptr, rows_ptr, P, K, E, N, w, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
         freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
         pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
         FIRST_WAVE: tl.constexpr, SMALL_E: tl.constexpr, BLOCK_E: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, ROW_BLOCK: tl.constexpr,
         ROWS_E: tl.constexpr):
+    """Wave w, from the state the waves before it left: its plan (ps, pe, pv [N]) and slot ids
+    (sid [P]) written, the state updated."""
     e = tl.arange(0, BLOCK_E)
     in_e = e < E
     # What nothing in this launch writes before reading it is loaded early, so each load's
@@ -294,6 +303,40 @@ def _residency_step_kernel(
         tl.store(sid_ptr + p, tl.where(valid & (wave == w), slot, -1), mask=p < P)
 
 
+@triton.jit
+def _residency_step_kernel(
+        ids_ptr, rows_ptr, P, K, E, N, w0, num_waves, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
+        freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
+        pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
+        FIRST_WAVE: tl.constexpr, ONE_WAVE: tl.constexpr, SMALL_E: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+        ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
+    """Waves [w0, w0 + num_waves), one after the other; wave i's plan at i * N, slot ids at
+    i * P. ONE_WAVE (num_waves == 1: a step with min(E, T*K) <= N, as every batch-1 decode
+    step) is the wave's body alone, wave 0 handing its waves over in registers: the code of a
+    launch per wave. Otherwise wave 0's assignment runs first, then a loop runs the body once
+    per wave, the body compiled once."""
+    if ONE_WAVE:
+        _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
+                   freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D,
+                   ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY, HAS_ROWS, FIRST_WAVE,
+                   SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E)
+    else:
+        if FIRST_WAVE:
+            e = tl.arange(0, BLOCK_E)
+            soe = tl.load(soe_ptr + e, mask=e < E, other=-1)
+            _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe, woe_ptr, cnt_ptr, HAS_ROWS,
+                          BLOCK_E, BLOCK_P)
+        for i in range(0, num_waves):
+            # Every thread's stores of the wave before are visible to the next wave's loads.
+            tl.debug_barrier()
+            _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
+                       cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr,
+                       pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
+                       sid_ptr + i * P, ks_ptr, kx_ptr, POLICY, HAS_ROWS, False, SMALL_E,
+                       BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E)
+
+
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str, device: torch.device) -> None:
     if t.dtype != dtype or not t.is_contiguous() or t.device != device:
         raise ValueError(f"triton residency_step: {what} must be a contiguous {dtype} tensor on "
@@ -305,10 +348,10 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
                    wave_of_expert: torch.Tensor, counters: torch.Tensor, policy_code: int,
                    state: dict[str, torch.Tensor], params: torch.Tensor, decay_pow: torch.Tensor,
                    plan_slots: torch.Tensor, plan_experts: torch.Tensor, plan_valid: torch.Tensor,
-                   slot_ids: torch.Tensor) -> None:
-    """One wave of one layer, one launch: the signature of ``moe_cache.residency_step``. All
-    tensors on the device of topk_ids [T, K] int64; state updated in place; plan [N] and
-    slot_ids [T, K] written."""
+                   slot_ids: torch.Tensor, num_waves: int = 1) -> None:
+    """Waves [wave, wave + num_waves) of one layer, one launch: the signature of
+    ``moe_cache.residency_step``. All tensors on the device of topk_ids [T, K] int64; state
+    updated in place; plans [num_waves, N] and slot_ids [num_waves, T, K] written."""
     dev = topk_ids.device
     i64, f64 = torch.int64, torch.float64
     for t, dt, what in ((topk_ids, i64, "topk_ids"), (slot_of_expert, i64, "slot_of_expert"),
@@ -327,6 +370,8 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
                name, dev)
     T, K = topk_ids.shape
     E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
+    check_wave_outputs("triton residency_step", num_waves, T, K, N,
+                       (plan_slots, plan_experts, plan_valid), slot_ids)
     if policy_code == 4:
         _check_lrfu_next(state, params, E)
     # Absent state tensors are never read by that policy's branches; any pointer will do.
@@ -340,18 +385,21 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     key_expert = torch.empty(block_n, dtype=i64, device=dev)
     _residency_step_kernel[(1,)](
         topk_ids, row_slots if row_slots is not None else topk_ids, T * K, K, E, N, wave,
-        slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use, crf, weight,
-        bias, prev, params, decay_pow, decay_pow.numel(), plan_slots, plan_experts,
+        num_waves, slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use,
+        crf, weight, bias, prev, params, decay_pow, decay_pow.numel(), plan_slots, plan_experts,
         plan_valid.view(torch.uint8), slot_ids, key_score, key_expert, POLICY=policy_code,
-        HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, SMALL_E=block_e <= SMALL_E,
-        BLOCK_E=block_e, BLOCK_N=block_n, BLOCK_P=BLOCK_P, ROW_BLOCK=min(ROW_BLOCK, block_n),
-        ROWS_E=rows_e(block_e), num_warps=num_warps(policy_code), **LAUNCH_OPTIONS)
+        HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, ONE_WAVE=num_waves == 1,
+        SMALL_E=block_e <= SMALL_E, BLOCK_E=block_e, BLOCK_N=block_n, BLOCK_P=BLOCK_P,
+        ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e), num_warps=num_warps(policy_code, num_waves), **LAUNCH_OPTIONS)
 
 
-def num_warps(policy_code: int) -> int:
+def num_warps(policy_code: int, num_waves: int = 1) -> int:
     """lrfu_next's [ROWS_E, BLOCK_N] float64 weight tiles over 8 warps (64 slots of 64 experts
-    spilled over 4 under Triton 3.6); the other policies' [E] and [N] vectors over 4."""
-    return 8 if policy_code == 4 else 4
+    spilled over 4 under Triton 3.6); the other policies' [E] and [N] vectors over 4, but over 8
+    in a launch of several waves: its loop holds more registers than one wave's body (63 slots
+    of 64 experts: capped at 128 and spilling 8 bytes for SM120 under 3.6 on 4 warps; 112-122
+    and none on 8)."""
+    return 8 if policy_code == 4 or num_waves > 1 else 4
 
 
 def rows_e(block_e: int) -> int:
