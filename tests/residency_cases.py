@@ -1,6 +1,6 @@
 """Shared by the expert-cache tests: random routing steps like real decode and prefill batches, a
-residency's whole state as comparable values, two steps compared wave by wave, and a plain-Python
-LRU simulator."""
+residency's whole state as comparable values, two steps compared wave by wave (or one planning
+all waves in one call against the other wave by wave), and a plain-Python LRU simulator."""
 from __future__ import annotations
 
 import random
@@ -96,3 +96,23 @@ def step_both(step_a, step_b, ref: Residency, ker: Residency, ids: torch.Tensor,
         assert p1.valid.tolist() == p2.valid.tolist(), wave
         assert s1.tolist() == s2.tolist(), wave
         assert state_of(ref) == state_of(ker), wave
+
+
+def plan_values(plan, slot_ids) -> tuple:
+    return (plan.slots.tolist(), plan.experts.tolist(), plan.valid.tolist(), slot_ids.tolist())
+
+
+def step_all_waves(step_a, step_b, ref: Residency, ker: Residency, ids: torch.Tensor,
+                   row_slots: torch.Tensor | None) -> int:
+    """One step of W waves: step_a on ref wave by wave, step_b's ``waves`` on ker (a fused
+    kernel plans all W in one call): every wave's plan and slot ids equal, and all state after
+    the step. Returns W."""
+    T, K = ids.shape
+    W = num_waves(ref.num_experts, T * K, ref.num_slots)
+    want = [plan_values(*step_a(ref, ids, row_slots, wave)) for wave in range(W)]
+    got = [plan_values(*out) for out in step_b.waves(ker, ids, row_slots, W)]
+    assert len(got) == W
+    for wave in range(W):
+        assert got[wave] == want[wave], wave
+    assert state_of(ref) == state_of(ker)
+    return W

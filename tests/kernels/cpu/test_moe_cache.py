@@ -1,8 +1,8 @@
 """The expert cache's C kernels (``vllm/kernels/cpu/moe_cache.c``): the fused residency step
 equals the torch reference step bit for bit (plan, slot ids, wave plan, maps, policy state,
 counters) over long random and recorded routing sequences, for every policy and N in
-{1, top_k, E/2, E-1}; LRU also against a plain-Python simulator; and the copy kernel against
-torch indexing."""
+{1, top_k, E/2, E-1}, called wave by wave and planning all of a step's waves in one call; LRU
+also against a plain-Python simulator; and the copy kernel against torch indexing."""
 from __future__ import annotations
 
 import random
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from residency_cases import (POLICIES, bits, plain_lru, random_steps, saturate_predictor,
-                             step_both)
+                             step_all_waves, step_both)
 
 from vllm.kernels.cpu import moe_cache
 from vllm.kernels.cpu.build import load_cpu_kernels
@@ -32,6 +32,21 @@ def test_kernel_equals_reference_on_random_routing(policy, E, K, N):
     for ids, row_slots in random_steps(E, K, 400, seed=E * 100 + N):
         step_both(reference_step, kernel_step, ref, ker, ids, row_slots)
     assert int(ker.hits) > 0 and int(ker.misses) > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("E,K,N", [(16, 4, 1), (16, 4, 4), (16, 4, 15), (64, 6, 6),
+                                   (64, 6, 32), (64, 6, 63)])
+def test_one_call_for_all_waves_equals_reference(policy, E, K, N):
+    """``KernelStep.waves``: one C call plans every wave of the step, against the reference wave
+    by wave; steps of several waves with misses in later ones occur (else this tests little)."""
+    ref, ker = Residency(E, N, get_policy(policy)), Residency(E, N, get_policy(policy))
+    multi = 0
+    for ids, row_slots in random_steps(E, K, 300, seed=E * 10 + N):
+        misses = int(ref.misses)
+        if step_all_waves(reference_step, kernel_step, ref, ker, ids, row_slots) > 1:
+            multi += int(ref.misses) > misses and int(ref.last_misses) > 0
+    assert multi > 0 or N >= E - 1, "no multi-wave step missed in its last wave"
 
 
 @pytest.mark.parametrize("policy", ["lfru", "lrfu", "lrfu_next"])

@@ -1,6 +1,7 @@
 """The expert cache's Triton residency step (``vllm/kernels/triton/residency_step.py``) equals the
 torch reference step bit for bit (plan, slot ids, wave plan, maps, policy state, counters) over
-random and recorded routing, for every policy and N in {1, top_k, E/2, E-1}.
+random and recorded routing, for every policy and N in {1, top_k, E/2, E-1}, launched wave by wave
+and planning all of a step's waves in one launch.
 
 On a GPU these run the compiled kernel on CUDA against the reference on CUDA; elsewhere
 the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py: numpy,
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from residency_cases import POLICIES, random_steps, saturate_predictor, step_both
+from residency_cases import (POLICIES, random_steps, saturate_predictor, step_all_waves,
+                             step_both)
 
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
@@ -36,13 +38,14 @@ def triton_step():
     return KernelStep(residency_step, "triton", on_host=False)
 
 
-def _run(step, E, K, N, policy, num_steps, seed, device=DEVICE):
+def _run(step, E, K, N, policy, num_steps, seed, device=DEVICE, compare=step_both):
+    """``compare``: step_both (a launch per wave) or step_all_waves (one for the step)."""
     dev = torch.device(device)
     ref = Residency(E, N, get_policy(policy), device=dev)
     ker = Residency(E, N, get_policy(policy), device=dev)
     for ids, row_slots in random_steps(E, K, num_steps, seed=seed):
         rows = row_slots.to(dev) if row_slots is not None else None
-        step_both(reference_step, step, ref, ker, ids.to(dev), rows)
+        compare(reference_step, step, ref, ker, ids.to(dev), rows)
     assert int(ker.hits) > 0 and int(ker.misses) > 0
 
 
@@ -51,6 +54,15 @@ def _run(step, E, K, N, policy, num_steps, seed, device=DEVICE):
                                              (16, 4, 15, 80), (64, 6, 63, 60)])
 def test_triton_step_equals_reference(triton_step, policy, E, K, N, num_steps):
     _run(triton_step, E, K, N, policy, num_steps, seed=E * 100 + N)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("E,K,N,num_steps", [(16, 4, 1, 15), (16, 4, 4, 50), (64, 6, 63, 40)])
+def test_triton_one_launch_for_all_waves_equals_reference(triton_step, policy, E, K, N,
+                                                          num_steps):
+    """``KernelStep.waves``: one launch plans every wave of the step (wave 0's body, then the
+    loop over the rest), against the reference wave by wave."""
+    _run(triton_step, E, K, N, policy, num_steps, seed=E * 10 + N, compare=step_all_waves)
 
 
 @pytest.mark.parametrize("policy", ["lrfu", "lrfu_next"])
@@ -157,3 +169,4 @@ def test_triton_step_equals_reference_on_cuda(policy):
     step = KernelStep(residency_step, "triton", on_host=False)
     for E, K, N in [(16, 4, 1), (64, 8, 32), (256, 8, 64)]:
         _run(step, E, K, N, policy, 80, seed=E + N, device="cuda")
+        _run(step, E, K, N, policy, 40, seed=E - N, device="cuda", compare=step_all_waves)

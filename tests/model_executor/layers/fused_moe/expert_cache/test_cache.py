@@ -165,13 +165,15 @@ def test_waves_when_batch_needs_every_expert(monkeypatch):
     real_step = provider.step
 
     class Spy(type(real_step)):
+        """Records each wave's experts as the provider receives the wave (the fused step plans
+        them all in one call: wave_of_expert is then the step's, fixed by wave 0)."""
         def __init__(self):
             self.__dict__.update(real_step.__dict__)
 
-        def __call__(self, res, topk_ids, row_slots, wave):
-            out = real_step(res, topk_ids, row_slots, wave)
-            plans.append(res.wave_of_expert == wave)
-            return out
+        def waves(self, res, topk_ids, row_slots, num_waves):
+            for wave, out in enumerate(real_step.waves(res, topk_ids, row_slots, num_waves)):
+                plans.append(res.wave_of_expert == wave)
+                yield out
     monkeypatch.setattr(provider, "step", Spy())
     ids = torch.tensor([[e, (e + 1) % E] for e in range(E)])            # all E experts needed
     x, tw = torch.randn(E, H), torch.rand(E, 2)

@@ -13,12 +13,12 @@ store (every expert-indexed tensor the quant method declares, run through its
 step, the copy engine and the counters. Its plan contract (bitwise equal to the uncached
 ``apply``): needed experts = those in topk_ids (minus padding rows of a graph replay), split
 into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterating the plan runs,
-per wave, the residency step (``residency_step.py``: one fused kernel call where the platform
-has one) -> copy the misses -> yield the wave's slot ids (pairs of other waves -1); with
-``overlap`` and a side stream, the copy runs on the side stream and the wave is yielded as its
-hit pairs, then (after the join) its miss pairs (``overlap.py``). Every pair is
-computed exactly once, by the same expert weights, over the same tokens in the same order, and
-the layer reduces all waves with the uncached reduction. A wave with no expert changes nothing;
+per wave, the residency step (``residency_step.py``: where the platform has a fused kernel, one
+call plans all W waves before the first) -> copy the misses -> yield the wave's slot ids (pairs
+of other waves -1); with ``overlap`` and a side stream, the copy runs on the side stream and the
+wave is yielded as its hit pairs, then (after the join) its miss pairs (``overlap.py``). Every
+pair is computed exactly once, by the same expert weights, over the same tokens in the same
+order, and the layer reduces all waves with the uncached reduction. A wave with no expert changes nothing;
 where the state is host memory (CPU) an eager step stops after its last non-empty wave, while a
 CPU graph records all W (an empty wave's nodes return at once).
 No host synchronisation on CPU (or on CUDA with the fused step and a copy kernel): all
@@ -138,8 +138,8 @@ class ExpertPlan:
         step, res = p.step_for_this_call(), p.residency
         skip_empty = step.on_host and not capturing()
         p.join_prefetch()           # the real step may hit on an expert still being copied
-        for wave in range(self.num_waves):
-            plan, slot_ids = step(res, self.topk_ids, self.row_slots, wave)
+        planned = step.waves(res, self.topk_ids, self.row_slots, self.num_waves)
+        for wave, (plan, slot_ids) in enumerate(planned):
             # The wave holds at most `cap` experts (min(N, T*K) but for a last wave), so it
             # loads at most that many, the plan's first entries: the copy gets only those (a GPU
             # copy's blocks walk its entries: 8 flags to read at batch 1, top-8, not 63), and
@@ -197,7 +197,7 @@ class CachedWeightProvider(WeightProvider):
 
     def cuda_graph_refusal(self) -> str | None:
         """Why a decode graph (``worker/cuda_graphs.py``) cannot capture this layer's cached
-        step, or None. It needs the platform's fused residency step (one launch per wave, no
+        step, or None. It needs the platform's fused residency step (one launch per layer, no
         host read; the reference is refused: ~40 launches per wave) and a ``sync_free`` copy
         engine (a copy kernel; not the torch fallback, which reads the plan on the host)."""
         if self.host_compute is not None:

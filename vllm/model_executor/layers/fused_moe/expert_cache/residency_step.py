@@ -1,13 +1,15 @@
-"""The residency step: one call per wave of a cached MoE layer, from the router's ids to the
-slot ids the expert kernel reads and the miss list the copy engine copies.
+"""The residency step of a cached MoE layer, from the router's ids to the slot ids the expert
+kernel reads and the miss list the copy engine copies, per wave:
 
     plan, slot_ids = step(residency, topk_ids, row_slots, wave)
+    for plan, slot_ids in step.waves(residency, topk_ids, row_slots, W): ...
 
 topk_ids [T, K] int64 global expert ids (negative: skip the pair); row_slots [T] int64 or None,
 the step's KV slot per row (rows whose slot is PAD_SLOT_ID are decode-graph padding and route
 nowhere, so a padded replay plans exactly what the eager step would); wave in [0, W), W =
-``num_waves(E, T*K, N)``, called in order, running the expert kernel of a wave before the next
-wave is planned (a later wave may reuse a slot an earlier one read). Wave 0 fixes every needed
+``num_waves(E, T*K, N)``, planned in order; a wave's misses are copied only after the expert
+kernels of the wave before it ran (a later wave may reuse a slot an earlier one read), so the
+waves may all be planned first. Wave 0 fixes every needed
 expert's wave (``wave_index``: resident ones first) in ``residency.wave_of_expert`` and the
 step's count of non-empty waves in ``residency.step_waves``; each wave then runs
 ``Residency.plan`` on its experts and remaps its pairs (-1 for pairs of other waves). The
@@ -16,15 +18,17 @@ results: ``LoadPlan`` [N] (valid entries first, padding -1) and slot ids [T, K].
 Implementations, each bit for bit the same decisions, plan, slot ids, policy state and counters:
   * ``reference_step``: the tensor-op version (``Residency.plan``, ``wave_index``), any device,
     traceable with ``torch.compile(fullgraph=True)``; the one the others are tested against.
-  * ``KernelStep`` over the platform's ``residency_step_kernel()``: on CPU one C call per wave
-    (``vllm/kernels/cpu/moe_cache.c``), recorded by CPU graphs; on CUDA one Triton launch per
-    wave (``vllm/kernels/triton/residency_step.py``), no host read, fixed grid (CUDA-graph
-    capturable).
+  * ``KernelStep`` over the platform's ``residency_step_kernel()``: ``waves`` plans all W waves
+    of the step in one call, on CPU one C call (``vllm/kernels/cpu/moe_cache.c``), recorded by
+    CPU graphs, on CUDA one Triton launch (``vllm/kernels/triton/residency_step.py``), no host
+    read, fixed grid (CUDA-graph capturable): one per layer and step. Plans [W, N] and slot ids
+    [W, T, K] (W * T * K * 8 bytes: 4 MiB for a prefill of 8192 tokens, top-8, 8 waves).
 ``select_residency_step`` picks one per layer: the platform's kernel when the policy has a
 ``kernel_code``, else the reference.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -38,6 +42,9 @@ PAD_SLOT_ID = -1
 
 
 class ResidencyStep:
+    """``step(res, topk_ids, row_slots, wave)`` plans one wave; ``waves(res, topk_ids, row_slots,
+    W)`` yields every wave's (plan, slot ids) in order, where a fused kernel plans them all in
+    one call at the first ``next``."""
     name = ""
     on_host = False
     """Whether the state tensors are host memory, so reading ``step_waves`` costs no device sync
@@ -48,6 +55,12 @@ class ResidencyStep:
     def __call__(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
                  wave: int) -> tuple[LoadPlan, torch.Tensor]:
         raise NotImplementedError
+
+    def waves(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
+              num_waves: int) -> Iterator[tuple[LoadPlan, torch.Tensor]]:
+        """Waves 0..num_waves-1 of one step: here one call per wave, each when asked for."""
+        for wave in range(num_waves):
+            yield self(res, topk_ids, row_slots, wave)
 
 
 class ReferenceStep(ResidencyStep):
@@ -89,19 +102,36 @@ class KernelStep(ResidencyStep):
         self.on_host = self.cpu_graph_node = on_host
 
     def __call__(self, res, topk_ids, row_slots, wave):
+        (plan,), slot_ids = self._launch(res, topk_ids, row_slots, wave, 1)
+        return plan, slot_ids[0]
+
+    def waves(self, res, topk_ids, row_slots, num_waves):
+        """All the step's waves in one kernel call (issue 26: one residency step per layer). The
+        state then holds every wave's residency before the first wave's experts run, which is
+        safe because each wave's copy runs after the kernels of the wave before it; a step that
+        stops part-way leaves later waves marked resident but uncopied, so the engine forgets
+        every slot after a failed step (``CachedWeightProvider.invalidate``)."""
+        plans, slot_ids = self._launch(res, topk_ids, row_slots, 0, num_waves)
+        # select, not unbind: a CPU graph records views it knows (kernels/cpu/graph.py).
+        yield from ((plans[i], slot_ids[i]) for i in range(num_waves))
+
+    def _launch(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
+                wave: int, num_waves: int) -> tuple[list[LoadPlan], torch.Tensor]:
+        """Waves [wave, wave + num_waves): their plans and slot ids [num_waves, T, K]."""
         N = res.num_slots
         dev = topk_ids.device
         ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
             topk_ids.to(torch.int64).contiguous()
         params, decay_pow = res.policy.kernel_params(dev)
-        plan = LoadPlan(torch.empty(N, dtype=torch.int64, device=dev),
-                        torch.empty(N, dtype=torch.int64, device=dev),
-                        torch.empty(N, dtype=torch.bool, device=dev))
-        slot_ids = torch.empty(ids.shape, dtype=torch.int64, device=dev)
+        slots, experts = (torch.empty(num_waves, N, dtype=torch.int64, device=dev)
+                          for _ in range(2))
+        valid = torch.empty(num_waves, N, dtype=torch.bool, device=dev)
+        slot_ids = torch.empty((num_waves, *ids.shape), dtype=torch.int64, device=dev)
         self.kernel(ids, row_slots, wave, res.slot_of_expert, res.expert_of_slot,
                     res.wave_of_expert, res.counters, res.policy.kernel_code, res.policy_state,
-                    params, decay_pow, plan.slots, plan.experts, plan.valid, slot_ids)
-        return plan, slot_ids
+                    params, decay_pow, slots, experts, valid, slot_ids, num_waves=num_waves)
+        plans = [LoadPlan(slots[i], experts[i], valid[i]) for i in range(num_waves)]
+        return plans, slot_ids
 
 
 def select_residency_step(res: Residency, device: torch.device) -> ResidencyStep:
