@@ -16,11 +16,13 @@ each replay copies the step's values into them, runs the recorded kernels and re
 of the graph's own logits tensor (overwritten by the next replay of that size, so callers use
 it before the next step). Prefill and mixed steps run eagerly.
 
-Used on CPU with the C kernels, unless ``enforce_eager``; not with the expert cache or a
-routing trace, whose per-step bookkeeping is Python a replay would skip (``eligible``). When a
-capture is refused (a torch op without a graph node; every supported architecture's decode
-forward has none, tests/worker/test_cpu_graphs.py), every decode step of the model runs eagerly
-from then on (the forward's ops do not depend on the batch size), logged once.
+Used on CPU with the C kernels, unless ``enforce_eager``; with an expert cache only where its
+residency step and copies are C kernels, and not with a routing trace, whose per-step
+bookkeeping is Python a replay would skip (``eligible``). When a capture is refused (a torch op
+without a graph node; every supported architecture's decode forward has none,
+tests/worker/test_cpu_graphs.py), every decode step of the model runs eagerly from then on (the
+forward's ops do not depend on the batch size), logged once, and the expert caches forget their
+slots (the refused forward may have planned waves it never copied).
 """
 from __future__ import annotations
 
@@ -97,12 +99,14 @@ class DecodeGraphs:
     within a few steps (fresh-run timings in docs/benchmarks.md). A size whose graph was
     dropped for the memory budget is captured again when it comes back."""
 
-    def __init__(self, model: nn.Module, max_blocks_per_seq: int):
+    def __init__(self, model: nn.Module, max_blocks_per_seq: int, expert_caches: list = ()):
         # A TorchDispatchMode imports torch._dynamo (about 2 s) on first use: pay it at engine
         # start, not in the first decode step.
         import torch._dynamo  # noqa: F401
         self.model = model
         self.max_blocks = max_blocks_per_seq
+        self.expert_caches = list(expert_caches)
+        """The cached MoE layers' providers: a refused capture makes them forget their slots."""
         self._graphs: OrderedDict[int, _Entry] = OrderedDict()
         self.refused: str | None = None
         """Why the model's decode steps run eagerly (a refused capture), or None."""
@@ -166,7 +170,11 @@ class DecodeGraphs:
                 e.hidden = self.model(e.input_ids, e.positions)
         except GraphCaptureError as err:
             # The forward stopped part-way; the caller reruns it eagerly (its KV writes put
-            # the same values in the same slots again).
+            # the same values in the same slots again). A cached layer's residency step has
+            # then planned all of the step's waves but only some were copied: forget the
+            # slots, so the rerun copies what it needs.
+            for cache in self.expert_caches:
+                cache.invalidate()
             self.refused = str(err)
             logger.info("decode steps run eagerly (no CPU graphs): %s", err)
             return None

@@ -178,7 +178,8 @@ class ModelRunner:
             # The prefetch hooks are Python per layer: a graph replay would skip them.
             logger.info("decode steps run eagerly (no CPU graphs): next-layer expert prefetch")
             return None
-        return DecodeGraphs(self.model, max_blocks)
+        return DecodeGraphs(self.model, max_blocks, [m.expert_cache for m in self.moe_layers
+                                                     if m.expert_cache is not None])
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
