@@ -15,7 +15,7 @@ a row per (N, token count, routing), two routings:
 Every N sees the same inputs per (token count, routing) (the all-hits logits masked per N).
 Both layers share weights and inputs; medians over ``--iters`` forwards after warm-up (on CUDA
 each forward is timed to a device synchronisation). By default these are eager forwards: on CPU
-the cached layer's residency step is one C call per wave, but Python still runs around it;
+the cached layer's residency step is one C call per step, but Python still runs around it;
 inside a decode graph (``benchmark_throughput.py --cache-sweep``) that Python is gone too.
 ``--graphs`` times what a decode step's CUDA graph runs instead: each layer is captured once per
 token count (``worker/cuda_graphs.py``'s capturer; on CPU its eager stand-in) over static
