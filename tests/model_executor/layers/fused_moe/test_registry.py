@@ -92,6 +92,14 @@ def test_triton_fp8_needs_sm89():
                               "triton").name == "triton"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("scheme", ["fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq",
+                                    "nvfp4", "mxfp4"])
+def test_auto_on_cuda_runs_every_quantized_scheme_on_triton(scheme):
+    """docs/quantization.md: on CUDA "auto" picks the Triton kernels for FP8, GPTQ and FP4."""
+    assert select_moe_backend(query(scheme, torch.bfloat16, FakeCuda(90))).name == "triton"
+
+
 @pytest.mark.parametrize("sm,dtype,want", [(80, torch.bfloat16, "torch"),
                                            (90, torch.bfloat16, "grouped_mm"),
                                            (90, torch.float16, "torch"),
