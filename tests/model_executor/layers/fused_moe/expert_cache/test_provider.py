@@ -90,6 +90,27 @@ def test_cached_plan_waves_cover_every_pair_once_with_slot_ids(n, T):
     assert torch.equal(covered, (ids >= 0).long())
 
 
+@pytest.mark.parametrize("n,T", [(3, 4), (1, 3), (7, 8)])
+def test_one_residency_call_per_step_however_many_waves(n, T):
+    """Issue 26: the fused step is one kernel call per layer and step; it plans every wave,
+    and the copies of each wave still run before that wave's kernels (the outputs equal the
+    uncached layer's)."""
+    layer, ref = build(n), build(0)
+    provider = layer.expert_cache
+    calls, kernel = [], provider.step.kernel
+
+    def counting_kernel(*args, **kwargs):
+        calls.append(kwargs.get("num_waves", 1))
+        kernel(*args, **kwargs)
+    provider.step.kernel = counting_kernel
+    g = torch.Generator().manual_seed(n + T)
+    for _ in range(4):
+        x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+        calls.clear()
+        assert torch.equal(layer(x, logits), ref(x, logits))
+        assert calls == [math.ceil(min(E, T * K) / n)] and calls[0] > 1
+
+
 @pytest.mark.parametrize("n,T", [(7, 1), (7, 2), (3, 1), (3, 4), (1, 3)])
 def test_the_copy_gets_only_the_entries_a_wave_can_load(n, T):
     """Each wave's copy gets the plan's first min(N, D - w N) entries (D = min(E, T*K) experts
