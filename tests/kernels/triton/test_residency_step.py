@@ -169,4 +169,5 @@ def test_triton_step_equals_reference_on_cuda(policy):
     step = KernelStep(residency_step, "triton", on_host=False)
     for E, K, N in [(16, 4, 1), (64, 8, 32), (256, 8, 64)]:
         _run(step, E, K, N, policy, 80, seed=E + N, device="cuda")
-        _run(step, E, K, N, policy, 40, seed=E - N, device="cuda", compare=step_all_waves)
+    # One launch for all of a step's waves: its own compiled variants, so one shape only.
+    _run(step, 64, 8, 32, policy, 40, seed=32, device="cuda", compare=step_all_waves)

@@ -1,4 +1,5 @@
-/* The expert cache's per-wave residency step and its miss copy, for CPU graphs and eager steps.
+/* The expert cache's residency step (all of a step's waves in one call) and its miss copy, for CPU
+ * graphs and eager steps.
  *
  * moe_residency_step plans waves [wave, wave + num_waves) of a cached MoE layer in one call (the
  * provider passes 0 and all W waves of the step: one call per layer) and makes exactly the

@@ -390,7 +390,8 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
         plan_valid.view(torch.uint8), slot_ids, key_score, key_expert, POLICY=policy_code,
         HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, ONE_WAVE=num_waves == 1,
         SMALL_E=block_e <= SMALL_E, BLOCK_E=block_e, BLOCK_N=block_n, BLOCK_P=BLOCK_P,
-        ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e), num_warps=num_warps(policy_code, num_waves), **LAUNCH_OPTIONS)
+        ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e),
+        num_warps=num_warps(policy_code, num_waves), **LAUNCH_OPTIONS)
 
 
 def num_warps(policy_code: int, num_waves: int = 1) -> int:

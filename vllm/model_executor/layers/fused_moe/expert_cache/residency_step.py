@@ -108,9 +108,10 @@ class KernelStep(ResidencyStep):
     def waves(self, res, topk_ids, row_slots, num_waves):
         """All the step's waves in one kernel call (issue 26: one residency step per layer). The
         state then holds every wave's residency before the first wave's experts run, which is
-        safe because each wave's copy runs after the kernels of the wave before it; a step that
-        stops part-way leaves later waves marked resident but uncopied, so the engine forgets
-        every slot after a failed step (``CachedWeightProvider.invalidate``)."""
+        safe because each wave's copy runs after the kernels of the wave before it. A step that
+        stops part-way leaves later waves marked resident but uncopied, so every slot is
+        forgotten (``CachedWeightProvider.invalidate``) after a failed step (model_runner) and
+        after a refused CPU-graph capture (cpu_graphs)."""
         plans, slot_ids = self._launch(res, topk_ids, row_slots, 0, num_waves)
         # select, not unbind: a CPU graph records views it knows (kernels/cpu/graph.py).
         yield from ((plans[i], slot_ids[i]) for i in range(num_waves))
