@@ -26,6 +26,17 @@ def test_cpu_platform_answers():
     assert cpu.moe_backends[0] == "cpu_kernel" and cpu.attention_backends[0] == "cpu_paged"
 
 
+def test_is_capturing_during_a_cpu_graph_capture_only(monkeypatch):
+    from vllm.kernels.cpu.graph import CpuGraph, capture
+    cpu = platform_for("cpu")
+    assert not cpu.is_capturing()
+    with capture(CpuGraph()):
+        assert cpu.is_capturing()
+    assert not cpu.is_capturing()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not platform_for("cuda").is_capturing()
+
+
 def test_without_c_kernels_nothing_native(torch_paths):
     assert not platform_for("cpu").has_native_kernels(torch.float32)
     assert not native_kernels(torch.float32, torch.device("cpu"))

@@ -8,6 +8,7 @@ import torch
 
 from vllm.kernels.cpu import moe_cache
 from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.kernels.cpu.graph import capturing
 from vllm.kernels.cpu.ops import KERNEL_DTYPES
 from vllm.platforms.interface import Platform
 
@@ -34,6 +35,9 @@ class CpuPlatform(Platform):
     def expert_copy_kernel(self) -> Callable[..., None] | None:
         # Host store and slots share the RAM: a memcpy per miss, recorded by CPU graphs.
         return moe_cache.expert_copy if load_cpu_kernels() is not None else None
+
+    def is_capturing(self) -> bool:
+        return capturing()
 
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return moe_cache.residency_step if load_cpu_kernels() is not None else None

@@ -192,6 +192,9 @@ class CudaPlatform(Platform):
         return CudaSideStream(torch.device("cuda", index),
                               {r: _device_side_stream(index, r) for r in SIDE_STREAM_ROLES})
 
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         return torch.cuda.mem_get_info(device)
 

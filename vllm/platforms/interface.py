@@ -191,6 +191,11 @@ class Platform:
         may return a new handle; handles of one device may share one stream."""
         return None
 
+    def is_capturing(self) -> bool:
+        """Whether the current thread is capturing a graph on this platform (recorded work may
+        not run now, and an op that is not recordable may fail the capture)."""
+        return False
+
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:
         """(free, total) bytes of device memory; None where the engine uses a fixed budget."""
         return None

@@ -111,6 +111,25 @@ def test_one_residency_call_per_step_however_many_waves(n, T):
         assert calls == [math.ceil(min(E, T * K) / n)] and calls[0] > 1
 
 
+def test_a_step_stopped_part_way_leaves_no_uncopied_slot_trusted(monkeypatch):
+    """The fused step plans all waves first; a wave's kernels raising stops the step before
+    the later waves' copies. The next step must not hit on those experts (their slots hold
+    other weights): it equals the uncached layer's."""
+    layer, ref = build(3), build(0)
+    g = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(4, H, generator=g), torch.randn(4, E, generator=g)
+    real = layer.quant_method.apply_pairs
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a wave's kernel failed")
+    monkeypatch.setattr(layer.quant_method, "apply_pairs", failing)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        layer(x, logits)
+    assert (layer.expert_cache.residency.slot_of_expert == -1).all()
+    monkeypatch.setattr(layer.quant_method, "apply_pairs", real)
+    assert torch.equal(layer(x, logits), ref(x, logits))
+
+
 @pytest.mark.parametrize("n,T", [(7, 1), (7, 2), (3, 1), (3, 4), (1, 3)])
 def test_the_copy_gets_only_the_entries_a_wave_can_load(n, T):
     """Each wave's copy gets the plan's first min(N, D - w N) entries (D = min(E, T*K) experts

@@ -51,6 +51,9 @@ class ResidencyStep:
     (the provider then skips the empty waves of an eager step)."""
     cpu_graph_node = False
     """Whether a CPU graph records it (a C kernel through ``graph.launch``)."""
+    plans_ahead = False
+    """Whether ``waves`` plans every wave before the first is used (then a step stopped
+    part-way leaves later waves resident in the maps but not copied)."""
 
     def __call__(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
                  wave: int) -> tuple[LoadPlan, torch.Tensor]:
@@ -96,6 +99,7 @@ def reference_step(res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tens
 class KernelStep(ResidencyStep):
     """A platform's fused kernel (the signature of ``vllm.kernels.cpu.moe_cache.residency_step``),
     fed the residency's own tensors."""
+    plans_ahead = True
 
     def __init__(self, kernel: Callable[..., None], name: str, on_host: bool):
         self.kernel, self.name = kernel, name
@@ -110,8 +114,9 @@ class KernelStep(ResidencyStep):
         state then holds every wave's residency before the first wave's experts run, which is
         safe because each wave's copy runs after the kernels of the wave before it. A step that
         stops part-way leaves later waves marked resident but uncopied, so every slot is
-        forgotten (``CachedWeightProvider.invalidate``) after a failed step (model_runner) and
-        after a refused CPU-graph capture (cpu_graphs)."""
+        forgotten (``CachedWeightProvider.invalidate``): by the plan when a wave raised, by the
+        engine after a failed step (model_runner) and after a refused CPU-graph capture
+        (cpu_graphs)."""
         plans, slot_ids = self._launch(res, topk_ids, row_slots, 0, num_waves)
         # select, not unbind: a CPU graph records views it knows (kernels/cpu/graph.py).
         yield from ((plans[i], slot_ids[i]) for i in range(num_waves))
