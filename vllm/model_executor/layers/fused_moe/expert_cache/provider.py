@@ -12,12 +12,12 @@ store (every expert-indexed tensor the quant method declares, run through its
 ``prepare_expert``), the N device slots of each, the residency and policy state, the residency
 step, the copy engine and the counters. Its plan contract (bitwise equal to the uncached
 ``apply``): needed experts = those in topk_ids (minus padding rows of a graph replay), split
-into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterating the plan runs,
-per wave, the residency step (``residency_step.py``: where the platform has a fused kernel, one
-call plans all W waves before the first) -> copy the misses -> yield the wave's slot ids (pairs
-of other waves -1); with ``overlap`` and a side stream, the copy runs on the side stream and the
-wave is yielded as its hit pairs, then (after the join) its miss pairs (``overlap.py``). Every
-pair is computed exactly once, by the same expert weights, over the same tokens in the same
+into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterating the plan
+(``expert_plan.py``) runs, per wave, the residency step (``residency_step.py``: where the
+platform has a fused kernel, one call plans all W waves before the first) -> copy the misses ->
+yield the wave's slot ids (pairs of other waves -1); with ``overlap`` and a side stream, the
+copy runs on the side stream and the wave is yielded as its hit pairs, then (after the join)
+its miss pairs (``overlap.py``). Every pair is computed exactly once, by the same expert weights, over the same tokens in the same
 order, and the layer reduces all waves with the uncached reduction. A wave with no expert
 changes nothing; where the state is host memory (CPU) an eager step stops after its last
 non-empty wave, while a CPU graph records all W (an empty wave's nodes return at once).
@@ -46,16 +46,14 @@ import torch
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
+from vllm.model_executor.layers.fused_moe.expert_cache.expert_plan import ExpertPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
     HostCostModel, HostMissCompute, HostSplit, cost_model_for, host_experts)
-from vllm.model_executor.layers.fused_moe.expert_cache.overlap import overlapped_wave
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
                                                                         wanted_experts)
-from vllm.kernels.cpu.graph import capturing
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import (LoadPlan, Residency,
-                                                                         num_waves,
-                                                                         wave_capacity)
+                                                                         num_waves)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import (
     ReferenceStep, ResidencyStep, select_residency_step)
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots, as_parameter
@@ -118,53 +116,6 @@ class IdentityProvider(WeightProvider):
 
     def slot_weights(self):
         return self._weights
-
-
-class ExpertPlan:
-    """One step's waves (a static count). Iterate once, in order, running the kernel of a wave
-    before asking for the next: a later wave's copies may overwrite slots an earlier wave read
-    (on a device, stream order keeps that safe)."""
-
-    def __init__(self, provider: "CachedWeightProvider", topk_ids: torch.Tensor,
-                 row_slots: torch.Tensor | None, num_waves: int):
-        self.provider, self.topk_ids, self.row_slots = provider, topk_ids, row_slots
-        self.num_waves = num_waves
-
-    def __len__(self) -> int:
-        return self.num_waves
-
-    def __iter__(self) -> Iterator[WaveIds]:
-        p = self.provider
-        step, res = p.step_for_this_call(), p.residency
-        skip_empty = step.on_host and not capturing()
-        p.join_prefetch()           # the real step may hit on an expert still being copied
-        planned = step.waves(res, self.topk_ids, self.row_slots, self.num_waves)
-        finished = False
-        try:
-            for wave, (plan, slot_ids) in enumerate(planned):
-                # The wave holds at most `cap` experts (min(N, T*K) but for a last wave), so it
-                # loads at most that many, the plan's first entries: the copy gets only those (a
-                # GPU copy's blocks walk its entries: 8 flags to read at batch 1, top-8, not
-                # 63), and the expert kernels size their grids by it.
-                cap = wave_capacity(res.num_experts, self.topk_ids.numel(), res.num_slots, wave)
-                plan = plan.head(cap)
-                if p.side_stream is not None:
-                    yield from overlapped_wave(p.copy, p.slots, plan, slot_ids, p.side_stream,
-                                               cap)
-                else:
-                    p.copy(p.slots, plan)
-                    yield WaveIds(slot_ids, cap)
-                if skip_empty and wave + 1 >= int(res.step_waves):
-                    break
-            finished = True
-        finally:
-            # Stopped part-way (a wave's kernels raised): a step that planned its waves ahead
-            # marked later waves' experts resident without copying them. Forget every slot,
-            # unless a capture runs (nothing recorded has run; the engine forgets after a
-            # refused CPU-graph capture, whose forward did run).
-            if not finished and step.plans_ahead and \
-                    not platform_for(p.device).is_capturing():
-                p.invalidate()
 
 
 class CachedWeightProvider(WeightProvider):
