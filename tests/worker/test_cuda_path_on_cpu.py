@@ -148,14 +148,9 @@ def test_overlap_and_prefetch_on_the_cuda_path_have_no_host_reads(tiny_model_fac
         assert stats[1]["prefetch_loads"] > 0
 
 
-def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, monkeypatch):
-    """What a replayed decode step (cache on) would launch on a GPU, counted here: Triton
-    launches plus the aten ops outside them that run a kernel. At most 26 per layer (about 22
-    today: norms (the residual adds fused into them), rotary (Qwen3's q/k norms fused into it),
-    KV write, attention and its reduce, router, residency step, two gathers, the align, two
-    GEMMs, the activation, projections (q/k/v as one), the sum over k);
-    before the one-launch align and router it was about 67, most of them the align's 30 small
-    torch ops."""
+def _replayed_launches(tiny_model_factory, monkeypatch, batch: int):
+    """(launch counts of each replayed decode step, MoE layers) of the tiny Qwen3-MoE (E = 6,
+    top-2) with 2 cache slots at ``batch`` sequences, on the CUDA path rehearsed here."""
     from launch_count import count_launches
     counts = []
 
@@ -171,12 +166,24 @@ def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, 
     monkeypatch.setattr(cuda_graphs, "uses_cuda_graphs", lambda device: True)
     monkeypatch.setattr(cuda_graphs, "default_capturer", lambda device: Counting())
     path = tiny_model_factory("Qwen3MoeForCausalLM")
-    llm = LLM(path, device="cpu", max_num_seqs=1, cuda_graph_sizes=[1], dtype="float32",
+    llm = LLM(path, device="cpu", max_num_seqs=batch, cuda_graph_sizes=[batch], dtype="float32",
               moe_expert_cache_size=2)
-    llm.generate([{"prompt_token_ids": [5, 17, 99]}], SamplingParams(max_tokens=4,
-                                                                     ignore_eos=True))
-    L = len(llm.llm_engine.runner.moe_layers)
-    assert counts and L == 2
+    prompts = [{"prompt_token_ids": [5, 17, 99]}, {"prompt_token_ids": [250, 7]}][:batch]
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert counts
+    return counts, len(llm.llm_engine.runner.moe_layers)
+
+
+def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, monkeypatch):
+    """What a replayed decode step (cache on) would launch on a GPU, counted here: Triton
+    launches plus the aten ops outside them that run a kernel. At most 26 per layer (about 22
+    today: norms (the residual adds fused into them), rotary (Qwen3's q/k norms fused into it),
+    KV write, attention and its reduce, router, residency step, two gathers, the align, two
+    GEMMs, the activation, projections (q/k/v as one), the sum over k);
+    before the one-launch align and router it was about 67, most of them the align's 30 small
+    torch ops."""
+    counts, L = _replayed_launches(tiny_model_factory, monkeypatch, 1)
+    assert L == 2
     for n in counts:
         assert n.triton["_align_kernel"] == n.triton["_topk_softmax_kernel"] == L
         assert n.triton["_residency_step_kernel"] == L
@@ -187,6 +194,25 @@ def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, 
         assert sum(n.triton.values()) + sum(n.torch.values()) <= 26 * L, (n.triton, n.torch)
         assert sum(n.torch.values()) <= 10 * L, n.torch
         assert "add" not in n.torch, n.torch       # residual adds ride in the norms' launches
+
+
+def test_a_replayed_step_of_two_waves_has_one_residency_launch_per_layer(tiny_model_factory,
+                                                                         monkeypatch):
+    """Batch 2 x top-2 with 2 slots: two waves a layer by shape (issue 26: one residency step
+    per layer). The second wave still launches its align and expert kernels; nothing else
+    of the layer repeats."""
+    one, L = _replayed_launches(tiny_model_factory, monkeypatch, 1)
+    monkeypatch.undo()
+    two, L2 = _replayed_launches(tiny_model_factory, monkeypatch, 2)
+    assert L == L2 == 2
+    for n in two:
+        assert n.triton["_residency_step_kernel"] == L
+        assert n.triton["_align_kernel"] == 2 * L and n.triton["_topk_softmax_kernel"] == L
+    # What a wave adds per layer (2026-11-27): its align, two GEMMs, the activation and its
+    # copy (here the Triton gather, a launch per tensor: 2; vllm._C's gathers all in one).
+    extra = (sum(two[0].triton.values()) + sum(two[0].torch.values())) - \
+        (sum(one[0].triton.values()) + sum(one[0].torch.values()))
+    assert 0 < extra <= 6 * L, (two[0].triton, two[0].torch, one[0].triton, one[0].torch)
 
 
 def test_the_audit_catches_a_host_read_in_a_captured_step(tiny_model_factory, rehearsal,
