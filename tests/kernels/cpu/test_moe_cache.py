@@ -157,6 +157,31 @@ def test_expert_id_out_of_range_is_an_error():
     assert res.counters.tolist() == [0] * 8 and res.slot_of_expert.tolist() == [-1] * 6
 
 
+def test_wrong_sizes_are_refused_before_the_kernel_runs():
+    """The kernel indexes row_slots, the plans and slot_ids without bounds: their sizes are
+    checked against T, K, N and num_waves first, naming the values."""
+    res = Residency(6, 2, get_policy("lru"))
+    params, decay_pow = res.policy.kernel_params(torch.device("cpu"))
+
+    def call(row_slots, num_waves, plan_n, sid_n):
+        moe_cache.residency_step(
+            torch.tensor([[1, 2], [3, 4]]), row_slots, 0, res.slot_of_expert, res.expert_of_slot,
+            res.wave_of_expert, res.counters, 0, res.policy_state, params, decay_pow,
+            torch.empty(plan_n, dtype=torch.int64), torch.empty(plan_n, dtype=torch.int64),
+            torch.empty(plan_n, dtype=torch.bool), torch.empty(sid_n, dtype=torch.int64),
+            num_waves=num_waves)
+    with pytest.raises(ValueError, match="row_slots has 1 entries for T=2"):
+        call(torch.tensor([0]), 2, 4, 8)
+    with pytest.raises(ValueError, match=r"num_waves=2, N=2, T=2, K=2 .* need 4 elements and "
+                                         r"slot_ids 8, got \[2, 2, 2\] and 8"):
+        call(None, 2, 2, 8)
+    with pytest.raises(ValueError, match="num_waves=0; must be an int >= 1"):
+        call(None, 0, 0, 0)
+    assert res.counters.tolist() == [0] * 8
+    call(torch.tensor([0, 1]), 2, 4, 8)                     # the right sizes run
+    assert int(res.misses) == 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
                                    torch.int32])
 def test_expert_copy_moves_only_valid_rows(dtype):

@@ -40,11 +40,16 @@ def _policy_ptrs(policy_code: int, state: dict[str, torch.Tensor], params: torch
 
 
 def check_wave_outputs(who: str, num_waves: int, T: int, K: int, N: int,
-                       plan: tuple[torch.Tensor, ...], slot_ids: torch.Tensor) -> None:
-    """The residency step's output sizes: each plan tensor [num_waves * N] elements (a wave's
-    plan at offset i * N) and slot_ids [num_waves * T * K]; shared by both kernels."""
+                       plan: tuple[torch.Tensor, ...], slot_ids: torch.Tensor,
+                       row_slots: torch.Tensor | None = None) -> None:
+    """The residency step's sizes: row_slots [T] or None; each plan tensor [num_waves * N]
+    elements (a wave's plan at offset i * N) and slot_ids [num_waves * T * K]; shared by both
+    kernels, which index them without bounds."""
     if not isinstance(num_waves, int) or num_waves < 1:
         raise ValueError(f"{who}: num_waves={num_waves!r}; must be an int >= 1")
+    if row_slots is not None and row_slots.numel() != T:
+        raise ValueError(f"{who}: row_slots has {row_slots.numel()} entries for T={T} rows of "
+                         "topk_ids; need one per row")
     if any(t.numel() != num_waves * N for t in plan) or slot_ids.numel() != num_waves * T * K:
         raise ValueError(f"{who}: for num_waves={num_waves}, N={N}, T={T}, K={K} the plan "
                          f"tensors need {num_waves * N} elements and slot_ids "
@@ -66,7 +71,7 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     T, K = topk_ids.shape
     E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
     check_wave_outputs("moe_cache", num_waves, T, K, N, (plan_slots, plan_experts, plan_valid),
-                       slot_ids)
+                       slot_ids, row_slots)
     i64 = torch.int64
     rc = launch(
         "moe_residency_step", _ptr(topk_ids, i64, "topk_ids"), _ptr(row_slots, i64, "row_slots"),

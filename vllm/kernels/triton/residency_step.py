@@ -264,7 +264,7 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     T, K = topk_ids.shape
     E, N = slot_of_expert.shape[0], expert_of_slot.shape[0]
     check_wave_outputs("triton residency_step", num_waves, T, K, N,
-                       (plan_slots, plan_experts, plan_valid), slot_ids)
+                       (plan_slots, plan_experts, plan_valid), slot_ids, row_slots)
     if policy_code == 4:
         _check_lrfu_next(state, params, E)
     # Absent state tensors are never read by that policy's branches; any pointer will do.
