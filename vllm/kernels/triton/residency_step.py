@@ -291,7 +291,7 @@ def num_warps(policy_code: int, num_waves: int = 1) -> int:
     """lrfu_next's [ROWS_E, BLOCK_N] float64 weight tiles over 8 warps (64 slots of 64 experts
     spilled over 4 under Triton 3.6); the other policies' [E] and [N] vectors over 4, but over 8
     in a launch of several waves: its loop holds more registers than one wave's body (63 slots
-    of 64 experts: capped at 128 and spilling 8 bytes for SM120 under 3.6 on 4 warps; 112-122
+    of 64 experts: capped at 128 and spilling 4-8 bytes for SM120 under 3.6 on 4 warps; 112-122
     and none on 8)."""
     return 8 if policy_code == 4 or num_waves > 1 else 4
 
