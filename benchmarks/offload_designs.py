@@ -102,7 +102,8 @@ def model_wait_seconds(providers: list, cost) -> list[float]:
             needed = torch.bincount(ids[known], minlength=E) > 0
             rented = torch.bincount(ids[on_cpu], minlength=E)              # [E] CPU pairs
             copied = int((needed & ~resident & (rented == 0)).sum())
-            cpu = float(cost.cpu_seconds(rented.numpy())[rented.numpy() > 0].sum())
+            counts = rented.numpy()
+            cpu = float(cost.cpu_seconds(counts)[counts > 0].sum())
             total[0] += max(copied * cost.copy_seconds, cpu)
             return ids, on_cpu
         hc.host_pairs = host_pairs

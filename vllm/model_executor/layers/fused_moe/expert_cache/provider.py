@@ -17,8 +17,9 @@ into W = ceil(min(E, T*K) / N) waves of at most N (static in the shapes); iterat
 platform has a fused kernel, one call plans all W waves before the first) -> copy the misses ->
 yield the wave's slot ids (pairs of other waves -1); with ``overlap`` and a side stream, the
 copy runs on the side stream and the wave is yielded as its hit pairs, then (after the join)
-its miss pairs (``overlap.py``). Every pair is computed exactly once, by the same expert weights, over the same tokens in the same
-order, and the layer reduces all waves with the uncached reduction. A wave with no expert
+its miss pairs (``overlap.py``). Every pair is computed exactly once, by the same expert
+weights, over the same tokens in the same order, and the layer reduces all waves with the
+uncached reduction. A wave with no expert
 changes nothing; where the state is host memory (CPU) an eager step stops after its last
 non-empty wave, while a CPU graph records all W (an empty wave's nodes return at once).
 No host synchronisation on CPU (or on CUDA with the fused step and a copy kernel): all
