@@ -232,7 +232,7 @@ class FlashInferPagedAttention(AttentionImpl):
                 kv_cache: torch.Tensor, md: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._write(k, v, md.slot_mapping, kv_cache)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = q.is_cuda and platform_for(q.device).is_capturing()
         wrapper = self.graph_planner(kv_cache).wrapper_for(md, capturing)
         # NHD planes [blocks, block_size, Hkv, D]: views of our cache; one plane read twice
         # when kv_shared (kv_cache[-1] is kv_cache[0]).

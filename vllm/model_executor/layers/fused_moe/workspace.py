@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm.platforms import platform_for
+
 
 def capturing(device: torch.device) -> bool:
     """Whether ``device``'s current stream is capturing a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and platform_for(device).is_capturing()
 
 
 class SharedWorkspace:
