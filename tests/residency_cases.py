@@ -83,23 +83,20 @@ def saturate_predictor(states: list[dict[str, torch.Tensor]], seed: int) -> None
             state[name].copy_(value)
 
 
+def plan_values(plan, slot_ids) -> tuple:
+    """A wave's (plan slots, plan experts, plan valid, slot ids) as lists, to compare."""
+    return (plan.slots.tolist(), plan.experts.tolist(), plan.valid.tolist(), slot_ids.tolist())
+
+
 def step_both(step_a, step_b, ref: Residency, ker: Residency, ids: torch.Tensor,
               row_slots: torch.Tensor | None) -> None:
     """One step of W waves, step_a on ref and step_b on ker: every output and all state equal
     after each wave."""
     T, K = ids.shape
     for wave in range(num_waves(ref.num_experts, T * K, ref.num_slots)):
-        p1, s1 = step_a(ref, ids, row_slots, wave)
-        p2, s2 = step_b(ker, ids, row_slots, wave)
-        assert p1.slots.tolist() == p2.slots.tolist(), wave
-        assert p1.experts.tolist() == p2.experts.tolist(), wave
-        assert p1.valid.tolist() == p2.valid.tolist(), wave
-        assert s1.tolist() == s2.tolist(), wave
+        want = plan_values(*step_a(ref, ids, row_slots, wave))
+        assert plan_values(*step_b(ker, ids, row_slots, wave)) == want, wave
         assert state_of(ref) == state_of(ker), wave
-
-
-def plan_values(plan, slot_ids) -> tuple:
-    return (plan.slots.tolist(), plan.experts.tolist(), plan.valid.tolist(), slot_ids.tolist())
 
 
 def step_all_waves(step_a, step_b, ref: Residency, ker: Residency, ids: torch.Tensor,
