@@ -3,18 +3,31 @@ method of each layer is chosen above this, in ``model_executor/layers/quantizati
 
 Understood (expert weights only; everything else in the model stays unquantized):
   * compressed-tensors (llm-compressor): one config group of 8-bit float weights, strategy
-    "tensor", "channel" or "block" -> schemes fp8-tensor / fp8-channel / fp8-block; INT4
+    "tensor", "channel" or "block" -> schemes fp8-tensor / fp8-channel / fp8-block, with the
+    group's ``input_activations`` -> ``input_quant`` (below); INT4
     "pack-quantized" W4A16 (group / channel) -> w4a16-gptq; "nvfp4-pack-quantized" -> nvfp4
     (the last two are converted to those schemes' layouts at load time:
     model_executor/layers/quantization/compressed_tensors.py);
   * quant_method "fp8" (Hugging Face / DeepSeek): weight_block_size [bo, bi] -> fp8-block with
     ``weight_scale_inv``; without a block size -> fp8-tensor with ``weight_scale``;
+    ``activation_scheme`` (default "dynamic") -> ``input_quant`` (below);
   * quant_method "gptq": bits 4, group_size, sym, desc_act, checkpoint_format gptq|gptq_v2;
   * ModelOpt NVFP4: quant_method "modelopt" with quant_algo "NVFP4" (in config.json), or
     ``hf_quant_config.json`` with {"quantization": {"quant_algo": "NVFP4", ...}};
   * quant_method "mxfp4" (OpenAI GPT-OSS): e2m1 blocks of 32 with e8m0 scales.
 Modules listed as not converted (``ignore``, ``modules_to_not_convert``, ``exclude_modules``,
 GPTQModel ``dynamic`` "-:" rules) keep unquantized experts if they name an expert layer.
+
+FP8 activations (``QuantConfig.input_quant``; None = weight-only, activations in the model
+dtype), as the checkpoint declares them:
+  * compressed-tensors ``input_activations`` (8-bit float only): dynamic "token" -> "token";
+    dynamic "tensor" -> "token" too: a per-token scale is finer than one scale for the whole
+    batch and, unlike it, does not depend on which other rows (e.g. CUDA-graph padding rows)
+    share the batch; dynamic "group" -> "group" (``input_group`` = its group_size); static
+    "tensor" -> "tensor" (the checkpoint's ``input_scale``). Other strategies, static
+    non-tensor, ``dynamic: "local"`` and asymmetric activations are refused.
+  * HF "fp8" ``activation_scheme``: "dynamic" -> "group" of 1 x bi with weight_block_size
+    [bo, bi] (DeepSeek-V3), else "token"; "static" -> "tensor" (refused with a block size).
 """
 from __future__ import annotations
 
@@ -26,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEMES = ("fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4", "mxfp4")
+INPUT_QUANTS = ("token", "group", "tensor")
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
@@ -45,11 +59,21 @@ class QuantConfig:
     checkpoint_format: str = "gptq"
     scale_name: str | None = None
     """fp8: checkpoint name of the weight scale (None: the scheme's usual one)."""
+    input_quant: str | None = None
+    """fp8 activations: None (weight-only), "token" / "group" (dynamic fp8 scale per token row /
+    per token and ``input_group`` columns) or "tensor" (static: the checkpoint's input_scale)."""
+    input_group: int = 0
+    """input_quant "group": consecutive input columns per activation scale (else 0)."""
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"quantization scheme {self.scheme!r} is invalid: must be one of "
                              f"{list(SCHEMES)}")
+        check_input_quant(self.input_quant, self.input_group)
+        if self.input_quant is not None and not self.scheme.startswith("fp8"):
+            raise ValueError(f"input_quant={self.input_quant!r} is invalid for scheme "
+                             f"{self.scheme!r}: quantized activations are supported only for "
+                             "the fp8 schemes")
 
     def is_ignored(self, module: str) -> bool:
         for pat in self.ignore:
@@ -70,11 +94,72 @@ class QuantConfig:
         extra = {"fp8-block": f" block={self.block}",
                  "w4a16-gptq": f" group_size={self.group_size} sym={self.sym} "
                                f"desc_act={self.desc_act}"}.get(self.scheme, "")
-        return f"{self.scheme} ({self.quant_method}){extra}, experts only"
+        inputs = {"token": " inputs=fp8 per token",
+                  "group": f" inputs=fp8 per 1x{self.input_group} group",
+                  "tensor": " inputs=fp8 static per tensor"}.get(self.input_quant or "", "")
+        return f"{self.scheme} ({self.quant_method}){extra}{inputs}, experts only"
+
+
+def check_input_quant(input_quant: str | None, input_group: int) -> None:
+    """ValueError unless (input_quant, input_group) is a valid pair (see QuantConfig)."""
+    if input_quant is not None and input_quant not in INPUT_QUANTS:
+        raise ValueError(f"input_quant={input_quant!r} is invalid: must be None or one of "
+                         f"{list(INPUT_QUANTS)}")
+    positive = (isinstance(input_group, int) and not isinstance(input_group, bool)
+                and input_group > 0)
+    if input_quant == "group" and not positive:
+        raise ValueError(f"input_group={input_group!r} is invalid for input_quant 'group': must "
+                         "be a positive int")
+    if input_quant != "group" and input_group != 0:
+        raise ValueError(f"input_group={input_group!r} is invalid for input_quant="
+                         f"{input_quant!r}: must be 0 (a group size only with 'group')")
 
 
 def _fail(what: str, allowed: str) -> ValueError:
     return ValueError(f"quantization_config: {what}; supported: {allowed}")
+
+
+def _ct_input_quant(acts: dict | None) -> tuple[str | None, int]:
+    """compressed-tensors ``input_activations`` of fp8 weights -> (input_quant, input_group)."""
+    if not acts:
+        return None, 0
+    allowed = ("8-bit float activations, dynamic per token / tensor / group or static per "
+               "tensor, or none")
+    if (acts.get("type"), acts.get("num_bits")) != ("float", 8):
+        raise _fail(f"input_activations type={acts.get('type')!r} "
+                    f"num_bits={acts.get('num_bits')!r}", allowed)
+    if acts.get("symmetric", True) is not True:
+        raise _fail("asymmetric input_activations (symmetric=false)", allowed)
+    strategy, dynamic = acts.get("strategy"), acts.get("dynamic", False)
+    if dynamic is True:
+        if strategy in ("token", "tensor"):
+            return "token", 0           # per token even for "tensor": see the module docstring
+        if strategy == "group":
+            gs = acts.get("group_size")
+            if isinstance(gs, bool) or not isinstance(gs, int) or gs <= 0:
+                raise _fail(f"dynamic group input_activations with group_size={gs!r}",
+                            "a positive int group_size")
+            return "group", int(gs)
+        raise _fail(f"dynamic input_activations strategy={strategy!r}", allowed)
+    if dynamic is False:
+        if strategy == "tensor":
+            return "tensor", 0
+        raise _fail(f"static input_activations strategy={strategy!r}", allowed)
+    raise _fail(f"input_activations dynamic={dynamic!r}", allowed)
+
+
+def _hf_fp8_input_quant(qc: dict, block) -> tuple[str | None, int]:
+    """HF/DeepSeek ``activation_scheme`` -> (input_quant, input_group)."""
+    scheme = qc.get("activation_scheme")
+    scheme = "dynamic" if scheme is None else scheme       # transformers' default
+    if scheme == "dynamic":
+        return ("group", int(block[1])) if block else ("token", 0)
+    if scheme == "static":
+        if block:
+            raise _fail(f"activation_scheme 'static' with weight_block_size={list(block)}",
+                        "static activations with per-tensor weights only")
+        return "tensor", 0
+    raise _fail(f"activation_scheme={scheme!r}", "dynamic, static")
 
 
 def _parse_compressed_tensors(qc: dict) -> QuantConfig:
@@ -92,9 +177,11 @@ def _parse_compressed_tensors(qc: dict) -> QuantConfig:
         if strategy not in ("tensor", "channel", "block"):
             raise _fail(f"weights strategy={strategy!r}", "tensor, channel, block")
         block = tuple(w.get("block_structure") or (128, 128)) if strategy == "block" else None
+        input_quant, input_group = _ct_input_quant(groups[0].get("input_activations"))
         # compressed-tensors names a block scale weight_scale (HF/DeepSeek: weight_scale_inv).
         return QuantConfig(f"fp8-{strategy}", "compressed-tensors", ignore, block,
-                           scale_name="weight_scale")
+                           scale_name="weight_scale", input_quant=input_quant,
+                           input_group=input_group)
     if kind == ("int", 4) and fmt == "pack-quantized" and strategy in ("group", "channel"):
         if groups[0].get("input_activations"):
             raise _fail("int4 weights with quantized activations", "W4A16 (weight-only)")
@@ -144,7 +231,9 @@ def parse_quant_config(qc: dict | None) -> QuantConfig | None:
         block = qc.get("weight_block_size")
         scheme = "fp8-block" if block else "fp8-tensor"
         ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
-        return QuantConfig(scheme, "fp8", ignore, tuple(block) if block else None)
+        input_quant, input_group = _hf_fp8_input_quant(qc, block)
+        return QuantConfig(scheme, "fp8", ignore, tuple(block) if block else None,
+                           input_quant=input_quant, input_group=input_group)
     if method == "gptq":
         return _parse_gptq(qc)
     if method in ("modelopt", "modelopt_fp4"):

@@ -16,7 +16,8 @@ def get_moe_quant_method(qc: QuantConfig, layer: Any) -> FusedMoEMethodBase | No
     activation = getattr(layer, "activation", "silu")
     if qc.scheme.startswith("fp8"):
         from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
-        return Fp8MoEMethod(qc.scheme[4:], qc.block, activation, qc.scale_name)
+        return Fp8MoEMethod(qc.scheme[4:], qc.block, activation, qc.scale_name,
+                            input_quant=qc.input_quant, input_group=qc.input_group)
     if qc.quant_method == "compressed-tensors" and qc.scheme in ("w4a16-gptq", "nvfp4"):
         from vllm.model_executor.layers.quantization import compressed_tensors as ct
         if qc.scheme == "nvfp4":

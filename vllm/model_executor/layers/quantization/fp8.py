@@ -1,4 +1,4 @@
-"""FP8 (e4m3) weight-only experts: per-tensor, per-channel, or 2-D block scales.
+"""FP8 (e4m3) experts: per-tensor, per-channel, or 2-D block weight scales.
 
 Checkpoint tensors per expert projection (out x in):
   weight            float8_e4m3fn [out, in]
@@ -7,9 +7,14 @@ Checkpoint tensors per expert projection (out x in):
   weight_scale_inv  float32 [ceil(out/bo), ceil(in/bi)]  (block, HF/DeepSeek "fp8" with
                     weight_block_size [bo, bi]; despite the name, weight = fp8 * weight_scale_inv;
                     float8_e8m0fnu powers of two with scale_fmt "ue8m0")
-  input_scale       float32 [] (optional, static activation scale; shared by all experts)
-Dequantized weight = float(weight) * scale broadcast to [out, in]. Activations stay in the model
-dtype (W8A16); the input scale is kept for kernels that quantize activations.
+  input_scale       float32 [] (static activation scale, shared by all experts; required when
+                    input_quant is "tensor", else optional)
+Dequantized weight = float(weight) * scale broadcast to [out, in].
+
+Activations: the method records what the checkpoint declares (``input_quant``: None, "token",
+"group" with ``input_group`` columns, or static "tensor"; see vllm/config/quantization.py).
+Backends with a W8A8 kernel quantize activations accordingly; the others, and this method's own
+numerics (``dequantize``), run weight-only (W8A16) with activations in the model dtype.
 
 Layer layout (N = intermediate, K = hidden): w13_weight [E, 2N, K], w2_weight [E, K, N];
 scales: tensor w13 [E, 2] (gate, up), w2 [E, 1]; channel w13 [E, 2N, 1], w2 [E, K, 1];
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.config.quantization import check_input_quant
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.moe_ref import (CheckpointTensor,
                                                              QuantizedFusedMoEMethod, TensorSpec,
@@ -33,20 +39,24 @@ _E8M0 = tuple(getattr(torch, n) for n in ("float8_e8m0fnu",) if hasattr(torch, n
 
 class Fp8MoEMethod(QuantizedFusedMoEMethod):
     def __init__(self, strategy: str, block: tuple[int, int] | None = None,
-                 activation: str = "silu", scale_name: str | None = None):
+                 activation: str = "silu", scale_name: str | None = None, *,
+                 input_quant: str | None = None, input_group: int = 0):
         super().__init__(activation)
+        check_input_quant(input_quant, input_group)      # built without a QuantConfig too
         if strategy not in FP8_STRATEGIES:
             raise ValueError(f"fp8 strategy={strategy!r} is invalid: must be one of "
                              f"{list(FP8_STRATEGIES)}")
         if (strategy == "block") != (block is not None):
             raise ValueError(f"fp8: block={block!r} must be given exactly for strategy 'block'")
         self.strategy, self.block = strategy, block
+        self.input_quant, self.input_group = input_quant, input_group
         self.scheme = f"fp8-{strategy}"
         # compressed-tensors block checkpoints say weight_scale; HF/DeepSeek say weight_scale_inv.
         self.scale_name = scale_name or ("weight_scale_inv" if strategy == "block"
                                          else "weight_scale")
         self.checkpoint_tensors = (CheckpointTensor("weight"), CheckpointTensor(self.scale_name),
-                                   CheckpointTensor("input_scale", required=False, shared=True))
+                                   CheckpointTensor("input_scale", shared=True,
+                                                    required=input_quant == "tensor"))
 
     def layout(self, shape: MoEShape) -> dict[str, TensorSpec]:
         K, N = shape.hidden_size, shape.intermediate_size
