@@ -121,6 +121,13 @@ class Platform:
         """Compute capability (CUDA SM); None where the notion does not apply."""
         return None
 
+    def has_fp8_matmul(self, device: torch.device | None = None) -> bool:
+        """Whether the matrix units multiply e4m3 operands (CUDA SM 8.9 and newer): MoE backends
+        with a W8A8 kernel then quantize activations as an FP8 checkpoint declares; elsewhere
+        FP8 experts run weight-only (W8A16)."""
+        cap = self.get_device_capability(device)
+        return cap is not None and cap.to_int() >= 89
+
     def is_pin_memory_available(self) -> bool:
         """Whether page-locked host memory can back asynchronous copies to this device."""
         return False

@@ -24,10 +24,13 @@ from typing import Callable
 import torch
 
 from vllm.kernels.triton import triton_refusal
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIONS,
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
 from vllm.platforms import platform_for
+
+logger = init_logger(__name__)
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq",
@@ -146,17 +149,63 @@ class TritonExperts(MoEExperts):
         self.kind: str | None = None
         """None (unquantized), "fp8", "int4", "nvfp4" or "mxfp4"."""
         self._projections: Projections | None = None
+        self.quantize_inputs: bool | None = None
+        """FP8 experts of a checkpoint that declares FP8 activations: W8A8 (True), weight-only
+        (False), or None: W8A8 where ``Platform.has_fp8_matmul`` (tests force it on CPU)."""
+        self._inputs: tuple[str, int] | None = None
+        """(input_quant, input_group) an FP8 method declares (vllm/config/quantization.py)."""
+        self._static: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Static input scales [1] of w13 and w2 on the device (input_quant "tensor")."""
+        self._w8a8: dict[torch.device, tuple | None] = {}
+        """Per device: the two ``InputQuant``s of a W8A8 call, or None (weight-only)."""
 
     def bind_scheme(self, method) -> None:
         """Called once by the quant method after selection: a quantized scheme's layout."""
         if method.scheme.startswith("fp8-"):
             self.kind, self._projections = "fp8", fp8_projections(method)
+            if getattr(method, "input_quant", None) is not None:
+                self._inputs = (method.input_quant, method.input_group)
         elif method.scheme == "w4a16-gptq":
             self.kind, self._projections = "int4", gptq_projections(method)
         elif method.scheme == "nvfp4":
             self.kind, self._projections = "nvfp4", nvfp4_projections(method)
         elif method.scheme == "mxfp4":
             self.kind, self._projections = "mxfp4", mxfp4_projections(method)
+
+    def bind_shared(self, shared: dict[str, torch.Tensor]) -> None:
+        """The layer's shared tensors after loading: static input scales (0-d, max over
+        experts) when the checkpoint declares them."""
+        if self._inputs is None or self._inputs[0] != "tensor":
+            return
+        scales = [shared.get(n) for n in ("w13_input_scale", "w2_input_scale")]
+        # One host read per layer at load time, never in a forward.
+        if any(t is None or not float(t) > 0 for t in scales):
+            raise ValueError("FP8 experts with static input scales need a positive input_scale "
+                             "for gate/up and for down; the checkpoint has none, or zero")
+        self._static = tuple(t.detach().float().reshape(1) for t in scales)
+
+    def _input_quants(self, w13, w2, device: torch.device) -> tuple | None:
+        """This device's ``InputQuant``s of w13 and w2 for a W8A8 call, or None: weight-only
+        (decided once per device; a refusal is logged once)."""
+        if self._inputs is None:
+            return None
+        if device not in self._w8a8:
+            from vllm.kernels.triton.fused_moe_w8a8 import InputQuant, w8a8_refusal
+            want = self.quantize_inputs
+            if want is None:
+                want = platform_for(device).has_fp8_matmul(device)
+            quants = None
+            if want:
+                kind, group = self._inputs
+                s13, s2 = self._static or (None, None)
+                quants = (InputQuant(kind, group, s13), InputQuant(kind, group, s2))
+                reason = w8a8_refusal(w13, w2, *quants)
+                if reason is not None:
+                    logger.warning("triton MoE: FP8 experts run weight-only (W8A16), not with "
+                                   "the checkpoint's FP8 activations: %s", reason)
+                    quants = None
+            self._w8a8[device] = quants
+        return self._w8a8[device]
 
     def _device_name(self, device: torch.device) -> str:
         """The name the block-size tables are keyed by (asked of the platform once)."""
@@ -183,5 +232,12 @@ class TritonExperts(MoEExperts):
             return
         from vllm.kernels.triton.fused_moe_quant import QuantProjection, fused_moe_quant_pairs
         w13, w2 = (QuantProjection(self.kind, **p) for p in self._projections(weights))
+        quants = self._input_quants(w13, w2, x.device)
+        if quants is not None:
+            from vllm.kernels.triton.fused_moe_w8a8 import W8A8Projection, fused_moe_w8a8_pairs
+            fused_moe_w8a8_pairs(x, W8A8Projection(w13, quants[0]), W8A8Projection(w2, quants[1]),
+                                 topk_weights, ids, out, act.name, act.alpha, act.limit,
+                                 *biases, device_name=name, max_ids=max_ids)
+            return
         fused_moe_quant_pairs(x, w13, w2, topk_weights, ids, out, act.name, act.alpha,
                               act.limit, *biases, device_name=name, max_ids=max_ids)

@@ -1,0 +1,252 @@
+"""The Triton W8A8 fused-MoE kernels (``vllm/kernels/triton/fused_moe_w8a8.py``) against plain
+references written here: the activation quantizer from its formula (amax / 448 per row and
+group, codes e4m3(clamp(x / scale)), or a static scale), and the MoE as a loop over each
+token's choices on dequantized operands in float64: the input rows quantized and dequantized,
+the FP8 weights of fp8.py's layouts (built by test_fused_moe_quant.fp8_projection from their
+definition), gate-up and the activation rounded to the activation dtype as the kernels store
+them, the activation's rows quantized again before the down projection.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py);
+its e4m3 ``tl.dot`` is exact there, so bf16 models are checked too (both operands are e4m3).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_fused_moe import ALPHA, LIMIT, act_ref
+from test_fused_moe_quant import fp8_projection
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+E4M3_MAX = 448.0
+
+
+@pytest.fixture(scope="module")
+def wm():
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1: the kernels cannot run here")
+    from vllm.kernels.triton import fused_moe_w8a8
+    return fused_moe_w8a8
+
+
+# ---- references ----------------------------------------------------------------------------
+def quant_rows_ref(x, kind, group=0, static=None):
+    """x [M, K] -> (e4m3 codes [M, K], float32 scales [M, S]) from the formula."""
+    x = x.float()
+    M, K = x.shape
+    width = group if kind == "group" and group < K else K
+    cols = [(s, min(s + width, K)) for s in range(0, K, width)]
+    scales = torch.empty(M, len(cols))
+    codes = torch.empty(M, K, dtype=torch.float8_e4m3fn)
+    for j, (a, b) in enumerate(cols):
+        if kind == "tensor":
+            s = static.float().reshape(1).expand(M)
+        else:
+            s = x[:, a:b].abs().amax(dim=1).clamp(min=1e-10) / E4M3_MAX
+        scales[:, j] = s
+        codes[:, a:b] = (x[:, a:b] / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(codes.dtype)
+    return codes, scales, width
+
+
+def dequant_rows(x, kind, group=0, static=None):
+    codes, scales, width = quant_rows_ref(x.cpu(), kind, group,
+                                          None if static is None else static.cpu())
+    cols = torch.arange(x.shape[1]) // width
+    return (codes.double() * scales.double()[:, cols]).to(x.device)
+
+
+def moe_ref(x, d13, d2, topk_w, ids, i13, i2, activation="silu", b13=None, b2=None):
+    """float64 pairs [T, K, H]; pairs with ids outside [0, G) NaN. i13 / i2: (kind, group,
+    static scale) of each projection's input rows."""
+    T, K = ids.shape
+    G, H = d2.shape[:2]
+    xd = dequant_rows(x, *i13)                                         # [T, H]
+    out = torch.full((T, K, H), float("nan"), dtype=torch.float64, device=x.device)
+    for k in range(K):
+        e = ids[:, k]
+        ok = (e >= 0) & (e < G)
+        e = e.clamp(0, G - 1)
+        h = torch.einsum("th,tnh->tn", xd, d13[e].double())
+        h = h + b13.double()[e] if b13 is not None else h
+        a = act_ref(h.to(x.dtype).float(), activation).to(x.dtype)     # stored as the kernels do
+        y = torch.einsum("tn,thn->th", dequant_rows(a, *i2), d2[e].double())
+        y = (y + b2.double()[e] if b2 is not None else y) * topk_w[:, k, None].double()
+        out[:, k] = torch.where(ok[:, None], y, out[:, k])
+    return out
+
+
+# ---- inputs --------------------------------------------------------------------------------
+INPUTS = {"token": ("token", 0), "group32": ("group", 32), "tensor": ("tensor", 0)}
+
+
+def make(wm, strategy, block, inputs, T, E, K, H, N, dtype, G=None, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    G = G or E
+    p13, d13 = fp8_projection(g, G, 2 * N, H, N, strategy, block)
+    p2, d2 = fp8_projection(g, G, H, N, H, strategy, block)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    w = torch.rand(T, K, generator=g)
+    b13 = (torch.randn(G, 2 * N, generator=g) * 0.5).to(dtype) if bias else None
+    b2 = (torch.randn(G, H, generator=g) * 0.5).to(dtype) if bias else None
+    kind, group = INPUTS[inputs]
+    # Static scales as a calibration would give: amax / 448 over typical inputs.
+    statics = (torch.tensor([4.0 / E4M3_MAX]), torch.tensor([0.5 / E4M3_MAX]))
+    dev = lambda t: None if t is None else t.to(DEVICE)               # noqa: E731
+    projs, refs = [], []
+    for p, static in zip((p13, p2), statics):
+        static = static if kind == "tensor" else None
+        weight = wm.QuantProjection(**{k: dev(v) if torch.is_tensor(v) else v
+                                       for k, v in p.items()})
+        projs.append(wm.W8A8Projection(weight, wm.InputQuant(kind, group, dev(static))))
+        refs.append((kind, group, static))
+    return (dev(x), projs, [dev(d13), dev(d2)], dev(w), dev(ids), dev(b13), dev(b2), refs)
+
+
+def check(wm, strategy, block, inputs, T, E, K, H, N, dtype=torch.float32, config=SMALL,
+          activation="silu", bias=False, seed=0):
+    x, (p13, p2), (d13, d2), w, ids, b13, b2, (i13, i2) = make(
+        wm, strategy, block, inputs, T, E, K, H, N, dtype, seed=seed, bias=bias)
+    out = torch.zeros(T, K, H, dtype=dtype, device=DEVICE)
+    wm.fused_moe_w8a8_pairs(x, p13, p2, w, ids, out, activation, ALPHA, LIMIT, b13, b2,
+                            config=config)
+    want = moe_ref(x, d13, d2, w, ids, i13, i2, activation, b13, b2)
+    assert_close_but_flips(out, want, {torch.float32: 2e-3, torch.float16: 2e-2,
+                                       torch.bfloat16: 6e-2}[dtype])
+
+
+def assert_close_but_flips(got, want, tol):
+    """Within ``tol``, except where an activation's code flipped: the kernel's fp32 gate-up
+    and the float64 reference's differ in the last bits, and an element of the down
+    projection's input that lies near the midpoint of two e4m3 values rounds to the other one
+    (one e4m3 step, up to 1/8 of the row's largest input over the step's weights). Rare: at
+    most 0.1% of the outputs, each within 8 tol."""
+    got, want = got.double(), want.double()
+    off = ~torch.isclose(got, want, atol=tol, rtol=tol)
+    assert off.double().mean().item() <= 1e-3, f"{int(off.sum())} of {off.numel()} off"
+    torch.testing.assert_close(got, want, atol=8 * tol, rtol=8 * tol)
+
+
+# ---- tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind,group", [("token", 0), ("group", 32), ("group", 48)])
+def test_quantize_rows_matches_the_formula(wm, kind, group, dtype):
+    """Bitwise: codes and scales of dynamic rows (K = 100: a partial group; a zero row)."""
+    g = torch.Generator().manual_seed(group)
+    x = (torch.randn(6, 100, generator=g) * 3).to(dtype)
+    x[2] = 0
+    got_q, got_s = wm.quantize_rows(x.to(DEVICE), wm.InputQuant(kind, group))
+    want_q, want_s, _ = quant_rows_ref(x, kind, group)
+    assert torch.equal(got_s.cpu(), want_s)
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert not got_q[2].float().any()
+
+
+def test_quantize_rows_static_and_long_rows(wm):
+    """A static scale clamps at +-448; a row longer than one 1024-column chunk (two passes)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2500, generator=g) * 2
+    x[0, 7] = 1e4                                         # past 448 * scale: clamped
+    static = torch.tensor([0.01])
+    got_q, got_s = wm.quantize_rows(x.to(DEVICE), wm.InputQuant("tensor", 0, static.to(DEVICE)))
+    want_q, want_s, _ = quant_rows_ref(x, "tensor", 0, static)
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s.cpu(), want_s) and got_q[0, 7].float().item() == E4M3_MAX
+    got_q, got_s = wm.quantize_rows(x.to(DEVICE), wm.InputQuant("token"))
+    want_q, want_s, _ = quant_rows_ref(x, "token")
+    assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(got_s.cpu(), want_s)
+
+
+STRATEGIES = {"tensor": ("tensor", None), "channel": ("channel", None),
+              "block16x32": ("block", (16, 32)), "block32x64": ("block", (32, 64)),
+              "block128": ("block", (128, 128))}
+
+
+@pytest.mark.parametrize("inputs", list(INPUTS))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_each_weight_strategy_and_input_scheme(wm, strategy, inputs):
+    # H = 80, N = 48: partial K tiles and partial input groups; block128 has one scale column
+    # (scaled once at the end with token / tensor inputs).
+    check(wm, *STRATEGIES[strategy], inputs, 19, 7, 3, 80, 48, seed=len(strategy + inputs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models(wm, dtype):
+    check(wm, "block", (32, 64), "group32", 13, 5, 2, 64, 64, dtype, bias=True)
+
+
+def test_biased_swigluoai_and_gelu(wm):
+    for activation in ("swigluoai", "gelu"):
+        check(wm, "channel", None, "token", 11, 5, 2, 64, 32, activation=activation,
+              bias=True)
+
+
+@pytest.mark.parametrize("T", [8191, 8192, 8193])
+def test_around_8192_tokens(wm, T):
+    """The seed's crash shape (int32 index math); tiny H and N keep the interpreter quick."""
+    cfg = dict(SMALL, BLOCK_M=64, BLOCK_K=32)
+    check(wm, "channel", None, "token", T, 5, 2, 32, 32, config=cfg, seed=T)
+
+
+def test_slot_ids_over_a_subset_and_waves(wm):
+    """G = 9 slots, ids use three (each slot's own codes and scales); -1 and ids >= G are
+    skipped, their rows of out untouched; two waves (grids sized by ``max_ids``) equal one
+    call bit for bit."""
+    T, K, H, N, G = 23, 2, 64, 32, 9
+    x, (p13, p2), (d13, d2), w, _, b13, b2, (i13, i2) = make(
+        wm, "block", (16, 32), "group32", T, G, K, H, N, torch.float32, G=G, bias=True)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.tensor([1, 4, 6])[torch.randint(0, 3, (T, K), generator=g)]
+    slots[:, 1] = torch.where(slots[:, 0] == slots[:, 1], -1, slots[:, 1])
+    slots[3, 0], slots[7, 1] = G, G + 5
+    ids = slots.to(DEVICE)
+    want = moe_ref(x, d13, d2, w, ids, i13, i2, "silu", b13, b2)
+    out = torch.full((T, K, H), 3.0, device=DEVICE)
+    wm.fused_moe_w8a8_pairs(x, p13, p2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2,
+                            config=SMALL)
+    valid = (ids >= 0) & (ids < G)
+    assert_close_but_flips(out[valid], want[valid], 2e-3)
+    assert torch.equal(out[~valid], torch.full_like(out[~valid], 3.0))
+    waves = torch.full((T, K, H), 3.0, device=DEVICE)
+    for wave, max_ids in (((ids == 4), 1), ((ids != 4), 2)):
+        wm.fused_moe_w8a8_pairs(x, p13, p2, w, torch.where(wave, ids, -1), waves, "silu",
+                                ALPHA, LIMIT, b13, b2, config=SMALL, max_ids=max_ids)
+    assert torch.equal(waves, out)
+
+
+def test_refusals(wm):
+    from dataclasses import replace
+    x, (p13, p2), _, w, ids, _, _, _ = make(wm, "block", (16, 24), "token", 4, 4, 2, 64, 48,
+                                            torch.float32)
+    assert "need a K block of at least 32" in wm.w8a8_refusal(p13.weight, p2.weight,
+                                                               p13.inputs, p2.inputs)
+    out = torch.zeros(4, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="block width 24"):
+        wm.fused_moe_w8a8_pairs(x, p13, p2, w, ids, out)
+    with pytest.raises(ValueError, match="group 16"):       # group 16 < the 32 of an fp8 MMA
+        tok = make(wm, "channel", None, "token", 4, 4, 2, 64, 48, torch.float32)[1]
+        wm.fused_moe_w8a8_pairs(x, tok[0], replace(tok[1], inputs=wm.InputQuant("group", 16)),
+                                w, ids, out)
+    assert not out.any()
+    for args, msg in ((("int8",), "kind='int8' is invalid"), (("group",), "group=0"),
+                      (("tensor",), "one value exactly for 'tensor'"),
+                      (("token", 0, torch.ones(2)), "one value exactly")):
+        with pytest.raises(ValueError, match=msg):
+            wm.InputQuant(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strategy,inputs", [("block128", "group32"), ("channel", "token"),
+                                             ("tensor", "tensor"), ("block128", "token")])
+def test_compiled_on_cuda(strategy, inputs, dtype):
+    """The compiled kernels on the GPU at model-like shapes and the default block sizes."""
+    from vllm.kernels.triton import fused_moe_w8a8 as wm
+    for T, E, K, H, N in [(1, 64, 8, 512, 256), (77, 64, 8, 512, 256), (8193, 7, 3, 128, 64)]:
+        check(wm, *STRATEGIES[strategy], inputs, T, E, K, H, N, dtype, config=None, seed=T)

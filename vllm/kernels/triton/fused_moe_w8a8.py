@@ -1,0 +1,313 @@
+"""Triton fused-MoE GEMMs over FP8 experts with FP8 activations (W8A8): both operands of each
+``tl.dot`` are e4m3 codes, so the weights reach the matrix units without the per-weight
+dequantization of ``fused_moe_quant.py`` (W8A16), and the scales multiply the fp32 products.
+
+Activations are quantized as the checkpoint declares (``InputQuant``; parsed in
+``vllm/config/quantization.py``): dynamically per token row, per token row and group of
+``group`` input columns (DeepSeek-V3's 1 x 128), or with the checkpoint's static per-tensor
+scale. A dynamic scale is amax / 448 (amax at least 1e-10) over the row's group, and a code is
+e4m3(clamp(x / scale, -448, 448)) with round-to-nearest: the same formula as vLLM's
+``per_token_group_quant_fp8``. Every scale is per row, so a row's result never depends on the
+other rows of the batch (CUDA-graph padding rows included).
+
+The GEMM (``_moe_w8a8_gemm_kernel``) is ``fused_moe_quant``'s grouped GEMM with A and B in e4m3:
+    C[r, n] = sum over K tiles of (A_q[r] . W_q[e, n])_tile * a_scale[r, tile] * w_scale[n, tile]
+when either scale varies along K (block weights, group activations: the K block divides both
+widths, so a tile lies inside one scale column of each), or the whole dot times the two scales
+once at the end (tensor / channel weights with token / tensor activations). Same alignment,
+activation kernel and pair contract as ``fused_moe.py``; every weight scale is read at the slot
+id of its codes (expert-cache safe); no host read (CUDA-graph safe).
+
+What the matrix units get (compiled for SM90 and SM120, tests/build): e4m3 x e4m3 MMAs on SM120
+and on SM90 for tiles of 64 rows or more (``wgmma ... e4m3.e4m3``); SM90's smaller tiles (the
+decode entries of the tables) run Triton's MMA v2, which widens both operands to f16 (exactly:
+every e4m3 value is an f16) for an f16 MMA with fp32 accumulation, so the sums are the same.
+Tested under Triton's interpreter on CPU against a torch reference written in
+tests/kernels/triton/test_fused_moe_w8a8.py (the interpreter's e4m3 ``tl.dot`` is exact there).
+Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton import interpreting
+from vllm.kernels.triton.fused_moe import _pair_block, _pair_rows, _store_pairs
+from vllm.kernels.triton.fused_moe_quant import (QuantProjection, _check_inputs, dequant_warps,
+                                                 run_pairs)
+from vllm.kernels.triton.fused_moe_config import get_moe_config
+
+FP8_MAX = 448.0
+"""Largest finite e4m3 (float8_e4m3fn) value."""
+AMAX_FLOOR = 1e-10
+"""A dynamic scale's amax floor: an all-zero row gets codes 0, not NaN."""
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+INPUT_KINDS = ("token", "group", "tensor")
+MIN_BLOCK_K = 32
+"""The smallest K block of an e4m3 ``tl.dot`` (the k of one FP8 MMA instruction)."""
+
+
+@dataclass(frozen=True)
+class InputQuant:
+    """How a GEMM's input rows become e4m3 codes: "token" (dynamic, one scale per row),
+    "group" (dynamic, one per row and ``group`` columns) or "tensor" (the static ``scale``,
+    a float32 tensor of one element on the device)."""
+    kind: str
+    group: int = 0
+    scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in INPUT_KINDS:
+            raise ValueError(f"InputQuant kind={self.kind!r} is invalid: must be one of "
+                             f"{list(INPUT_KINDS)}")
+        if (self.kind == "group") != (self.group > 0):
+            raise ValueError(f"InputQuant group={self.group} must be > 0 exactly for 'group'")
+        if (self.kind == "tensor") != (self.scale is not None) or \
+                (self.scale is not None and self.scale.numel() != 1):
+            raise ValueError("InputQuant scale must be one value exactly for 'tensor'")
+
+    def width(self, K: int) -> int:
+        """Input columns per scale column for rows of K columns."""
+        return self.group if self.kind == "group" and self.group < K else K
+
+
+@triton.jit
+def _e4m3_grid(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32:
+    3 mantissa bits, so the step is 2^(exponent - 3), and 2^-9 below e4m3's smallest normal
+    2^-6. Adding and subtracting 1.5 * 2^23 rounds |v| / step < 2^22 to an integer; the sign
+    is put back after, so what rounds to zero keeps it (-0.0, as the cast gives)."""
+    a = tl.abs(v)
+    exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / step + 12582912.0) - 12582912.0) * step
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, M, K, width, stride_xm, stride_qm,
+                       stride_sm, STATIC: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (ROWS rows from m0, scale column j): columns [j width, (j + 1) width) of each
+    row -> codes and the scales s_ptr[m, j]. Two passes over the columns in BLOCK chunks
+    (amax, then codes). ROUND_FIRST (under the interpreter only): its float32 -> e4m3 cast
+    rounds wrongly where rounding carries into the next power of two (124.3 -> 64, not 128),
+    and exactly on e4m3 values, so the codes are rounded first; a GPU's cast
+    (cvt.rn.satfinite) rounds itself."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    j = tl.program_id(1)
+    start = j * width
+    stop = tl.minimum(start + width, K)
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    if STATIC:
+        scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for c0 in range(start, stop, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = row_ok[:, None] & (cols < stop)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=1), _AMAX_FLOOR) / _FP8_MAX       # [ROWS]
+    for c0 in range(start, stop, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = row_ok[:, None] & (cols < stop)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale[:, None], -_FP8_MAX, _FP8_MAX)
+        if ROUND_FIRST:
+            q = _e4m3_grid(q)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :],
+                 q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows * stride_sm + j, scale, mask=row_ok)
+
+
+def quantize_rows(x: torch.Tensor, iq: InputQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (row-contiguous) -> (e4m3 codes [M, K], float32 scales [M, ceil(K / width)]):
+    x[m, c] ~ codes[m, c] * scales[m, c // width]."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows: x must be a row-contiguous [M, K] tensor, got "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    M, K = x.shape
+    width = iq.width(K)
+    codes = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(M, triton.cdiv(K, width), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return codes, scales
+    static = iq.scale if iq.scale is not None else scales
+    block = min(triton.next_power_of_2(width), 1024)
+    rows = max(1, 1024 // block)                     # a [rows, block] tile of 1024 values
+    _quant_rows_kernel[(triton.cdiv(M, rows), scales.shape[1])](
+        x, codes, scales, static, M, K, width, x.stride(0), codes.stride(0), scales.stride(0),
+        STATIC=iq.scale is not None, ROUND_FIRST=interpreting(), ROWS=rows, BLOCK=block,
+        num_warps=4)
+    return codes, scales
+
+
+@dataclass(frozen=True)
+class W8A8Projection:
+    """An FP8 ``QuantProjection`` (fused_moe_quant.py's fp8 layout) and how its GEMM's input
+    rows are quantized."""
+    weight: QuantProjection
+    inputs: InputQuant
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self.weight.codes
+
+    @property
+    def cols(self) -> int:
+        return self.weight.cols
+
+
+@triton.jit
+def _moe_w8a8_gemm_kernel(
+        a_ptr, as_ptr, q_ptr, s_ptr, bias_ptr, c_ptr, w_ptr, sorted_ptr, block_expert_ptr,
+        num_padded_ptr, N, K, P, num_m_blocks, half_rows, rows_per_half, block_out, block_in,
+        a_width, stride_am, stride_asm, stride_qe, stride_qn, stride_qk, stride_se, stride_sn,
+        stride_sk, stride_bias_e, stride_cm, stride_cn,
+        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SCALE_EACH_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[r, n] = (A[r // ROW_DIV] @ W[e]^T + bias[e])[n] (* w[r]) for the sorted pair rows r of
+    one M block (slot e) and one N block. A: e4m3 codes [*, K] (unit column stride) with
+    float32 scales as_ptr [*, ceil(K / a_width)]; W[e]: e4m3 codes [N, K] with fp8.py's scales
+    (QuantProjection). SCALE_EACH_TILE: scale each K tile's dot (BLOCK_K divides a_width and
+    block_in); else the whole dot once (both scales constant along K)."""
+    e, pid_m, pid_n = _pair_block(block_expert_ptr, num_padded_ptr, N, num_m_blocks, BLOCK_M,
+                                  BLOCK_N, GROUP_M)
+    if e < 0:
+        return
+    rows, row_ok, offs_n, n_ok = _pair_rows(sorted_ptr, pid_m, pid_n, N, P, BLOCK_M, BLOCK_N)
+    a_rows = (rows // ROW_DIV).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = q_ptr + e * stride_qe + offs_n[None, :] * stride_qn + offs_k[:, None] * stride_qk
+    srow = (offs_n // half_rows) * rows_per_half + (offs_n % half_rows) // block_out  # [BLOCK_N]
+    ws_ptrs = s_ptr + e * stride_se + srow * stride_sn
+    as_ptrs = as_ptr + a_rows * stride_asm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k0 = kb * BLOCK_K
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if SCALE_EACH_TILE:
+            a_s = tl.load(as_ptrs + k0 // a_width, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_ptrs + (k0 // block_in) * stride_sk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * w_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_qk
+    if not SCALE_EACH_TILE:
+        a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+        w_s = tl.load(ws_ptrs, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * w_s[None, :]
+    _store_pairs(acc, c_ptr, w_ptr, bias_ptr, rows, row_ok, offs_n, n_ok, e, stride_bias_e,
+                 stride_cm, stride_cn, MUL_WEIGHT, HAS_BIAS)
+
+
+def _k_tiling(wq: QuantProjection, iq: InputQuant, block_k: int) -> tuple[bool, int | None]:
+    """(SCALE_EACH_TILE, the K block) for a projection of wq.cols inputs: the table's block_k
+    (at least MIN_BLOCK_K) halved until it divides every scale width that varies along K;
+    None when no K block of at least MIN_BLOCK_K does."""
+    K, block_k = wq.cols, max(block_k, MIN_BLOCK_K)
+    widths = [w for w in (wq.block_in, iq.width(K)) if w < K]
+    if not widths:
+        return False, block_k
+    while block_k >= MIN_BLOCK_K and any(w % block_k for w in widths):
+        block_k //= 2
+    return True, (block_k if block_k >= MIN_BLOCK_K else None)
+
+
+def w8a8_refusal(w13: QuantProjection, w2: QuantProjection, i13: InputQuant,
+                 i2: InputQuant, block_k: int = 128) -> str | None:
+    """Why these projections cannot run W8A8 (a scale width along K that no K block of at least
+    MIN_BLOCK_K divides), or None."""
+    for name, wq, iq in (("w13", w13, i13), ("w2", w2, i2)):
+        if wq.kind != "fp8":
+            return f"{name} is {wq.kind}, not fp8"
+        if _k_tiling(wq, iq, block_k)[1] is None:
+            return (f"{name}'s weight block width {wq.block_in} and input group "
+                    f"{iq.width(wq.cols)} (of {wq.cols} inputs) need a K block of at least "
+                    f"{MIN_BLOCK_K} dividing both")
+    return None
+
+
+def _w8a8_gemm(a: torch.Tensor, proj: W8A8Projection, bias: torch.Tensor | None,
+               c: torch.Tensor, w: torch.Tensor | None, align, row_div: int,
+               cfg: dict[str, int]) -> None:
+    """c [P, R] rows of the aligned pairs = quantized a[rows // row_div] @ W[e]^T (+ bias)
+    (* w): ``run_pairs``'s gemm."""
+    sorted_ids, block_expert, num_padded = align
+    wq, iq = proj.weight, proj.inputs
+    N, K = wq.rows, wq.cols
+    per_tile, block_k = _k_tiling(wq, iq, cfg["BLOCK_K"])
+    if block_k is None:
+        raise ValueError(f"triton fused_moe_w8a8: {w8a8_refusal(wq, wq, iq, iq)}")
+    a_q, a_s = quantize_rows(a.contiguous(), iq)
+    num_m = block_expert.numel()
+    grid = (num_m * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _moe_w8a8_gemm_kernel[grid](
+        a_q, a_s, wq.codes, wq.scales, bias if bias is not None else a, c,
+        w if w is not None else a, sorted_ids, block_expert, num_padded, N, K, c.shape[0],
+        num_m, wq.half_rows, wq.rows_per_half, wq.block_out, wq.block_in, iq.width(K),
+        a_q.stride(0), a_s.stride(0), *wq.codes.stride(), *wq.scales.stride(),
+        bias.stride(0) if bias is not None else 0, c.stride(0), c.stride(1), ROW_DIV=row_div,
+        MUL_WEIGHT=w is not None, HAS_BIAS=bias is not None, SCALE_EACH_TILE=per_tile,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+        GROUP_M=cfg["GROUP_M"], num_warps=w8a8_warps(cfg, per_tile),
+        num_stages=cfg["num_stages"])
+
+
+def w8a8_warps(cfg: dict[str, int], per_tile: bool) -> int:
+    """The table's warps, raised to 8 for tiles of 64 x 128 or more scaled per K tile: each
+    tile's dot is a second [BLOCK_M, BLOCK_N] fp32 tile beside the accumulator (compiled for
+    SM90 at 64 x 128 on 4 warps: 242 registers; on 8: 166; tests/build/test_triton_compile_
+    fused_moe_w8a8.py)."""
+    return dequant_warps(cfg, gathers=False) if per_tile else cfg["num_warps"]
+
+
+def w8a8_config(cfg: dict[str, int], per_tile: bool) -> dict[str, int]:
+    """The table's block sizes, with at most 64 x 128 output tiles where a call scales per K
+    tile: at 128 x 128 on 8 warps the two fp32 tiles took 254 registers and spilled 16 B per
+    thread (SM90, Triton 3.9). Such tiles are the tables' prefill entries (2,048 tokens on)."""
+    if per_tile and cfg["BLOCK_M"] * cfg["BLOCK_N"] > 64 * 128:
+        return dict(cfg, BLOCK_M=64)
+    return cfg
+
+
+def fused_moe_w8a8_pairs(x: torch.Tensor, w13: W8A8Projection, w2: W8A8Projection,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor,
+                         activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                         b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                         config: dict[str, int] | None = None, device_name: str = "",
+                         max_ids: int | None = None) -> None:
+    """``fused_moe_quant.fused_moe_quant_pairs`` for FP8 experts with FP8 inputs: x [T, H]
+    quantized per ``w13.inputs``, the activation's [T K, N] rows per ``w2.inputs``; out [T, K, H]
+    gets out[t, k] = topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for ids in [0, G)."""
+    _check_inputs(x, w13.weight, w2.weight, topk_weights, topk_ids, out, activation, b13, b2,
+                  who="fused_moe_w8a8")
+    reason = w8a8_refusal(w13.weight, w2.weight, w13.inputs, w2.inputs)
+    if reason is not None:
+        raise ValueError(f"triton fused_moe_w8a8: {reason}")
+    per_tile = any(_k_tiling(p.weight, p.inputs, MIN_BLOCK_K)[0] for p in (w13, w2))
+    cfg = w8a8_config(config or get_moe_config(w2.cols, topk_ids.shape[0], device_name),
+                      per_tile)
+    run_pairs(_w8a8_gemm, x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit,
+              b13, b2, cfg, device_name, max_ids)
+
+
+def fused_moe_w8a8(x: torch.Tensor, w13: W8A8Projection, w2: W8A8Projection,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
+                   config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H]: ``fused_moe_w8a8_pairs`` into zeros, summed over each token's K."""
+    T, K = topk_ids.shape
+    out = x.new_zeros(T, K, x.shape[-1])             # [T, K, H]
+    fused_moe_w8a8_pairs(x, w13, w2, topk_weights, topk_ids, out, activation, config=config)
+    return out.sum(dim=1)
