@@ -208,14 +208,21 @@ def _prompts(b: int) -> list[dict]:
     return [{"prompt_token_ids": [(7 * i + j) % 2000 + 3 for j in range(8)]} for i in range(b)]
 
 
-def load_engine(model_dir: str, cache: int, backend: str, batches: list[int]):
-    """-> (LLM, load seconds), warmed up at each batch size (which captures the CPU graphs)."""
+def load_engine(model_dir: str, cache: int, backend: str, batches: list[int],
+                weight_only: bool = False):
+    """-> (LLM, load seconds), warmed up at each batch size (which captures the CPU graphs).
+    ``weight_only``: FP8 experts on the triton backend keep bf16 activations even where the
+    checkpoint declares FP8 ones and the device multiplies e4m3 (W8A16, not W8A8)."""
     import time
     from vllm import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype="bfloat16", moe_expert_cache_size=cache, moe_backend=backend,
               max_model_len=64, seed=0, kv_cache_memory_bytes=64 << 20)
     load_s = time.perf_counter() - t0
+    if weight_only:
+        for m in llm.llm_engine.runner.moe_layers:
+            if hasattr(m.quant_method.kernel, "quantize_inputs"):
+                m.quant_method.kernel.quantize_inputs = False
     for b in batches:
         llm.generate(_prompts(b), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     return llm, load_s
@@ -246,6 +253,16 @@ def backend_for(spec: list[str], scheme: str) -> str:
     return pairs.get(scheme, "auto")
 
 
+def _layer_row(runner) -> dict:
+    """One engine's row fields from its first MoE layer (after the warm-up's forwards):
+    ``inputs`` "fp8" where the backend quantized activations (W8A8), else the model dtype's."""
+    layer = runner.moe_layers[0]
+    kernel = layer.quant_method.kernel
+    w8a8 = getattr(kernel, "quantizes_inputs", lambda d: False)(runner.device)
+    return {"bytes_per_expert": layer_expert_bytes(layer), "inputs": "fp8" if w8a8 else "bf16",
+            "backend": layer.quant_method.backend_name}
+
+
 def _speed_result(args, rows: list[dict], rates: list[dict], device: str,
                   partial: bool) -> dict:
     """The ``--speed`` JSON: per row the median tok/s of the rounds timed so far (a row not yet
@@ -267,16 +284,16 @@ def speed(args, work: str) -> None:
     rows, rates, engines, batches, device = [], [], [], [1, 32], _device_name()
     schemes = ["bf16", *(s for s in args.schemes if s != "mxfp4")]
     schemes += ["gpt-oss-bf16", "mxfp4"] if "mxfp4" in args.schemes else []
-    for scheme in schemes:
+    runs = [(s, False) for s in schemes]
+    runs += [(s, True) for s in schemes if args.fp8_weight_only_too and s.startswith("fp8")]
+    for scheme, weight_only in runs:
         qdir = speed_checkpoint(scheme, work, args.speed_shape)
         backend = backend_for(args.moe_backend, scheme)
         for cache in (0, E // 4):
-            llm, load_s = load_engine(qdir, cache, backend, batches)
+            llm, load_s = load_engine(qdir, cache, backend, batches, weight_only)
             engines.append(llm)
-            layer = llm.llm_engine.runner.moe_layers[0]
-            rows.append({"scheme": scheme, "cache": cache, "bytes_per_expert":
-                         layer_expert_bytes(layer), "load_s": load_s,
-                         "backend": layer.quant_method.backend_name})
+            rows.append({"scheme": scheme, "cache": cache, "load_s": load_s,
+                         **_layer_row(llm.llm_engine.runner)})
             rates.append({b: [] for b in batches})
             write_json(args.out, _speed_result(args, rows, rates, device, partial=True))
     for _ in range(args.speed_reps):
@@ -297,10 +314,11 @@ def _print_speed(args, rows: list[dict]) -> None:
     print(f"Qwen3-MoE random (GPT-OSS for gpt-oss-bf16, mxfp4), bf16: hidden {H}, expert "
           f"intermediate {I}, E={E}, top-4, {L} layers; {torch.get_num_threads()} thread(s); "
           f"{args.speed_tokens} new tokens/seq, median of {args.speed_reps} interleaved rounds")
-    print(f"{'scheme':<12} {'backend':<10} {'cache N':>7} {'B/expert':>9} {'load s':>7} "
-          f"{'tok/s b1':>9} {'tok/s b32':>10}")
+    print(f"{'scheme':<12} {'backend':<10} {'inputs':<6} {'cache N':>7} {'B/expert':>9} "
+          f"{'load s':>7} {'tok/s b1':>9} {'tok/s b32':>10}")
     for r in rows:
-        print(f"{r['scheme']:<12} {r['backend']:<10} {r['cache']:>7} {r['bytes_per_expert']:>9} "
+        print(f"{r['scheme']:<12} {r['backend']:<10} {r['inputs']:<6} {r['cache']:>7} "
+              f"{r['bytes_per_expert']:>9} "
               f"{r['load_s']:>7.2f} {r['tok_s_b1']:>9.1f} {r['tok_s_b32']:>10.1f}")
 
 
@@ -319,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-backend", nargs="+", default=["auto"], metavar="NAME|SCHEME=NAME",
                    help="--speed: the MoE backend of every run (a name), or of some schemes "
                         "(SCHEME=NAME, the others auto), e.g. w4a16-gptq=cutlass_w4a16")
+    p.add_argument("--fp8-weight-only-too", action="store_true",
+                   help="--speed: also time each fp8 scheme with bf16 activations (W8A16) "
+                        "where its checkpoint declares FP8 ones and the backend would run W8A8")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: 1 on CPU, torch's choice on a GPU, "
                         "where they only build and quantize the checkpoints)")

@@ -148,6 +148,7 @@ offload() {  # offload LIMIT ARGS...: the trace-driven benchmark, if the trace w
 
 quant_steps() {  # quant_steps LIMIT LIMIT: the quantized figures, triton then CUTLASS
     step "$1" quant "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes fp8-block w4a16-gptq \
+        --fp8-weight-only-too \
         --out "$OUT/quant.json"
     # GPTQ on the CUTLASS grouped GEMM (refused, with the reason, where vllm._C lacks it).
     step "$2" quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 32 2 --schemes w4a16-gptq \
@@ -219,6 +220,7 @@ quant)
     # Quantized experts beside bf16 at batch 1 and 32, cached and not: auto (triton), then GPTQ
     # on the CUTLASS W4A16 grouped GEMM (needs vllm._C built with nvidia-cutlass: see install).
     step 300 quant "${QUANT[@]}" --speed-shape 2048 768 64 4 --schemes fp8-block w4a16-gptq \
+        --fp8-weight-only-too \
         --out "$OUT/quant.json"
     step 240 quant-cutlass "${QUANT[@]}" --speed-shape 2048 768 64 4 --schemes w4a16-gptq \
         --moe-backend w4a16-gptq=cutlass_w4a16 --out "$OUT/quant-cutlass.json"

@@ -22,9 +22,12 @@ class Cut(Exception):
 @pytest.fixture
 def fake(monkeypatch):
     """Stand-in engines; ``state["limit"]``: decode calls before one raises Cut (a timeout)."""
-    state = {"decodes": 0, "limit": None, "writes": []}
-    layer = SimpleNamespace(quant_method=SimpleNamespace(backend_name="fake"))
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(runner=SimpleNamespace(moe_layers=[layer])))
+    state = {"decodes": 0, "limit": None, "writes": [], "loads": []}
+    # A backend that ran W8A8 on the runner's device (TritonExperts.quantizes_inputs).
+    kernel = SimpleNamespace(quantizes_inputs=lambda device: device == "dev0")
+    layer = SimpleNamespace(quant_method=SimpleNamespace(backend_name="fake", kernel=kernel))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(runner=SimpleNamespace(
+        moe_layers=[layer], device="dev0")))
 
     def decode_rate(llm, b, tokens):
         if state["decodes"] == state["limit"]:
@@ -33,7 +36,8 @@ def fake(monkeypatch):
         return float(state["decodes"])
     real_write = bench.write_json
     monkeypatch.setattr(bench, "speed_checkpoint", lambda scheme, work, shape: scheme)
-    monkeypatch.setattr(bench, "load_engine", lambda *a: (llm, 0.5))
+    monkeypatch.setattr(bench, "load_engine",
+                        lambda *a: (state["loads"].append(a), (llm, 0.5))[1])
     monkeypatch.setattr(bench, "layer_expert_bytes", lambda layer: 100)
     monkeypatch.setattr(bench, "decode_rate", decode_rate)
     monkeypatch.setattr(bench, "write_json", lambda p, obj: (
@@ -77,3 +81,15 @@ def test_speed_cut_short_keeps_what_it_measured(fake, tmp_path):
     assert [("tok_s_b1" in r, "tok_s_b32" in r) for r in kept["rows"]] == [
         (True, True), (True, True), (False, False), (False, False)]
     assert not (tmp_path / "q.json.tmp").exists()
+
+
+def test_fp8_weight_only_rows(fake, tmp_path, capsys):
+    """``--fp8-weight-only-too``: each fp8 scheme loads again with weight_only (its rows after
+    the others); every row says which activations its backend ran (``inputs``)."""
+    bench.main(_argv(tmp_path, tmp_path / "q.json") + ["--json", "--fp8-weight-only-too"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(a[0], a[1], a[4]) for a in fake["loads"]] == [
+        ("bf16", 0, False), ("bf16", 2, False), ("fp8-block", 0, False),
+        ("fp8-block", 2, False), ("fp8-block", 0, True), ("fp8-block", 2, True)]
+    assert [r["scheme"] for r in printed["rows"]] == ["bf16"] * 2 + ["fp8-block"] * 4
+    assert all(r["inputs"] == "fp8" for r in printed["rows"])

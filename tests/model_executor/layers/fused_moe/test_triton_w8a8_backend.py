@@ -142,3 +142,13 @@ def test_tiny_model_w8a8_equal_with_and_without_the_cache(fp8_matmul, fp8_block_
                                      moe_expert_cache_size=TOP_K)
     assert llm.get_moe_cache_stats()["misses"] > 0
     assert got == ref and got_lp == ref_lp
+
+
+def test_quantize_inputs_false_keeps_weight_only(fp8_matmul):
+    """``TritonExperts.quantize_inputs = False`` (benchmark_quantization's weight-only rows):
+    bf16/f32 activations even where the platform has FP8 matrix units."""
+    layer = load("channel-token", "triton")
+    layer.quant_method.kernel.quantize_inputs = False
+    for got, want in zip(outputs(layer), outputs(load("channel-token", "torch"))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert layer.quant_method.kernel.quantizes_inputs(torch.device("cpu")) is False

@@ -207,6 +207,12 @@ class TritonExperts(MoEExperts):
             self._w8a8[device] = quants
         return self._w8a8[device]
 
+    def quantizes_inputs(self, device: torch.device) -> bool | None:
+        """Whether calls on ``device`` run W8A8; None before the first call decides."""
+        if self._inputs is None:
+            return False
+        return None if device not in self._w8a8 else self._w8a8[device] is not None
+
     def _device_name(self, device: torch.device) -> str:
         """The name the block-size tables are keyed by (asked of the platform once)."""
         if device not in self._device_names:
