@@ -173,16 +173,13 @@ class TritonExperts(MoEExperts):
             self.kind, self._projections = "mxfp4", mxfp4_projections(method)
 
     def bind_shared(self, shared: dict[str, torch.Tensor]) -> None:
-        """The layer's shared tensors after loading: static input scales (0-d, max over
-        experts) when the checkpoint declares them."""
+        """The layer's shared tensors after loading: the static input scales (0-d, max over
+        experts) a checkpoint declares; one host read per layer, at load time."""
         if self._inputs is None or self._inputs[0] != "tensor":
             return
         scales = [shared.get(n) for n in ("w13_input_scale", "w2_input_scale")]
-        # One host read per layer at load time, never in a forward.
-        if any(t is None or not float(t) > 0 for t in scales):
-            raise ValueError("FP8 experts with static input scales need a positive input_scale "
-                             "for gate/up and for down; the checkpoint has none, or zero")
-        self._static = tuple(t.detach().float().reshape(1) for t in scales)
+        if all(t is not None and float(t) > 0 for t in scales):
+            self._static = tuple(t.detach().float().reshape(1) for t in scales)
 
     def _input_quants(self, w13, w2, device: torch.device) -> tuple | None:
         """This device's ``InputQuant``s of w13 and w2 for a W8A8 call, or None: weight-only
@@ -197,9 +194,13 @@ class TritonExperts(MoEExperts):
             quants = None
             if want:
                 kind, group = self._inputs
-                s13, s2 = self._static or (None, None)
-                quants = (InputQuant(kind, group, s13), InputQuant(kind, group, s2))
-                reason = w8a8_refusal(w13, w2, *quants)
+                reason = None
+                if kind == "tensor" and self._static is None:
+                    reason = "the checkpoint's static input_scale is missing or not positive"
+                else:
+                    s13, s2 = self._static or (None, None)
+                    quants = (InputQuant(kind, group, s13), InputQuant(kind, group, s2))
+                    reason = w8a8_refusal(w13, w2, *quants)
                 if reason is not None:
                     logger.warning("triton MoE: FP8 experts run weight-only (W8A16), not with "
                                    "the checkpoint's FP8 activations: %s", reason)
