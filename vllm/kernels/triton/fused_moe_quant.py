@@ -5,7 +5,8 @@ launches and pair contract), with one grouped GEMM (``_moe_quant_gemm_kernel``) 
 dequantized in registers right before the ``tl.dot``: each weight is ``float32(code - zero) *
 float32(scale)`` rounded to the activation dtype, exactly the value the quant method's
 ``dequantize`` gives the ``torch`` backend, so the two differ only by summation order.
-Activations stay in the model dtype (weight-only: W8A16, W4A16); fp32 accumulation.
+Activations stay in the model dtype (weight-only: W8A16, W4A16); fp32 accumulation. FP8 experts
+with FP8 activations (W8A8) run ``fused_moe_w8a8.py``, which reuses ``run_pairs``.
 
 Every quantized tensor is indexed by the same id as the codes (an expert, or an expert-cache
 slot: scales, zero points and g_idx travel with their expert). ``QuantProjection`` describes one

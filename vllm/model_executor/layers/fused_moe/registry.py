@@ -15,8 +15,10 @@ All three take expert biases and every activation (``MOE_ACTIVATIONS``: the gate
 non-gated ``relu2_no_mul`` whose w13 holds the up projection only). ``triton`` (the Triton
 fused-MoE kernels, ``triton_experts.py``; fp16/bf16/fp32, biases; unquantized with every
 activation, and FP8 tensor/channel/block, GPTQ INT4, NVFP4 and MXFP4 weights, gated
-activations, dequantized tile by tile right before each ``tl.dot``) runs on CUDA, or on CPU only
-under ``TRITON_INTERPRET=1``; run on an H100 (2026-11-26): bf16, fp8-block, w4a16-gptq experts.
+activations, dequantized tile by tile right before each ``tl.dot``; FP8 with the checkpoint's
+FP8 activations as e4m3 x e4m3 dots where the platform ``has_fp8_matmul``) runs on CUDA, or on
+CPU only under ``TRITON_INTERPRET=1``; run on an H100 (2026-11-26): bf16, fp8-block
+(weight-only), w4a16-gptq experts.
 
 ``flashinfer_cutlass`` (FlashInfer's CUTLASS fused MoE, ``flashinfer_cutlass.py``: unquantized
 fp16/bf16, FP8 128x128 blocks on SM90, NVFP4 on SM10x-12x, MXFP4 W4A16 on SM90; CUDA with

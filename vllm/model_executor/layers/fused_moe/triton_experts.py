@@ -3,7 +3,10 @@ contract, over unquantized experts (``vllm/kernels/triton/fused_moe.py``) and we
 quantized ones (``fused_moe_quant.py``: FP8 e4m3 with tensor / channel / block scales, GPTQ
 INT4 with g_idx, act order included; ``fused_moe_fp4.py``: NVFP4 with e4m3 block scales and
 per-expert global scales, MXFP4 with e8m0 block scales), dequantized in registers right before
-each ``tl.dot``.
+each ``tl.dot``. FP8 experts whose checkpoint declares FP8 activations (``input_quant``) run
+W8A8 (``fused_moe_w8a8.py``: inputs quantized per row, e4m3 x e4m3 dots) where
+``Platform.has_fp8_matmul`` (CUDA SM 8.9+), weight-only elsewhere; decided once per device at
+the first call, a refusal (unaligned scale widths, no positive static scale) logged once.
 
 It reads the loaded layout as is (no ``pack``): unquantized w13 [G, 2N, H] or [G, N, H]
 non-gated, w2 [G, H, N]; a quantized scheme's expert tensors under the method's names (fp8.py,
