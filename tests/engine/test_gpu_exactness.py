@@ -30,3 +30,21 @@ def test_cached_equals_uncached_bitwise(tiny_model_factory, backend):
     ref = _run(path, moe_backend=backend)
     for n in (1, K, E - 1):
         assert _run(path, moe_backend=backend, moe_expert_cache_size=n) == ref, f"capacity {n}"
+
+
+def test_fp8_w8a8_cached_equals_uncached_bitwise(tiny_model_factory, tmp_path):
+    """FP8 block experts whose checkpoint declares FP8 activations (HF "fp8",
+    activation_scheme dynamic: 1 x 32 input groups here): W8A8 on the triton backend where the
+    GPU multiplies e4m3 (SM 8.9+), with and without the cache and CUDA graphs."""
+    import torch
+    from tools.quantize_checkpoint import main as quantize_main
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("W8A8 needs FP8 matrix units (SM 8.9+)")
+    src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
+    path = str(tmp_path / "fp8")
+    quantize_main(["--model", src, "--out", path, "--scheme", "fp8-block", "--block-size",
+                   "16", "32"])
+    ref = _run(path, moe_backend="triton")
+    assert _run(path, moe_backend="triton", enforce_eager=True) == ref
+    for n in (1, K, E - 1):
+        assert _run(path, moe_backend="triton", moe_expert_cache_size=n) == ref, f"capacity {n}"
