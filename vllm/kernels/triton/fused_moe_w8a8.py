@@ -302,12 +302,3 @@ def fused_moe_w8a8_pairs(x: torch.Tensor, w13: W8A8Projection, w2: W8A8Projectio
     run_pairs(_w8a8_gemm, x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit,
               b13, b2, cfg, device_name, max_ids)
 
-
-def fused_moe_w8a8(x: torch.Tensor, w13: W8A8Projection, w2: W8A8Projection,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str = "silu",
-                   config: dict[str, int] | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H]: ``fused_moe_w8a8_pairs`` into zeros, summed over each token's K."""
-    T, K = topk_ids.shape
-    out = x.new_zeros(T, K, x.shape[-1])             # [T, K, H]
-    fused_moe_w8a8_pairs(x, w13, w2, topk_weights, topk_ids, out, activation, config=config)
-    return out.sum(dim=1)

@@ -38,7 +38,8 @@ logger = init_logger(__name__)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_SCHEMES = ("unquantized", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq",
                   "nvfp4", "mxfp4")
-"""Schemes the Triton kernels run: unquantized, and weight-only FP8 / GPTQ INT4 / FP4."""
+"""Schemes the Triton kernels run: unquantized, and weight-only FP8 / GPTQ INT4 / FP4 (FP8 also
+W8A8 where the checkpoint declares FP8 activations and the platform multiplies e4m3)."""
 FP4_KINDS = ("nvfp4", "mxfp4")
 """TritonExperts.kind values run by ``fused_moe_fp4`` (the others by ``fused_moe_quant``)."""
 Projections = Callable[[dict[str, torch.Tensor]], tuple[dict, dict]]
@@ -186,30 +187,32 @@ class TritonExperts(MoEExperts):
 
     def _input_quants(self, w13, w2, device: torch.device) -> tuple | None:
         """This device's ``InputQuant``s of w13 and w2 for a W8A8 call, or None: weight-only
-        (decided once per device; a refusal is logged once)."""
+        (decided at the first call on the device)."""
         if self._inputs is None:
             return None
         if device not in self._w8a8:
-            from vllm.kernels.triton.fused_moe_w8a8 import InputQuant, w8a8_refusal
-            want = self.quantize_inputs
-            if want is None:
-                want = platform_for(device).has_fp8_matmul(device)
-            quants = None
-            if want:
-                kind, group = self._inputs
-                reason = None
-                if kind == "tensor" and self._static is None:
-                    reason = "the checkpoint's static input_scale is missing or not positive"
-                else:
-                    s13, s2 = self._static or (None, None)
-                    quants = (InputQuant(kind, group, s13), InputQuant(kind, group, s2))
-                    reason = w8a8_refusal(w13, w2, *quants)
-                if reason is not None:
-                    logger.warning("triton MoE: FP8 experts run weight-only (W8A16), not with "
-                                   "the checkpoint's FP8 activations: %s", reason)
-                    quants = None
-            self._w8a8[device] = quants
+            self._w8a8[device] = self._decide_w8a8(w13, w2, device)
         return self._w8a8[device]
+
+    def _decide_w8a8(self, w13, w2, device: torch.device) -> tuple | None:
+        want = self.quantize_inputs
+        if want is None:
+            want = platform_for(device).has_fp8_matmul(device)
+        if not want:
+            return None
+        from vllm.kernels.triton.fused_moe_w8a8 import InputQuant, w8a8_refusal
+        kind, group = self._inputs
+        if kind == "tensor" and self._static is None:
+            quants, reason = None, "the checkpoint's static input_scale is missing or not positive"
+        else:
+            s13, s2 = self._static or (None, None)
+            quants = (InputQuant(kind, group, s13), InputQuant(kind, group, s2))
+            reason = w8a8_refusal(w13, w2, *quants)
+        if reason is None:
+            return quants
+        logger.warning("triton MoE: FP8 experts run weight-only (W8A16), not with the "
+                       "checkpoint's FP8 activations: %s", reason)
+        return None
 
     def quantizes_inputs(self, device: torch.device) -> bool | None:
         """Whether calls on ``device`` run W8A8; None before the first call decides."""
