@@ -90,6 +90,14 @@ def test_w8a8_where_the_platform_has_fp8_matmul(scheme, monkeypatch):
             assert torch.equal(got, want), f"cache size {cache_size}"
 
 
+def test_the_path_is_logged_once(fp8_matmul, vllm_log):
+    for _ in range(2):
+        outputs(load("block16x32-group32", "triton"))
+    says = [r.getMessage() for r in vllm_log.records if "run W8A8" in r.getMessage()]
+    assert says == ["triton MoE: FP8 experts run W8A8 on cpu, activations quantized to e4m3 "
+                    "per token and 32 columns as the checkpoint declares"]
+
+
 def test_static_scale_comes_from_the_checkpoint(fp8_matmul):
     """input_quant "tensor": the kernels read the layer's loaded input scales (max over
     experts); a scale small enough to clamp most inputs at 448 changes the output."""

@@ -22,12 +22,13 @@ tests/build; block sizes untuned. FP8 needs SM 8.9 or newer (refused below it).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from vllm.kernels.triton import triton_refusal
-from vllm.logger import init_logger
+from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.modular_kernel import (GATED_ACTIVATIONS,
                                                                  MoEActivation, MoEExperts,
                                                                  MoEKernelQuery)
@@ -209,9 +210,13 @@ class TritonExperts(MoEExperts):
             quants = (InputQuant(kind, group, s13), InputQuant(kind, group, s2))
             reason = w8a8_refusal(w13, w2, *quants)
         if reason is None:
+            what = {"token": "per token", "group": f"per token and {group} columns",
+                    "tensor": "static per tensor"}[kind]
+            log_once(logger, logging.INFO, f"triton MoE: FP8 experts run W8A8 on {device}, "
+                     f"activations quantized to e4m3 {what} as the checkpoint declares")
             return quants
-        logger.warning("triton MoE: FP8 experts run weight-only (W8A16), not with the "
-                       "checkpoint's FP8 activations: %s", reason)
+        log_once(logger, logging.WARNING, "triton MoE: FP8 experts run weight-only (W8A16), not "
+                 f"with the checkpoint's FP8 activations: {reason}")
         return None
 
     def quantizes_inputs(self, device: torch.device) -> bool | None:
