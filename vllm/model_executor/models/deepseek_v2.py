@@ -19,7 +19,8 @@ neox-style ``RotaryEmbedding`` (its C kernel on CPU) applies.
 FP8 checkpoints (``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3's own format):
 routed experts load through the FP8 block scheme of ``FusedMoE``; every other FP8 linear
 (attention projections, shared experts, dense layers) has no FP8 path here and is dequantized at
-load time into the model dtype (``quantization/fp8_dense.py``).
+load time into the model dtype (``quantization/fp8_dense.py``, as for every model's FP8
+checkpoint: ``load_decoder_weights``).
 """
 from __future__ import annotations
 
@@ -29,12 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
-from vllm.model_executor.layers.quantization.fp8_dense import dequantize_dense_fp8
 from vllm.model_executor.layers.rotary_embedding import _yarn_mscale, get_rope, rope_parameters
 from vllm.model_executor.models.decoder import (DecoderForCausalLM, DecoderLayer, GatedMLP,
                                                 config_attr)
@@ -221,10 +220,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         def ours(item):
             m = _LAYER.match(item[0])
             return m is None or int(m.group(1)) < n
-        vllm_config = get_current_vllm_config()
-        qc = getattr(vllm_config, "quant_config", None) if vllm_config is not None else None
-        weights = dequantize_dense_fp8(filter(ours, weights), qc.block if qc else None)
-        loaded = load_decoder_weights(self, weights)
+        loaded = load_decoder_weights(self, filter(ours, weights))
         for m in self.modules():
             if isinstance(m, DeepseekMLA):
                 m.process_weights_after_loading()

@@ -21,7 +21,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.quantization.fp8_dense import dense_fp8_weights
 from vllm.model_executor.layers.quantization.moe_ref import CheckpointTensor
 
 # Buffers some checkpoints carry that are recomputed from the config.
@@ -61,12 +63,20 @@ def _expert_params(name: str, layer: FusedMoE) -> set[str]:
     return {f"{name}.{p}" for p in (*qm.expert_tensor_names(), *shared)}
 
 
+def _quant_config():
+    """The checkpoint's QuantConfig (None: unquantized, or no current config)."""
+    vllm_config = get_current_vllm_config()
+    return getattr(vllm_config, "quant_config", None) if vllm_config is not None else None
+
+
 def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy every checkpoint tensor into ``model``; return the loaded parameter names.
+    """Copy every checkpoint tensor into ``model``; return the loaded parameter names. In an
+    FP8 checkpoint the non-expert FP8 linears load dequantized (``fp8_dense``).
 
     Raises ValueError naming the tensor for: an unknown tensor, a wrong shape, and (after the
     last tensor) every parameter or expert shard the checkpoint did not provide.
     """
+    weights = dense_fp8_weights(weights, _quant_config())
     params = dict(model.named_parameters())
     moe = {n: m for n, m in model.named_modules() if isinstance(m, FusedMoE)}
     expert_params = set().union(*(_expert_params(n, m) for n, m in moe.items()))

@@ -1,9 +1,11 @@
 """FP8 dense linears dequantized at load, for checkpoints that quantize more than the experts.
 
-DeepSeek-V3's FP8 release quantizes every linear (``weight`` float8_e4m3fn + ``weight_scale_inv``
-per 128x128 block). Only routed experts have an FP8 scheme here (``fp8.py``, through the expert
-cache); the other linears become float32 weights while the checkpoint streams in, and load as
-unquantized ones.
+Published FP8 checkpoints quantize every linear: DeepSeek-V3's and Qwen3's FP8 releases
+(``weight`` float8_e4m3fn + ``weight_scale_inv`` per 128x128 block), compressed-tensors FP8
+(``weight_scale`` per tensor or channel). Only routed experts have an FP8 scheme here
+(``fp8.py``, through the expert cache); in a checkpoint of an fp8 scheme the other linears
+become float32 weights while the checkpoint streams in (``dense_fp8_weights``, called by every
+model's loader), and load as unquantized ones.
 """
 from __future__ import annotations
 
@@ -63,3 +65,13 @@ def dequantize_dense_fp8(weights: Iterable[tuple[str, torch.Tensor]],
         missing = "weight (float8_e4m3fn)" if is_scale else "weight_scale_inv"
         raise ValueError(f"checkpoint tensor {module}.{missing} is missing: an FP8 linear needs "
                          "its weight and its scale")
+
+
+def dense_fp8_weights(weights: Iterable[tuple[str, torch.Tensor]], qc
+                      ) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` with the dense FP8 linears dequantized when the checkpoint's ``QuantConfig``
+    ``qc`` is an fp8 scheme (its block for block scales); unchanged otherwise (None or another
+    scheme: their dense tensors, if quantized, fail to load by name)."""
+    if qc is None or not qc.scheme.startswith("fp8"):
+        return weights
+    return dequantize_dense_fp8(weights, qc.block)
