@@ -242,6 +242,23 @@ def test_refusals(wm):
 
 
 @pytest.mark.gpu
+def test_quantizer_compiled_on_cuda():
+    """The hardware's e4m3 cast (cvt.rn.satfinite) gives the formula's codes bit for bit: the
+    interpreter's tests round to the e4m3 grid in the kernel first (ROUND_FIRST), this one
+    does not."""
+    from vllm.kernels.triton import fused_moe_w8a8 as wm
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 2500, generator=g) * 3
+    x[3] = 0
+    x[5, 9] = 1e4
+    for kind, group in (("token", 0), ("group", 128), ("group", 48)):
+        got_q, got_s = wm.quantize_rows(x.to(DEVICE, torch.bfloat16), wm.InputQuant(kind, group))
+        want_q, want_s, _ = quant_rows_ref(x.to(torch.bfloat16), kind, group)
+        assert torch.equal(got_s.cpu(), want_s), kind
+        assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8)), kind
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("strategy,inputs", [("block128", "group32"), ("channel", "token"),
                                              ("tensor", "tensor"), ("block128", "token")])
