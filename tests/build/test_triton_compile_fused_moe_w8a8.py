@@ -4,8 +4,8 @@ moe_intermediate 768, FP8 128 x 128 blocks or per-channel scales), at every entr
 table on SM90 and the default table's largest tile on SM120: both operands of the dot reach
 the matrix units as e4m3 (``wgmma ... e4m3.e4m3`` on SM90 for tiles of 64 rows or more,
 ``mma ... e4m3.e4m3`` on SM120; SM90's smaller tiles widen them exactly to f16 for an f16 MMA),
-within shared memory, without spills; and
-the activation quantizer converts with the hardware's rounding cast (``cvt.rn.satfinite``).
+within shared memory, without spills; and the activation quantizers (``quantize_rows``, and
+the activation fused with it) convert with the hardware's rounding cast (``cvt.rn.satfinite``).
 What the interpreter cannot check: lowering, the e4m3 MMA, registers. Compiling is not
 running: results are checked by the ``gpu`` tests."""
 from __future__ import annotations
@@ -43,11 +43,19 @@ for cc, i, table_cfg in h100 + [(120, "sm120", load_table("")[1]["default"][-1][
         out[f"gemm/{name}/{cc}/{i}"] = dict(k, block_m=cfg["BLOCK_M"])
 quant = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", static_ptr="*fp32", M=17, K=K,
              width=128, stride_xm=K, stride_qm=K, stride_sm=16)
+act = dict(in_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", static_ptr="*fp32",
+           sorted_ptr="*i64", num_padded_ptr="*i64", N=I, P=17, width=128, stride_in=2 * I,
+           stride_q=I, stride_s=6, alpha=1.702, limit=7.0)
 for cc in (90, 120):
     for static in (False, True):
+        kind = "static" if static else "dynamic"
         consts = dict(STATIC=static, ROUND_FIRST=False, ROWS=8, BLOCK=128)
-        out[f"quant/{'static' if static else 'dynamic'}/{cc}"] = compile_like_jit(
+        out[f"quant/{kind}/{cc}"] = compile_like_jit(
             m._quant_rows_kernel, quant, consts, cc, {"num_warps": 4, "num_stages": 1})
+        for block_m in (16, 64):
+            consts = dict(ACT=0, STATIC=static, ROUND_FIRST=False, BLOCK_M=block_m, BLOCK_N=128)
+            out[f"act_quant/{kind}/{block_m}/{cc}"] = compile_like_jit(
+                m._act_quant_kernel, act, consts, cc, {"num_warps": 4, "num_stages": 1})
 """
 
 
@@ -77,8 +85,12 @@ def test_w8a8_gemm_multiplies_e4m3_on_the_matrix_units(compiled, name):
 
 
 @pytest.mark.parametrize("cc", [90, 120])
-def test_quantizer_casts_with_the_hardware_rounding(compiled, cc):
-    for kind in ("dynamic", "static"):
-        k = compiled[f"quant/{kind}/{cc}"]
-        assert "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], kind
-        assert k["stack"] == 0
+def test_quantizers_cast_with_the_hardware_rounding(compiled, cc):
+    """``quantize_rows`` and the fused activation quantizer (silu, 16 and 64 pair rows)."""
+    keys = [k for k in compiled if k.startswith(("quant/", "act_quant/")) and
+            k.endswith(f"/{cc}")]
+    assert len(keys) == 6
+    for key in keys:
+        k = compiled[key]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], key
+        assert k["stack"] == 0, (key, k["registers"], k["stack"])

@@ -163,6 +163,32 @@ def test_quantize_rows_static_and_long_rows(wm):
     assert torch.equal(got_s.cpu(), want_s)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,group", [("token", 0), ("group", 32), ("tensor", 0)])
+def test_activation_quant_is_the_activation_then_quantize_rows(wm, activation, dtype, kind,
+                                                               group):
+    """One launch (``activation_quant``) gives, on the wave's pair rows, the bits of the
+    activation kernel's output quantized by ``quantize_rows``: the same act, rounded to the
+    gate-up dtype, then the same quantizer."""
+    from vllm.kernels.triton.fused_moe import _activation, moe_align_block_size
+    g = torch.Generator().manual_seed(group + len(activation))
+    T, K, G, N = 9, 2, 5, 80                       # N = 80: partial chunks and groups
+    ids = torch.randint(-1, G, (T, K), generator=g).to(DEVICE)
+    align = moe_align_block_size(ids, 16, G)
+    gate_up = (torch.randn(T * K, 2 * N, generator=g) * 3).to(dtype).to(DEVICE)
+    iq = wm.InputQuant(kind, group, torch.tensor([0.02], device=DEVICE) if kind == "tensor"
+                       else None)
+    got_q, got_s = wm.activation_quant(gate_up, align, activation, ALPHA, LIMIT, 16, iq, N)
+    act = gate_up.new_empty(T * K, N)
+    _activation(gate_up, act, align, activation, ALPHA, LIMIT, 16)
+    want_q, want_s = wm.quantize_rows(act, iq)
+    rows = (ids.reshape(-1) >= 0).nonzero().squeeze(1)            # the pairs' rows only
+    assert rows.numel() > 0
+    assert torch.equal(got_s[rows], want_s[rows])
+    assert torch.equal(got_q[rows].view(torch.uint8), want_q[rows].view(torch.uint8))
+
+
 STRATEGIES = {"tensor": ("tensor", None), "channel": ("channel", None),
               "block16x32": ("block", (16, 32)), "block32x64": ("block", (32, 64)),
               "block128": ("block", (128, 128))}

@@ -107,6 +107,27 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def act_values(src, mask, N, alpha, limit, ACT: tl.constexpr):
+    """fp32 act of the gate-up values at ``src`` (a tile of pointers): gated (ACT 0-2) reads
+    gate there and up N columns on; relu2_no_mul (ACT 3) reads up there."""
+    if ACT == 3:
+        up = tl.maximum(tl.load(src, mask=mask, other=0.0).to(tl.float32), 0.0)
+        return up * up
+    gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(src + N, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    if ACT == 1:
+        return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    # GPT-OSS: clamp, then (up + 1) * glu. NaN propagates as in torch.clamp (the GPU's min/max
+    # would return the other one).
+    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                    propagate_nan=tl.PropagateNan.ALL)
+    return (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * alpha))))
+
+
+@triton.jit
 def _moe_act_kernel(in_ptr, out_ptr, sorted_ptr, num_padded_ptr, N, P, stride_in, stride_out,
                     alpha, limit, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
@@ -118,23 +139,8 @@ def _moe_act_kernel(in_ptr, out_ptr, sorted_ptr, num_padded_ptr, N, P, stride_in
     rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < P)[:, None] & (cols < N)[None, :]
-    src = in_ptr + rows[:, None] * stride_in + cols[None, :]
-    if ACT == 3:
-        up = tl.maximum(tl.load(src, mask=mask, other=0.0).to(tl.float32), 0.0)
-        y = up * up
-    else:
-        gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(src + N, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            y = gate / (1.0 + tl.exp(-gate)) * up
-        elif ACT == 1:
-            y = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
-        else:                                        # GPT-OSS: clamp, then (up + 1) * glu
-            # NaN propagates as in torch.clamp (the GPU's min/max would return the other one).
-            gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-            up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                            propagate_nan=tl.PropagateNan.ALL)
-            y = (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * alpha))))
+    y = act_values(in_ptr + rows[:, None] * stride_in + cols[None, :], mask, N, alpha, limit,
+                   ACT)
     dst = out_ptr + rows[:, None] * stride_out + cols[None, :]
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -10,12 +10,15 @@ e4m3(clamp(x / scale, -448, 448)) with round-to-nearest: the same formula as vLL
 ``per_token_group_quant_fp8``. Every scale is per row, so a row's result never depends on the
 other rows of the batch (CUDA-graph padding rows included).
 
+Five launches per call (weight-only takes four): the alignment, x quantized (``quantize_rows``),
+the gate-up GEMM, the activation quantized in the activation's own kernel (``activation_quant``:
+the same bits as ``fused_moe``'s activation kernel followed by ``quantize_rows``), the down GEMM.
 The GEMM (``_moe_w8a8_gemm_kernel``) is ``fused_moe_quant``'s grouped GEMM with A and B in e4m3:
     C[r, n] = sum over K tiles of (A_q[r] . W_q[e, n])_tile * a_scale[r, tile] * w_scale[n, tile]
 when either scale varies along K (block weights, group activations: the K block divides both
 widths, so a tile lies inside one scale column of each), or the whole dot times the two scales
 once at the end (tensor / channel weights with token / tensor activations). Same alignment,
-activation kernel and pair contract as ``fused_moe.py``; every weight scale is read at the slot
+activation math and pair contract as ``fused_moe.py``; every weight scale is read at the slot
 id of its codes (expert-cache safe); no host read (CUDA-graph safe).
 
 What the matrix units get (compiled for SM90 and SM120, tests/build): e4m3 x e4m3 MMAs on SM120
@@ -35,9 +38,9 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton import interpreting
-from vllm.kernels.triton.fused_moe import _pair_block, _pair_rows, _store_pairs
-from vllm.kernels.triton.fused_moe_quant import (QuantProjection, _check_inputs, dequant_warps,
-                                                 run_pairs)
+from vllm.kernels.triton.fused_moe import (ACTIVATION_CODES, _pair_block, _pair_rows,
+                                           _store_pairs, act_values, moe_align_block_size)
+from vllm.kernels.triton.fused_moe_quant import QuantProjection, _check_inputs, dequant_warps
 from vllm.kernels.triton.fused_moe_config import get_moe_config
 
 FP8_MAX = 448.0
@@ -148,6 +151,66 @@ def quantize_rows(x: torch.Tensor, iq: InputQuant) -> tuple[torch.Tensor, torch.
     return codes, scales
 
 
+@triton.jit
+def _act_quant_kernel(in_ptr, q_ptr, s_ptr, static_ptr, sorted_ptr, num_padded_ptr, N, P, width,
+                      stride_in, stride_q, stride_s, alpha, limit, ACT: tl.constexpr,
+                      STATIC: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """The activation of the sorted pair rows of one M block, rounded to the gate-up dtype as
+    ``fused_moe._moe_act_kernel`` stores it, then quantized as ``_quant_rows_kernel`` does
+    (scale column program_id(1) of ``width`` columns): the codes and scales that kernel would
+    make of the activation kernel's output, in one launch and without storing it."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < P
+    start = tl.program_id(1) * width
+    stop = tl.minimum(start + width, N)
+    src_rows = in_ptr + rows[:, None] * stride_in
+    if STATIC:
+        scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(start, stop, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            ok = row_ok[:, None] & (cols < stop)[None, :]
+            y = act_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
+            y = y.to(in_ptr.dtype.element_ty).to(tl.float32)
+            amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
+        scale = tl.maximum(tl.max(amax, axis=1), _AMAX_FLOOR) / _FP8_MAX       # [BLOCK_M]
+    for c0 in range(start, stop, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        ok = row_ok[:, None] & (cols < stop)[None, :]
+        y = act_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
+        y = y.to(in_ptr.dtype.element_ty).to(tl.float32)
+        q = tl.clamp(y / scale[:, None], -_FP8_MAX, _FP8_MAX)
+        if ROUND_FIRST:
+            q = _e4m3_grid(q)
+        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :],
+                 q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows * stride_s + tl.program_id(1), scale, mask=row_ok)
+
+
+def activation_quant(gate_up: torch.Tensor, align, activation: str, alpha: float,
+                     limit: float, block_m: int, iq: InputQuant, N: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [P, 2N] (or [P, N] non-gated) -> (e4m3 codes [P, N], float32 scales [P, S]) of
+    act(gate_up) rounded to gate_up's dtype, for the aligned pairs' rows (others unset)."""
+    sorted_ids, block_expert, num_padded = align
+    P, width = gate_up.shape[0], iq.width(N)
+    codes = torch.empty(P, N, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.empty(P, triton.cdiv(N, width), dtype=torch.float32, device=gate_up.device)
+    static = iq.scale if iq.scale is not None else scales
+    block_n = max(16, min(triton.next_power_of_2(width), 256))
+    _act_quant_kernel[(block_expert.numel(), scales.shape[1])](
+        gate_up, codes, scales, static, sorted_ids, num_padded, N, P, width, gate_up.stride(0),
+        codes.stride(0), scales.stride(0), float(alpha), float(limit),
+        ACT=ACTIVATION_CODES[activation], STATIC=iq.scale is not None,
+        ROUND_FIRST=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n)
+    return codes, scales
+
+
 @dataclass(frozen=True)
 class W8A8Projection:
     """An FP8 ``QuantProjection`` (fused_moe_quant.py's fp8 layout) and how its GEMM's input
@@ -239,23 +302,22 @@ def w8a8_refusal(w13: QuantProjection, w2: QuantProjection, i13: InputQuant,
     return None
 
 
-def _w8a8_gemm(a: torch.Tensor, proj: W8A8Projection, bias: torch.Tensor | None,
-               c: torch.Tensor, w: torch.Tensor | None, align, row_div: int,
-               cfg: dict[str, int]) -> None:
-    """c [P, R] rows of the aligned pairs = quantized a[rows // row_div] @ W[e]^T (+ bias)
-    (* w): ``run_pairs``'s gemm."""
+def _w8a8_gemm(a_q: torch.Tensor, a_s: torch.Tensor, proj: W8A8Projection,
+               bias: torch.Tensor | None, c: torch.Tensor, w: torch.Tensor | None, align,
+               row_div: int, cfg: dict[str, int]) -> None:
+    """c [P, R] rows of the aligned pairs = A[rows // row_div] @ W[e]^T (+ bias) (* w), A given
+    as e4m3 codes a_q and scales a_s (``quantize_rows``, ``activation_quant``)."""
     sorted_ids, block_expert, num_padded = align
     wq, iq = proj.weight, proj.inputs
     N, K = wq.rows, wq.cols
     per_tile, block_k = _k_tiling(wq, iq, cfg["BLOCK_K"])
     if block_k is None:
         raise ValueError(f"triton fused_moe_w8a8: {w8a8_refusal(wq, wq, iq, iq)}")
-    a_q, a_s = quantize_rows(a.contiguous(), iq)
     num_m = block_expert.numel()
     grid = (num_m * triton.cdiv(N, cfg["BLOCK_N"]),)
     _moe_w8a8_gemm_kernel[grid](
-        a_q, a_s, wq.codes, wq.scales, bias if bias is not None else a, c,
-        w if w is not None else a, sorted_ids, block_expert, num_padded, N, K, c.shape[0],
+        a_q, a_s, wq.codes, wq.scales, bias if bias is not None else c, c,
+        w if w is not None else c, sorted_ids, block_expert, num_padded, N, K, c.shape[0],
         num_m, wq.half_rows, wq.rows_per_half, wq.block_out, wq.block_in, iq.width(K),
         a_q.stride(0), a_s.stride(0), *wq.codes.stride(), *wq.scales.stride(),
         bias.stride(0) if bias is not None else 0, c.stride(0), c.stride(1), ROW_DIV=row_div,
@@ -288,17 +350,27 @@ def fused_moe_w8a8_pairs(x: torch.Tensor, w13: W8A8Projection, w2: W8A8Projectio
                          b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                          config: dict[str, int] | None = None, device_name: str = "",
                          max_ids: int | None = None) -> None:
-    """``fused_moe_quant.fused_moe_quant_pairs`` for FP8 experts with FP8 inputs: x [T, H]
-    quantized per ``w13.inputs``, the activation's [T K, N] rows per ``w2.inputs``; out [T, K, H]
-    gets out[t, k] = topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for ids in [0, G)."""
+    """``fused_moe_quant.fused_moe_quant_pairs`` for FP8 experts with FP8 inputs, in five
+    launches: the alignment, x [T, H] quantized per ``w13.inputs``, the gate-up GEMM, the
+    activation quantized per ``w2.inputs`` (one kernel), the down GEMM. out [T, K, H] gets
+    out[t, k] = topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for ids in [0, G)."""
     _check_inputs(x, w13.weight, w2.weight, topk_weights, topk_ids, out, activation, b13, b2,
                   who="fused_moe_w8a8")
     reason = w8a8_refusal(w13.weight, w2.weight, w13.inputs, w2.inputs)
     if reason is not None:
         raise ValueError(f"triton fused_moe_w8a8: {reason}")
+    T, K = topk_ids.shape
+    G, H, N = w13.codes.shape[0], x.shape[1], w2.cols
+    P = T * K
+    if P == 0:
+        return
     per_tile = any(_k_tiling(p.weight, p.inputs, MIN_BLOCK_K)[0] for p in (w13, w2))
-    cfg = w8a8_config(config or get_moe_config(w2.cols, topk_ids.shape[0], device_name),
-                      per_tile)
-    run_pairs(_w8a8_gemm, x, w13, w2, topk_weights, topk_ids, out, activation, alpha, limit,
-              b13, b2, cfg, device_name, max_ids)
+    cfg = w8a8_config(config or get_moe_config(N, T, device_name), per_tile)
+    align = moe_align_block_size(topk_ids, cfg["BLOCK_M"], G, max_ids)
+    gate_up = x.new_empty(P, 2 * N)                  # [P, 2N] rows of the call's pairs
+    _w8a8_gemm(*quantize_rows(x.contiguous(), w13.inputs), w13, b13, gate_up, None, align, K,
+               cfg)
+    act_q, act_s = activation_quant(gate_up, align, activation, alpha, limit, cfg["BLOCK_M"],
+                                    w2.inputs, N)
+    _w8a8_gemm(act_q, act_s, w2, b2, out.view(P, H), topk_weights.reshape(P), align, 1, cfg)
 
