@@ -92,21 +92,26 @@ def _e4m3_grid(v):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, M, K, width, stride_xm, stride_qm,
-                       stride_sm, STATIC: tl.constexpr, ROUND_FIRST: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (ROWS rows from m0, scale column j): columns [j width, (j + 1) width) of each
-    row -> codes and the scales s_ptr[m, j]. Two passes over the columns in BLOCK chunks
-    (amax, then codes). ROUND_FIRST (under the interpreter only): its float32 -> e4m3 cast
-    rounds wrongly where rounding carries into the next power of two (124.3 -> 64, not 128),
-    and exactly on e4m3 values, so the codes are rounded first; a GPU's cast
-    (cvt.rn.satfinite) rounds itself."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < M
-    j = tl.program_id(1)
-    start = j * width
-    stop = tl.minimum(start + width, K)
-    x_rows = x_ptr + rows[:, None] * stride_xm
+def _tile_values(src, ok, N, alpha, limit, ACT: tl.constexpr):
+    """fp32 values of a [rows, cols] tile of pointers ``src``: as stored (ACT -1), or the
+    activation ACT of the gate-up values there, rounded to their dtype as
+    ``fused_moe._moe_act_kernel`` stores it (masked lanes 0 either way)."""
+    if ACT < 0:
+        return tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    y = act_values(src, ok, N, alpha, limit, ACT)
+    return tl.where(ok, y.to(src.dtype.element_ty).to(tl.float32), 0.0)
+
+
+@triton.jit
+def _quantize_tile_rows(src_rows, q_rows, s_ptrs, static_ptr, row_ok, start, stop, N, alpha,
+                        limit, ACT: tl.constexpr, STATIC: tl.constexpr,
+                        ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns [start, stop) of ROWS rows (``_tile_values`` of src_rows [ROWS, 1] + columns)
+    -> e4m3 codes at q_rows + columns and one scale per row at s_ptrs [ROWS]. Two passes over
+    the columns in BLOCK chunks (amax, then codes). ROUND_FIRST (under the interpreter only):
+    its float32 -> e4m3 cast rounds wrongly where rounding carries into the next power of two
+    (124.3 -> 64, not 128), and exactly on e4m3 values, so the codes are rounded first; a
+    GPU's cast (cvt.rn.satfinite) rounds itself."""
     if STATIC:
         scale = tl.zeros((ROWS,), dtype=tl.float32) + tl.load(static_ptr).to(tl.float32)
     else:
@@ -114,19 +119,32 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, M, K, width, stride_xm, 
         for c0 in range(start, stop, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < stop)[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            y = _tile_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
+            amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(tl.max(amax, axis=1), _AMAX_FLOOR) / _FP8_MAX       # [ROWS]
     for c0 in range(start, stop, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         ok = row_ok[:, None] & (cols < stop)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale[:, None], -_FP8_MAX, _FP8_MAX)
+        y = _tile_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
+        q = tl.clamp(y / scale[:, None], -_FP8_MAX, _FP8_MAX)
         if ROUND_FIRST:
             q = _e4m3_grid(q)
-        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :],
-                 q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + rows * stride_sm + j, scale, mask=row_ok)
+        tl.store(q_rows + cols[None, :], q.to(q_rows.dtype.element_ty), mask=ok)
+    tl.store(s_ptrs, scale, mask=row_ok)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, M, K, width, stride_xm, stride_qm,
+                       stride_sm, STATIC: tl.constexpr, ROUND_FIRST: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (ROWS rows from m0, scale column j): columns [j width, (j + 1) width) of each
+    row -> codes and the scales s_ptr[m, j] (``_quantize_tile_rows``)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    j = tl.program_id(1)
+    _quantize_tile_rows(x_ptr + rows[:, None] * stride_xm, q_ptr + rows[:, None] * stride_qm,
+                        s_ptr + rows * stride_sm + j, static_ptr, rows < M, j * width,
+                        tl.minimum(j * width + width, K), K, 0.0, 0.0, -1, STATIC,
+                        ROUND_FIRST, ROWS, BLOCK)
 
 
 def quantize_rows(x: torch.Tensor, iq: InputQuant) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,39 +175,18 @@ def _act_quant_kernel(in_ptr, q_ptr, s_ptr, static_ptr, sorted_ptr, num_padded_p
                       STATIC: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     """The activation of the sorted pair rows of one M block, rounded to the gate-up dtype as
-    ``fused_moe._moe_act_kernel`` stores it, then quantized as ``_quant_rows_kernel`` does
-    (scale column program_id(1) of ``width`` columns): the codes and scales that kernel would
-    make of the activation kernel's output, in one launch and without storing it."""
+    ``fused_moe._moe_act_kernel`` stores it, then quantized by the code ``_quant_rows_kernel``
+    runs (scale column program_id(1) of ``width`` columns): the codes and scales that kernel
+    would make of the activation kernel's output, in one launch and without storing it."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = rows < P
-    start = tl.program_id(1) * width
-    stop = tl.minimum(start + width, N)
-    src_rows = in_ptr + rows[:, None] * stride_in
-    if STATIC:
-        scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c0 in range(start, stop, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            ok = row_ok[:, None] & (cols < stop)[None, :]
-            y = act_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
-            y = y.to(in_ptr.dtype.element_ty).to(tl.float32)
-            amax = tl.maximum(amax, tl.where(ok, tl.abs(y), 0.0))
-        scale = tl.maximum(tl.max(amax, axis=1), _AMAX_FLOOR) / _FP8_MAX       # [BLOCK_M]
-    for c0 in range(start, stop, BLOCK_N):
-        cols = c0 + tl.arange(0, BLOCK_N)
-        ok = row_ok[:, None] & (cols < stop)[None, :]
-        y = act_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
-        y = y.to(in_ptr.dtype.element_ty).to(tl.float32)
-        q = tl.clamp(y / scale[:, None], -_FP8_MAX, _FP8_MAX)
-        if ROUND_FIRST:
-            q = _e4m3_grid(q)
-        tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :],
-                 q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + rows * stride_s + tl.program_id(1), scale, mask=row_ok)
+    j = tl.program_id(1)
+    _quantize_tile_rows(in_ptr + rows[:, None] * stride_in, q_ptr + rows[:, None] * stride_q,
+                        s_ptr + rows * stride_s + j, static_ptr, rows < P, j * width,
+                        tl.minimum(j * width + width, N), N, alpha, limit, ACT, STATIC,
+                        ROUND_FIRST, BLOCK_M, BLOCK_N)
 
 
 def activation_quant(gate_up: torch.Tensor, align, activation: str, alpha: float,
