@@ -29,9 +29,9 @@ import torch
 from benchmark_decode import PRESETS
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (HostCostModel,
-                                                                         HostExperts,
                                                                          HostMissCompute,
                                                                          measure_cost_model)
+from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import HostExperts
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 
 SHAPES = {name: (cfg["hidden_size"], cfg["moe_intermediate_size"])

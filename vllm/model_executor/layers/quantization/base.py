@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm.kernels.cpu.qgemv import QuantRows
 from vllm.model_executor.layers.fused_moe.modular_kernel import (BIAS_NAMES, MoEActivation,
                                                                  MoEExperts, MoEKernelQuery,
                                                                  WaveIds, combine_pairs)
@@ -80,6 +81,13 @@ class FusedMoEMethodBase:
 
     def dequantizer(self) -> Dequantize | None:
         """How a reference backend turns one expert's tensors into (w13, w2); None: unquantized."""
+        return None
+
+    def host_rows(self, tensors: dict[str, torch.Tensor]) -> tuple[QuantRows, QuantRows] | None:
+        """One expert's tensors (rows of the host store) -> its (w13, w2) as the CPU's quantized
+        matrix product reads them (``kernels/cpu/qgemv.py``: views, nothing copied), for
+        experts computed on the host (``moe_expert_cpu_compute``); None where the scheme has no
+        such view (unquantized experts are read as they are; other layouts are dequantized)."""
         return None
 
     def select_kernel(self, shape: MoEShape, platform: Platform, requested: str = "auto") -> None:

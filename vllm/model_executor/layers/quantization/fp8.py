@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from vllm.config.quantization import check_input_quant
+from vllm.kernels.cpu.qgemv import QuantRows
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.moe_ref import (CheckpointTensor,
                                                              QuantizedFusedMoEMethod, TensorSpec,
@@ -130,6 +131,24 @@ class Fp8MoEMethod(QuantizedFusedMoEMethod):
                              for h in (0, 1)]).t()               # [ceil(K/bi), 2N]
             s2 = s2.repeat_interleave(bo, 0)[:K].t()            # [ceil(N/bi), K]
         return {"w13": w13.view(torch.uint8), "w2": w2.view(torch.uint8), "s13": s13, "s2": s2}
+
+    def host_rows(self, t):
+        """Codes as they are; the scales as ``QuantRows`` tables: a tensor scale per half (w13)
+        or matrix (w2), one per output row, or 128 x 128 blocks (None when a w13 half is not a
+        whole number of blocks, whose second half would then start inside a block row)."""
+        s = self.scale_name
+        w13, w2 = t["w13_weight"], t["w2_weight"]
+        K, N = w13.shape[1], w2.shape[1]
+        s13, s2 = t[f"w13_{s}"].float().contiguous(), t[f"w2_{s}"].float().contiguous()
+        if self.strategy == "tensor":
+            return (QuantRows("fp8", w13, s13.reshape(2, 1), N, K),
+                    QuantRows("fp8", w2, s2.reshape(1, 1), K, N))
+        if self.strategy == "channel":
+            return QuantRows("fp8", w13, s13, 1, K), QuantRows("fp8", w2, s2, 1, N)
+        bo, bi = self.block
+        if N % bo:
+            return None
+        return QuantRows("fp8", w13, s13, bo, bi), QuantRows("fp8", w2, s2, bo, bi)
 
 
 # ---- offline quantizer (tools/quantize_checkpoint.py, tests) ----------------------------------

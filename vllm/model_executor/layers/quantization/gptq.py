@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels.cpu.qgemv import QuantRows
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.moe_ref import (CheckpointTensor,
                                                              QuantizedFusedMoEMethod, TensorSpec,
@@ -119,6 +120,23 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
         w13 = self._dequant(t["w13_qweight"], t["w13_qzeros"], t["w13_scales"], t["w13_g_idx"])
         w2 = self._dequant(t["w2_qweight"], t["w2_qzeros"], t["w2_scales"], t["w2_g_idx"])
         return w13.to(dtype), w2.to(dtype)
+
+    def host_rows(self, t):
+        """qweight, scales (as float32) and the packed qzeros as they are, for GPTQ's own packing
+        (not a repacking subclass's ``unpacked_weight``) with groups of whole words in input
+        order; act order (g_idx not column // group size in some expert) is dequantized."""
+        if type(self).unpacked_weight is not GptqMoEMethod.unpacked_weight or \
+                not all(self.contiguous_groups.get(p, False) for p in ("w13", "w2")):
+            return None
+        rows = []
+        for p in ("w13", "w2"):
+            q = t[f"{p}_qweight"]
+            group = self.group_width(q.shape[1] * 8)
+            if group % 8:
+                return None
+            rows.append(QuantRows("int4", q, t[f"{p}_scales"].float().contiguous(), 1, group,
+                                  t[f"{p}_qzeros"], self.zero_offset))
+        return rows[0], rows[1]
 
     def cpu_kernel_layout(self):
         """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm.h): int4

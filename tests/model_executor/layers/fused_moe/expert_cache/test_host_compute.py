@@ -15,9 +15,11 @@ import torch
 from tools.quantize_checkpoint import main as quantize_main
 from vllm import LLM, SamplingParams
 from vllm.config import set_current_vllm_config
+from vllm.model_executor.layers.fused_moe.expert_cache import host_experts as host_experts_module
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
-    HostCostModel, HostExperts, HostMissCompute, balance, host_experts, measure_cost_model,
-    rent_or_buy)
+    HostCostModel, HostMissCompute, balance, measure_cost_model, rent_or_buy)
+from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import (HostExperts,
+                                                                         host_experts)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.registry import CpuKernelExperts
 from vllm.model_executor.model_loader import get_model
@@ -291,11 +293,15 @@ def test_host_experts_per_device_and_backend():
 
 
 @pytest.mark.parametrize("scheme,args", [("fp8-block", ["--block-size", "16", "32"]),
+                                         ("fp8-channel", []), ("fp8-tensor", []),
                                          ("w4a16-gptq", ["--asym", "--group-size", "32"])])
+@pytest.mark.parametrize("gemv", [True, False])
 def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, tmp_path,
-                                                           scheme, args):
-    """Off a CPU device the CPU side is the torch loop over the host store, dequantizing each
-    expert: its pairs equal the uncached torch backend's bit for bit."""
+                                                           monkeypatch, scheme, args, gemv):
+    """Off a CPU device the CPU side reads the host store in the scheme's layout: through the
+    CPU's quantized matrix product (``qgemv``, f32 sums: within rounding of the uncached torch
+    backend's dequantize-then-matmul), or, without it, the torch loop dequantizing each expert,
+    whose pairs equal the torch backend's bit for bit."""
     src = tiny_model_factory("Qwen3MoeForCausalLM", **TINY)
     path = str(tmp_path / scheme)
     quantize_main(["--model", src, "--out", path, "--scheme", scheme, *args])
@@ -306,8 +312,14 @@ def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, 
         cfg.kernel_config.moe_backend = "torch"
         return next(m for m in get_model(cfg).modules() if isinstance(m, FusedMoE))
     cached, twin = layer(2), layer(0)
-    hc = HostMissCompute("always", host_experts(cached.quant_method, torch.device("cuda")),
-                         cached.expert_cache.store.tensors, None)
+    experts = host_experts(cached.quant_method, torch.device("cuda"))
+    assert experts.rows is not None
+    if not gemv:
+        experts.rows = None
+    calls = []
+    real = host_experts_module.qgemv
+    monkeypatch.setattr(host_experts_module, "qgemv", lambda x, w: calls.append(w) or real(x, w))
+    hc = HostMissCompute("always", experts, cached.expert_cache.store.tensors, None)
     empty = torch.full((cached.num_experts,), -1)            # nothing resident: all to the CPU
     g = torch.Generator().manual_seed(0)
     T, K = 5, cached.top_k
@@ -321,7 +333,12 @@ def test_quantized_misses_on_the_cpu_read_the_scheme_layout(tiny_model_factory, 
     assert torch.equal(split.host_ids, ids)                  # every row has a CPU pair
     got = torch.zeros(T, K, cached.hidden_size)
     hc.compute(split, got)
-    assert torch.equal(got, want)
+    if gemv:    # two products per expert the step uses
+        assert len(calls) == 2 * len(set(ids[ids >= 0].tolist()))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert not torch.equal(got, torch.zeros_like(got))
+    else:
+        assert not calls and torch.equal(got, want)
 
 
 def _outputs(llm, prompts, params):

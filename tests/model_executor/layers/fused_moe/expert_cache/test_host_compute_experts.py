@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import host_expert_mlp
+from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import host_expert_mlp
 from vllm.model_executor.layers.fused_moe.modular_kernel import MOE_ACTIVATIONS, MoEActivation
 
 

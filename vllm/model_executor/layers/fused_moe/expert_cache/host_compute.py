@@ -33,9 +33,7 @@ import torch
 from vllm.config import MOE_CPU_COMPUTE_MODES
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
-from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation, MoEExperts
-from vllm.model_executor.layers.fused_moe.registry import TorchExperts
-from vllm.model_executor.layers.fused_moe.torch_ref import expert_mlp
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.platforms import platform_for
 
 
@@ -179,45 +177,6 @@ def cost_model_for(store_tensors: dict[str, torch.Tensor], slots: dict[str, torc
         _COST_MODELS[key] = measure_cost_model(store_tensors, slots, experts, hidden_size, dtype,
                                                copy=copy)
     return _COST_MODELS[key]
-
-
-def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    activation: MoEActivation, b13: torch.Tensor | None = None,
-                    b2: torch.Tensor | None = None) -> torch.Tensor:
-    """``expert_mlp`` for the CPU's pairs: an expert with one token (a decode miss) as two
-    matrix-vector products, which on the CPU read the weights 1.3-1.5x faster than
-    ``F.linear`` on one row (bf16, 1 and 2 threads: docs/benchmarks.md, "Misses on the CPU");
-    more tokens as ``expert_mlp``. x [P, K] -> [P, K]."""
-    if x.shape[0] != 1:
-        return expert_mlp(x, w13, w2, activation, b13, b2)
-    gate_up = torch.mv(w13, x[0])
-    if b13 is not None:
-        gate_up = gate_up + b13
-    y = torch.mv(w2, activation(gate_up[None])[0])
-    return (y if b2 is None else y + b2)[None]
-
-
-class HostExperts(TorchExperts):
-    """The torch loop (``TorchExperts``) with ``host_expert_mlp``: what computes misses on the
-    CPU off a CPU device."""
-    name = "torch_host"
-    mlp = staticmethod(host_expert_mlp)
-
-
-def host_experts(quant_method, device: torch.device) -> MoEExperts:
-    """What computes a layer's pairs on the CPU, from the host store (the layout of the layer's
-    device backend): on a CPU device the layer's own backend; elsewhere the torch loop
-    (``HostExperts``, dequantizing per expert), which reads the scheme's layout, so only
-    behind a backend that keeps it (no ``pack`` of its own). ValueError with the reason."""
-    kernel = quant_method.kernel
-    if device.type == "cpu":
-        return kernel
-    if type(kernel).pack is not MoEExperts.pack:
-        raise ValueError(f"moe_expert_cpu_compute: the {kernel.name!r} MoE backend keeps the "
-                         "experts in a layout of its own, which the CPU cannot compute from; "
-                         "use a backend that reads the scheme's layout (triton, grouped_mm, "
-                         "torch) or moe_expert_cpu_compute='off'")
-    return HostExperts(quant_method.activation, quant_method.dequantizer())
 
 
 @dataclass

@@ -49,7 +49,8 @@ from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.expert_plan import ExpertPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
-    HostCostModel, HostMissCompute, HostSplit, cost_model_for, host_experts)
+    HostCostModel, HostMissCompute, HostSplit, cost_model_for)
+from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import host_experts
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
                                                                         wanted_experts)

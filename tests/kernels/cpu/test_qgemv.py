@@ -1,0 +1,144 @@
+"""The quantized matrix products on the schemes' layouts (``vllm/kernels/cpu/qgemv.c``) against
+a dequantize-then-matmul written here (float64), for FP8 e4m3 with tensor, channel and block
+scales and GPTQ INT4 with zero points, at token counts around the kernel's chunk of 4, odd row
+counts and columns past the last 16-column vector; the code decoders exactly, every code."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.kernels.cpu.build import load_cpu_kernels
+from vllm.kernels.cpu.qgemv import QuantRows, qgemv
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="CPU kernels not built")
+E4M3_NAN = (0x7F, 0xFF)
+
+
+def e4m3_codes(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random e4m3 codes, NaN codes replaced by 0."""
+    c = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.int32)
+    for nan in E4M3_NAN:
+        c[c == nan] = 0
+    return c.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def pack_cols(q: torch.Tensor) -> torch.Tensor:
+    """int values [R, C] in [0, 15] -> int32 words [R, C / 8], column c at bits 4 (c % 8)."""
+    R, C = q.shape
+    words = torch.zeros(R, C // 8, dtype=torch.int64)
+    for j in range(8):
+        words |= q[:, j::8].long() << (4 * j)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_rows(z: torch.Tensor) -> torch.Tensor:
+    """[R, G] in [0, 15] -> [ceil(R / 8), G] int32, row r at bits 4 (r % 8) of word r / 8."""
+    R, G = z.shape
+    padded = torch.zeros(-(-R // 8) * 8, G, dtype=torch.int64)
+    padded[:R] = z
+    return pack_cols(padded.t().contiguous()).t().contiguous()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_div: int, group: int,
+              zero: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, C] @ ((w - zero) * scale)^T in float64; zero [R, groups]."""
+    R, C = w.shape
+    r, c = torch.arange(R)[:, None] // row_div, torch.arange(C)[None] // group
+    deq = w.double()
+    if zero is not None:
+        deq = deq - zero.double()[torch.arange(R)[:, None], c]
+    deq = deq * scale.double()[r, c]
+    return x.double() @ deq.t()
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("R,C,row_div,group", [
+    (96, 256, 48, 256),      # a tensor scale per half (w13 of a 48-row projection)
+    (33, 200, 1, 200),       # per channel; odd rows, columns past the last vector
+    (256, 384, 128, 128),    # 128 x 128 blocks
+    (70, 300, 32, 64),       # partial last blocks both ways
+])
+def test_fp8_equals_dequantize_then_matmul(T, R, C, row_div, group):
+    gen = torch.Generator().manual_seed(R * C + T)
+    codes = e4m3_codes(R, C, gen)
+    scale = torch.rand(-(-R // row_div), -(-C // group), generator=gen) + 0.1
+    x = torch.randn(T, C, generator=gen)
+    y = qgemv(x, QuantRows("fp8", codes, scale, row_div, group))
+    ref = reference(x, codes.float(), scale, row_div, group)
+    assert y.dtype == torch.float32 and y.shape == (T, R)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 6])
+@pytest.mark.parametrize("R,C,group,offset", [
+    (64, 256, 128, 1),       # GPTQ v1: stored zero - 1
+    (37, 136, 8, 0),         # odd rows; group 8: one word, no 16-column vector
+    (48, 520, 520, 0),       # one group over all columns, past the last vector
+    (96, 384, 32, 1),
+])
+def test_int4_equals_dequantize_then_matmul(T, R, C, group, offset):
+    gen = torch.Generator().manual_seed(R + C + T)
+    G = -(-C // group)
+    q = torch.randint(0, 16, (R, C), generator=gen)
+    stored = torch.randint(0, 16 - offset, (R, G), generator=gen)
+    scale = torch.rand(R, G, generator=gen) * 0.01 + 0.001
+    x = torch.randn(T, C, generator=gen)
+    y = qgemv(x, QuantRows("int4", pack_cols(q), scale, 1, group, pack_rows(stored), offset))
+    ref = reference(x, q.float(), scale, 1, group, stored + offset)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_every_e4m3_code_decodes_exactly():
+    """One row of all 254 non-NaN codes (vector steps, then 6 codes in the scalar tail), read by
+    one-hot tokens: each output is one code times 1, which must be torch's value of it."""
+    codes = torch.tensor([c for c in range(256) if c not in E4M3_NAN] + [1, 8, 0x80, 0x81, 0x7E,
+                                                                        0xFE],
+                         dtype=torch.uint8)
+    C = codes.numel()
+    w = codes.view(torch.float8_e4m3fn)[None].contiguous()
+    y = qgemv(torch.eye(C), QuantRows("fp8", w, torch.ones(1, 1), 1, C))
+    assert torch.equal(y[:, 0], w[0].float())
+
+
+def test_every_int4_code_decodes_exactly():
+    q = torch.arange(136) % 16                       # 8 vector steps and one word in the tail
+    zero = pack_rows(torch.zeros(1, 1, dtype=torch.int64))
+    y = qgemv(torch.eye(136), QuantRows("int4", pack_cols(q[None]), torch.ones(1, 1), 1, 136,
+                                        zero, 0))
+    assert torch.equal(y[:, 0], q.float())
+
+
+def test_bf16_tokens_and_no_tokens():
+    gen = torch.Generator().manual_seed(0)
+    codes, scale = e4m3_codes(16, 64, gen), torch.rand(16, 1, generator=gen)
+    w = QuantRows("fp8", codes, scale, 1, 64)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    assert torch.equal(qgemv(x, w), qgemv(x.float(), w))
+    assert qgemv(x[:0], w).shape == (0, 16)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(kind="int8"), "kind='int8' is invalid"),
+    (dict(codes=torch.zeros(4, 8, dtype=torch.int32)), "float8_e4m3fn"),
+    (dict(scales=torch.ones(4, 2)), r"scales must be contiguous float32 \(4, 1\)"),
+    (dict(scales=torch.ones(4, 1, dtype=torch.float16)), "float16"),
+    (dict(group=0), "must be >= 1"),
+    (dict(zeros=torch.zeros(1, 1, dtype=torch.int32)), "fp8 takes no zero points"),
+])
+def test_fp8_layout_refusals_name_the_value(bad, match):
+    fields = dict(kind="fp8", codes=torch.zeros(4, 8, dtype=torch.float8_e4m3fn),
+                  scales=torch.ones(4, 1), row_div=1, group=8)
+    with pytest.raises(ValueError, match=match):
+        qgemv(torch.zeros(1, 8), QuantRows(**{**fields, **bad}))
+
+
+def test_int4_layout_refusals_name_the_value():
+    words = torch.zeros(16, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="group=12 must be a multiple of 8"):
+        qgemv(torch.zeros(1, 32), QuantRows("int4", words, torch.ones(16, 3), 1, 12,
+                                            torch.zeros(2, 3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"zeros must be contiguous int32 \(2, 1\)"):
+        qgemv(torch.zeros(1, 32), QuantRows("int4", words, torch.ones(16, 1), 1, 32, None))
+    with pytest.raises(ValueError, match=r"must be \[T, 32\]"):
+        qgemv(torch.zeros(1, 31), QuantRows("int4", words, torch.ones(16, 1), 1, 32,
+                                            torch.zeros(2, 1, dtype=torch.int32)))

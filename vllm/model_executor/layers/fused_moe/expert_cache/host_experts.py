@@ -1,0 +1,95 @@
+"""What computes a cached layer's pairs on the CPU from the host store off a CPU device
+(``moe_expert_cpu_compute``, ``host_compute.py``): the torch loop over the experts a step needs,
+one token as two matrix-vector products, and quantized experts (FP8, GPTQ INT4) through the CPU's
+quantized matrix product on the scheme's own layout (``kernels/cpu/qgemv.py``), which decodes
+each weight in registers instead of dequantizing the expert into a new tensor first (38 ms
+against 0.6 ms for one token of a probe-shaped GPTQ expert here: docs/benchmarks.md)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm.kernels.cpu.qgemv import QuantRows, qgemv
+from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation, MoEExperts
+from vllm.model_executor.layers.fused_moe.registry import TorchExperts
+from vllm.model_executor.layers.fused_moe.torch_ref import expert_mlp, expert_pairs_loop
+from vllm.platforms import native_kernels
+
+QGEMV_MAX_TOKENS = 64
+"""Experts with more tokens in a call (prefill misses) are dequantized once and run as one
+matrix product: ``qgemv`` decodes the weights again for every 4 tokens, which at about 65 tokens
+costs what the dequantization does (probe shape, 1 thread, docs/benchmarks.md)."""
+
+HostRows = Callable[[dict[str, torch.Tensor]], "tuple[QuantRows, QuantRows] | None"]
+
+
+def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor | QuantRows,
+                    w2: torch.Tensor | QuantRows, activation: MoEActivation,
+                    b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None) -> torch.Tensor:
+    """``expert_mlp`` for the CPU's pairs, x [P, K] -> [P, K]. Quantized projections
+    (``QuantRows``) run ``qgemv`` (f32 sums, each projection's output rounded to x's dtype as a
+    matrix product in that dtype would be); an expert with one token (a decode miss) as two
+    matrix-vector products, which on the CPU read the weights 1.3-1.5x faster than
+    ``F.linear`` on one row (bf16, 1 and 2 threads: docs/benchmarks.md, "Misses on the CPU");
+    more tokens as ``expert_mlp``."""
+    if isinstance(w13, QuantRows):
+        gate_up = qgemv(x, w13).to(x.dtype)
+        if b13 is not None:
+            gate_up = gate_up + b13
+        y = qgemv(activation(gate_up), w2).to(x.dtype)
+        return y if b2 is None else y + b2
+    if x.shape[0] != 1:
+        return expert_mlp(x, w13, w2, activation, b13, b2)
+    gate_up = torch.mv(w13, x[0])
+    if b13 is not None:
+        gate_up = gate_up + b13
+    y = torch.mv(w2, activation(gate_up[None])[0])
+    return (y if b2 is None else y + b2)[None]
+
+
+class HostExperts(TorchExperts):
+    """The torch loop (``TorchExperts``) with ``host_expert_mlp``: what computes misses on the
+    CPU off a CPU device. ``rows``: the quant method's ``host_rows`` where the CPU kernels are
+    built (else None): an expert it gives a view of runs ``qgemv`` on its codes while it has at
+    most ``QGEMV_MAX_TOKENS`` tokens in the call; any other is dequantized first."""
+    name = "torch_host"
+    mlp = staticmethod(host_expert_mlp)
+
+    def __init__(self, activation: MoEActivation, dequantize=None,
+                 rows: HostRows | None = None):
+        super().__init__(activation, dequantize)
+        self.rows = rows
+
+    def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
+        if self.rows is None or self.dequantize is None:
+            return super().apply_pairs(weights, x, topk_weights, ids, out, max_ids)
+        num_rows = next(iter(weights.values())).shape[0]
+        flat = ids.reshape(-1)
+        tokens = torch.bincount(flat[(flat >= 0) & (flat < num_rows)], minlength=num_rows)
+
+        def expert(e: int):
+            t = {n: w[e] for n, w in weights.items()}
+            view = self.rows(t) if int(tokens[e]) <= QGEMV_MAX_TOKENS else None
+            return view if view is not None else self.dequantize(t, x.dtype)
+        expert_pairs_loop(x, num_rows, expert, topk_weights, ids, out, self.activation,
+                          weights.get("w13_bias"), weights.get("w2_bias"), mlp=self.mlp)
+
+
+def host_experts(quant_method, device: torch.device) -> MoEExperts:
+    """What computes a layer's pairs on the CPU, from the host store (the layout of the layer's
+    device backend): on a CPU device the layer's own backend; elsewhere ``HostExperts``, which
+    reads the scheme's layout, so only behind a backend that keeps it (no ``pack`` of its
+    own). ValueError with the reason."""
+    kernel = quant_method.kernel
+    if device.type == "cpu":
+        return kernel
+    if type(kernel).pack is not MoEExperts.pack:
+        raise ValueError(f"moe_expert_cpu_compute: the {kernel.name!r} MoE backend keeps the "
+                         "experts in a layout of its own, which the CPU cannot compute from; "
+                         "use a backend that reads the scheme's layout (triton, grouped_mm, "
+                         "torch) or moe_expert_cpu_compute='off'")
+    built = native_kernels(torch.float32, torch.device("cpu"))
+    return HostExperts(quant_method.activation, quant_method.dequantizer(),
+                       quant_method.host_rows if built else None)
