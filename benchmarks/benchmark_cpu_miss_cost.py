@@ -10,6 +10,12 @@ copies run beside the CPU (a GPU), it still gives the CPU the least used misses 
 shortens the step (``balance``).
 
     python benchmarks/benchmark_cpu_miss_cost.py --shape probe-4.8g dsv2-lite --threads 1 2 --json
+        [--scheme bf16 fp8-tensor fp8-channel fp8-block w4a16-gptq] [--dequantize-too]
+
+``--scheme``: the experts' format in the host store (default bf16). Quantized experts are in the
+layer layout (FP8 128 x 128 blocks, GPTQ group 128 with zero points) and run through the CPU's
+quantized matrix product on that layout (``kernels/cpu/qgemv.py``); ``--dequantize-too`` adds a
+row per quantized scheme for the path without it (each expert dequantized, then the products).
 
 Each row also times the host's decision per cached layer and step that "auto" adds
 (``HostMissCompute.host_pairs`` on host ids: the read of the routing excluded), at the shape's
@@ -33,6 +39,9 @@ from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (Host
                                                                          measure_cost_model)
 from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import HostExperts
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
+from vllm.model_executor.layers.quantization.base import MoEShape
+from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
 
 SHAPES = {name: (cfg["hidden_size"], cfg["moe_intermediate_size"])
           for name, (_, cfg) in PRESETS.items()}
@@ -60,28 +69,75 @@ def time_decision(experts: int, top_k: int, concurrent: bool, steps: int = 2000)
     return best / steps * 1e6
 
 
-def measure(hidden: int, inter: int, threads: int, repeats: int, experts: int = 8) -> dict:
+SCHEMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
+"""Expert formats of ``--scheme``: bf16, or the layer layouts of FP8 (128 x 128 blocks) and
+GPTQ INT4 (group 128, zero points), as a GPU backend that reads them keeps the host store."""
+
+
+def measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str = "bf16",
+            path: str = "qgemv", experts: int = 8) -> dict:
     """One row at ``threads`` intra-op threads (the process's count is restored after)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _measure(hidden, inter, threads, repeats, experts)
+        return _measure(hidden, inter, threads, repeats, scheme, path, experts)
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(hidden: int, inter: int, threads: int, repeats: int, experts: int) -> dict:
+def quantized_store(method, hidden: int, inter: int, experts: int, g: torch.Generator
+                    ) -> dict[str, torch.Tensor]:
+    """Random experts in ``method``'s layer layout: codes and words of random bits (e4m3 NaN
+    codes excluded), positive scales, zero points, contiguous g_idx groups; each expert goes
+    through the method's ``process_expert`` as loading does."""
+    store = {}
+    for name, spec in method.layout(MoEShape(experts, hidden, inter, torch.bfloat16)).items():
+        shape = (experts, *spec.shape)
+        if spec.dtype == torch.float8_e4m3fn:
+            t = torch.randint(0, 126, shape, generator=g, dtype=torch.uint8).view(spec.dtype)
+        elif name.endswith("g_idx"):
+            width = spec.shape[1]
+            t = (torch.arange(width) // method.group_width(width)).to(spec.dtype).expand(shape)
+        elif spec.dtype == torch.int32:
+            t = torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=torch.int32)
+        else:
+            t = (torch.rand(shape, generator=g) * 0.01 + 1e-3).to(spec.dtype)
+        store[name] = t.contiguous()
+    for e in range(experts):
+        method.process_expert({n: t[e] for n, t in store.items()})
+    return store
+
+
+def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
+    """(host store, HostExperts, the path it takes: "bf16", "qgemv" or "dequantize") of
+    ``experts`` random experts in ``scheme``."""
     g = torch.Generator().manual_seed(0)
-    store = {"w13_weight": (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
-                            ).to(torch.bfloat16),
-             "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
-                           ).to(torch.bfloat16)}
+    act = MoEActivation.of("silu")
+    if scheme == "bf16":
+        store = {"w13_weight": (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
+                                ).to(torch.bfloat16),
+                 "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
+                               ).to(torch.bfloat16)}
+        return store, HostExperts(act), "bf16"
+    method = (GptqMoEMethod(128, False, False) if scheme == "w4a16-gptq" else
+              Fp8MoEMethod(scheme[4:], (128, 128) if scheme == "fp8-block" else None))
+    store = quantized_store(method, hidden, inter, experts, g)
+    if method.host_rows({n: t[0] for n, t in store.items()}) is None:
+        path = "dequantize"                  # a layout qgemv does not read (e.g. split blocks)
+    return store, HostExperts(act, method.dequantizer(),
+                              method.host_rows if path == "qgemv" else None), path
+
+
+def _measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str, path: str,
+             experts: int) -> dict:
+    store, host, path = _store(scheme, hidden, inter, experts, path)
     slots = {n: torch.empty_like(t[:2]) for n, t in store.items()}
-    runs = [measure_cost_model(store, slots, HostExperts(MoEActivation.of("silu")), hidden,
-                               torch.bfloat16) for _ in range(repeats)]
-    expert_bytes = 3 * hidden * inter * 2
+    runs = [measure_cost_model(store, slots, host, hidden, torch.bfloat16)
+            for _ in range(repeats)]
+    expert_bytes = sum(t[0].numel() * t.element_size() for t in store.values())
     cpu_1 = statistics.median(r.cpu_fixed + r.cpu_per_token for r in runs)
     return {"hidden": hidden, "moe_intermediate": inter, "threads": threads,
+            "scheme": scheme, "path": path,
             "expert_bytes": expert_bytes, "repeats": repeats,
             "cpu_1_token_ms": cpu_1 * 1e3,
             "cpu_per_token_ms": statistics.median(r.cpu_per_token for r in runs) * 1e3,
@@ -94,14 +150,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--shape", nargs="+", default=["probe-4.8g"], choices=sorted(SHAPES))
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--repeats", type=int, default=5, help="cost models measured per row")
+    ap.add_argument("--scheme", nargs="+", default=["bf16"], choices=SCHEMES,
+                    help="expert formats (quantized: the CPU's qgemv on the scheme's layout)")
+    ap.add_argument("--dequantize-too", action="store_true",
+                    help="also time each quantized scheme dequantizing the expert first (the "
+                         "path without qgemv)")
     ap.add_argument("--json", action="store_true", help="print one JSON list")
     args = ap.parse_args(argv)
     if args.repeats < 1 or any(t < 1 for t in args.threads):
         ap.error(f"--repeats {args.repeats} and --threads {args.threads} must be >= 1")
-    rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats),
-             "decision_us": time_decision(*ROUTING[s], False),
-             "decision_balance_us": time_decision(*ROUTING[s], True)}
-            for s in args.shape for t in args.threads]
+    paths = ["qgemv", "dequantize"] if args.dequantize_too else ["qgemv"]
+    rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats, scheme, path)}
+            for s in args.shape for t in args.threads for scheme in args.scheme
+            for path in (paths if scheme != "bf16" else ["qgemv"])]
+    for s in args.shape:
+        decision = {"decision_us": time_decision(*ROUTING[s], False),
+                    "decision_balance_us": time_decision(*ROUTING[s], True)}
+        for r in rows:
+            if r["shape"] == s:
+                r.update(decision)
     print(json.dumps(rows) if args.json else "\n".join(map(str, rows)))
     return rows
 

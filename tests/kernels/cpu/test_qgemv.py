@@ -51,6 +51,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_div: in
     return x.double() @ deq.t()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2, 4, 5, 9])
 @pytest.mark.parametrize("R,C,row_div,group", [
     (96, 256, 48, 256),      # a tensor scale per half (w13 of a 48-row projection)
@@ -58,63 +59,65 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_div: in
     (256, 384, 128, 128),    # 128 x 128 blocks
     (70, 300, 32, 64),       # partial last blocks both ways
 ])
-def test_fp8_equals_dequantize_then_matmul(T, R, C, row_div, group):
+def test_fp8_equals_dequantize_then_matmul(T, R, C, row_div, group, dtype):
+    """bf16 tokens: the bf16 chain where the build has it (64-column steps, then the rest of
+    each group one column at a time), on the tokens' bf16 values."""
     gen = torch.Generator().manual_seed(R * C + T)
     codes = e4m3_codes(R, C, gen)
     scale = torch.rand(-(-R // row_div), -(-C // group), generator=gen) + 0.1
-    x = torch.randn(T, C, generator=gen)
+    x = torch.randn(T, C, generator=gen).to(dtype)
     y = qgemv(x, QuantRows("fp8", codes, scale, row_div, group))
     ref = reference(x, codes.float(), scale, row_div, group)
     assert y.dtype == torch.float32 and y.shape == (T, R)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3, 4, 6])
 @pytest.mark.parametrize("R,C,group,offset", [
     (64, 256, 128, 1),       # GPTQ v1: stored zero - 1
-    (37, 136, 8, 0),         # odd rows; group 8: one word, no 16-column vector
+    (37, 136, 8, 0),         # odd rows; group 8: one word, no vector step of either chain
     (48, 520, 520, 0),       # one group over all columns, past the last vector
     (96, 384, 32, 1),
 ])
-def test_int4_equals_dequantize_then_matmul(T, R, C, group, offset):
+def test_int4_equals_dequantize_then_matmul(T, R, C, group, offset, dtype):
     gen = torch.Generator().manual_seed(R + C + T)
     G = -(-C // group)
     q = torch.randint(0, 16, (R, C), generator=gen)
     stored = torch.randint(0, 16 - offset, (R, G), generator=gen)
     scale = torch.rand(R, G, generator=gen) * 0.01 + 0.001
-    x = torch.randn(T, C, generator=gen)
+    x = torch.randn(T, C, generator=gen).to(dtype)
     y = qgemv(x, QuantRows("int4", pack_cols(q), scale, 1, group, pack_rows(stored), offset))
     ref = reference(x, q.float(), scale, 1, group, stored + offset)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
 
 
-def test_every_e4m3_code_decodes_exactly():
-    """One row of all 254 non-NaN codes (vector steps, then 6 codes in the scalar tail), read by
-    one-hot tokens: each output is one code times 1, which must be torch's value of it."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_e4m3_code_decodes_exactly(dtype):
+    """One row of all 254 non-NaN codes and 6 more (both chains' vector steps, then columns one
+    by one), read by one-hot tokens: each output is one code times 1, which must be torch's
+    value of it."""
     codes = torch.tensor([c for c in range(256) if c not in E4M3_NAN] + [1, 8, 0x80, 0x81, 0x7E,
                                                                         0xFE],
                          dtype=torch.uint8)
     C = codes.numel()
     w = codes.view(torch.float8_e4m3fn)[None].contiguous()
-    y = qgemv(torch.eye(C), QuantRows("fp8", w, torch.ones(1, 1), 1, C))
+    y = qgemv(torch.eye(C, dtype=dtype), QuantRows("fp8", w, torch.ones(1, 1), 1, C))
     assert torch.equal(y[:, 0], w[0].float())
 
 
-def test_every_int4_code_decodes_exactly():
-    q = torch.arange(136) % 16                       # 8 vector steps and one word in the tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_int4_code_decodes_exactly(dtype):
+    q = torch.arange(136) % 16           # vector steps of both chains, then one word
     zero = pack_rows(torch.zeros(1, 1, dtype=torch.int64))
-    y = qgemv(torch.eye(136), QuantRows("int4", pack_cols(q[None]), torch.ones(1, 1), 1, 136,
-                                        zero, 0))
+    y = qgemv(torch.eye(136, dtype=dtype), QuantRows("int4", pack_cols(q[None]), torch.ones(1, 1),
+                                                     1, 136, zero, 0))
     assert torch.equal(y[:, 0], q.float())
 
 
-def test_bf16_tokens_and_no_tokens():
-    gen = torch.Generator().manual_seed(0)
-    codes, scale = e4m3_codes(16, 64, gen), torch.rand(16, 1, generator=gen)
-    w = QuantRows("fp8", codes, scale, 1, 64)
-    x = torch.randn(3, 64, generator=gen).bfloat16()
-    assert torch.equal(qgemv(x, w), qgemv(x.float(), w))
-    assert qgemv(x[:0], w).shape == (0, 16)
+def test_no_tokens():
+    w = QuantRows("fp8", torch.zeros(16, 64, dtype=torch.float8_e4m3fn), torch.ones(16, 1), 1, 64)
+    assert qgemv(torch.zeros(0, 64, dtype=torch.bfloat16), w).shape == (0, 16)
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -16,14 +16,29 @@
  * the caller rounds. Tokens go in chunks of up to TOK, each weight vector decoded once per
  * chunk; rows in pairs (two independent FMA chains even at one token); threads split the rows.
  * The wrapper (kernels/cpu/qgemv.py) checks shapes: int4 needs group % 8 == 0.
- * An e4m3 NaN code (0x7f, 0xff) decodes to +-480: weights are never NaN. */
+ * An e4m3 NaN code (0x7f, 0xff) decodes to +-480: weights are never NaN.
+ *
+ * Two chains, chosen per call: with bf16 tokens (xb, the same values as x) and a build with
+ * AVX512-BF16 and VBMI, the codes' exact values become bf16 pairs of consecutive columns
+ * (qgemm_codes.h's conversions: FP8 64 codes with two byte-table lookups, INT4 32 with one
+ * word-table lookup) that vdpbf16ps multiplies by the tokens' pairs, about a third of the
+ * f32 chain's instructions per weight; otherwise every 16 columns decode to f32 for an fma
+ * (FP8 through f16, INT4 by shifts). Columns of a group past the chain's last whole step go
+ * one by one in f32. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "qgemm_codes.h"
 #include "vec.h"
 
 #define TOK 4
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define HAVE_BF16_CHAIN 1
+#else
+#define HAVE_BF16_CHAIN 0
+#endif
 
 /* One e4m3 code -> its value / 256 (normal: (8 + m) 2^(e - 10); subnormal: m 2^-9). */
 INLINE float e4m3_over_256(uint8_t b) {
@@ -56,8 +71,9 @@ INLINE vf int4x16(const int32_t *p) {
     return __builtin_convertvector((vi)((w >> sh) & 15u), vf);
 }
 
+/* One code's exact value (FP8: fp8_value, qgemm_codes.h's table). */
 INLINE float code1(int kind, const void *row, int64_t c) {
-    if (kind == 0) return e4m3_over_256(((const uint8_t *)row)[c]);
+    if (kind == 0) return fp8_value(((const uint8_t *)row)[c]);
     return (float)((((const uint32_t *)row)[c >> 3] >> (4 * (c & 7))) & 15u);
 }
 
@@ -65,24 +81,71 @@ INLINE vf code16(int kind, const void *row, int64_t c) {
     return kind == 0 ? e4m3x16((const uint8_t *)row + c) : int4x16((const int32_t *)row + (c >> 3));
 }
 
+
+#if HAVE_BF16_CHAIN
+/* Step of the bf16 chain in columns: 64 FP8 codes, 32 INT4 values (4 words). */
+#define BSTEP(kind) ((kind) == 0 ? 64 : 32)
+
+/* The codes of columns c .. c + BSTEP - 1 of a row as exact bf16 values, consecutive columns
+ * paired in each 32-bit lane (w[1]: FP8's columns 32-63). */
+INLINE void bf16_codes(int kind, const void *row, int64_t c, __m512bh *w) {
+    if (kind == 0) {
+        const __m512i b = _mm512_loadu_si512((const uint8_t *)row + c);
+        const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(FP8_BF16_LO), b,
+                                                    _mm512_load_si512(FP8_BF16_LO + 64));
+        __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(FP8_BF16_HI), b,
+                                              _mm512_load_si512(FP8_BF16_HI + 64));
+        hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xF8);
+        const __m512i ia = _mm512_set_epi8(
+            95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24, 87, 23, 86, 22, 85, 21,
+            84, 20, 83, 19, 82, 18, 81, 17, 80, 16, 79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10,
+            73, 9, 72, 8, 71, 7, 70, 6, 69, 5, 68, 4, 67, 3, 66, 2, 65, 1, 64, 0);
+        w[0] = (__m512bh)_mm512_permutex2var_epi8(lo, ia, hi);     /* bytes lo[j], hi[j] */
+        w[1] = (__m512bh)_mm512_permutex2var_epi8(lo, _mm512_add_epi8(ia, _mm512_set1_epi8(32)),
+                                                  hi);
+        return;
+    }
+    /* Byte k of the 4 words: column 2k in its low nibble, 2k + 1 in its high one. */
+    const __m512i tab = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+        0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+    const __m512i b = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i *)((const int32_t *)row + (c >> 3))));
+    const __m512i r = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
+                                                _mm512_set1_epi32(0x000f000f), 0xA8);
+    w[0] = (__m512bh)_mm512_permutexvar_epi16(r, tab);
+}
+#endif
+
+/* The same bytes of the row two rows on (the next pair's), read while this pair's are decoded:
+ * a miss reads its expert from RAM, and one core's hardware prefetchers alone kept about half
+ * the bandwidth torch.mv reaches on bf16 rows (measured, docs/benchmarks.md). */
+#define PREFETCH_NEXT_PAIR(kind, row, c)                                                     \
+    __builtin_prefetch((const char *)(row) + 2 * a->row_bytes +                              \
+                       ((kind) == 0 ? (c) : (c) / 2), 0, 0)
+
 typedef struct {
     int kind, zero_offset;
     const void *codes;
     const float *scales, *x, *xsum;       /* xsum [T, Gs]: x summed per group (int4 zeros) */
+    const bf16_t *xb;                     /* x as bf16 [T, C] (the bf16 chain), or NULL */
     const int32_t *zeros;
     float *y;
     int64_t T, R, C, Gs, row_div, group, row_bytes;
 } qgemv_args;
 
-/* Rows [r0, r0 + NR) x tokens [t0, t0 + NT): NR, NT constant in each instantiation. */
-INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int64_t r0, int64_t t0) {
+/* Rows [r0, r0 + NR) x tokens [t0, t0 + NT): kind, NR, NT and BF16 (the bf16 chain) constant
+ * in each instantiation. */
+INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16, int64_t r0,
+                        int64_t t0) {
     vf tot[2][TOK];
     float corr[2][TOK] = {{0}};
     for (int i = 0; i < NR; i++)
         for (int t = 0; t < NT; t++) tot[i][t] = splat(0.0f);
     const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
                            (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
-    const float unit = kind == 0 ? 256.0f : 1.0f;
+    const float unit = kind == 0 && !BF16 ? 256.0f : 1.0f;    /* the f32 chain's FP8: v / 256 */
     for (int64_t g = 0; g < a->Gs; g++) {
         const int64_t c0 = g * a->group, c1 = c0 + a->group < a->C ? c0 + a->group : a->C;
         vf acc[2][TOK];
@@ -90,9 +153,30 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int64_t r
         for (int i = 0; i < NR; i++)
             for (int t = 0; t < NT; t++) acc[i][t] = splat(0.0f);
         int64_t c = c0;
-        for (; c + LANES <= c1; c += LANES) {
+#if HAVE_BF16_CHAIN
+        if (BF16) {
+            for (; c + BSTEP(kind) <= c1; c += BSTEP(kind)) {
+                __m512bh w[2][2];
+                for (int i = 0; i < NR; i++) {
+                    bf16_codes(kind, rows[i], c, w[i]);
+                    if ((c & 63) == 0) PREFETCH_NEXT_PAIR(kind, rows[i], c);
+                }
+                for (int t = 0; t < NT; t++)
+                    for (int h = 0; h < BSTEP(kind) / 32; h++) {
+                        const __m512bh xv = (__m512bh)_mm512_loadu_si512(
+                            a->xb + (t0 + t) * a->C + c + 32 * h);
+                        for (int i = 0; i < NR; i++)
+                            acc[i][t] = (vf)_mm512_dpbf16_ps((__m512)acc[i][t], xv, w[i][h]);
+                    }
+            }
+        }
+#endif
+        for (; !BF16 && c + LANES <= c1; c += LANES) {
             vf w[2];
-            for (int i = 0; i < NR; i++) w[i] = code16(kind, rows[i], c);
+            for (int i = 0; i < NR; i++) {
+                w[i] = code16(kind, rows[i], c);
+                if ((c & 63) == 0) PREFETCH_NEXT_PAIR(kind, rows[i], c);
+            }
             for (int t = 0; t < NT; t++) {
                 vf xv;
                 memcpy(&xv, a->x + (t0 + t) * a->C + c, sizeof(xv));
@@ -107,13 +191,13 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int64_t r
             }
         for (int i = 0; i < NR; i++) {
             const int64_t r = r0 + i;
-            const float s = a->scales[(r / a->row_div) * a->Gs + g] * unit;
+            const float s = a->scales[(r / a->row_div) * a->Gs + g];
             float z = 0.0f;
             if (kind == 1)
                 z = (float)((((uint32_t)a->zeros[(r >> 3) * a->Gs + g]) >> (4 * (r & 7))) & 15u) +
                     (float)a->zero_offset;
             for (int t = 0; t < NT; t++) {
-                tot[i][t] = vfma(splat(s), acc[i][t], tot[i][t]);
+                tot[i][t] = vfma(splat(s * unit), acc[i][t], tot[i][t]);
                 corr[i][t] += s * (tail[i][t] - z * a->xsum[(t0 + t) * a->Gs + g]);
             }
         }
@@ -123,40 +207,55 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int64_t r
             a->y[(t0 + t) * a->R + r0 + i] = lane_sum(tot[i][t]) + corr[i][t];
 }
 
-#define NT_CASES(KIND, NR)                                                                   \
+#define NT_CASES(KIND, NR, BF16)                                                             \
     switch (nt) {                                                                            \
-    case 1: rows_tokens(a, KIND, NR, 1, r0, t0); break;                                     \
-    case 2: rows_tokens(a, KIND, NR, 2, r0, t0); break;                                     \
-    case 3: rows_tokens(a, KIND, NR, 3, r0, t0); break;                                     \
-    default: rows_tokens(a, KIND, NR, 4, r0, t0); break;                                    \
+    case 1: rows_tokens(a, KIND, NR, 1, BF16, r0, t0); break;                               \
+    case 2: rows_tokens(a, KIND, NR, 2, BF16, r0, t0); break;                               \
+    case 3: rows_tokens(a, KIND, NR, 3, BF16, r0, t0); break;                               \
+    default: rows_tokens(a, KIND, NR, 4, BF16, r0, t0); break;                              \
     }
 
-static void block_fp8(const qgemv_args *a, int nr, int nt, int64_t r0, int64_t t0) {
-    if (nr == 2) { NT_CASES(0, 2) } else { NT_CASES(0, 1) }
-}
+#define ROW_BLOCK(NAME, KIND, BF16)                                                              \
+    static void NAME(const qgemv_args *a, int nr, int nt, int64_t r0, int64_t t0) {          \
+        if (nr == 2) { NT_CASES(KIND, 2, BF16) } else { NT_CASES(KIND, 1, BF16) }           \
+    }
+ROW_BLOCK(block_fp8, 0, 0)
+ROW_BLOCK(block_int4, 1, 0)
+#if HAVE_BF16_CHAIN
+ROW_BLOCK(block_fp8_bf16, 0, 1)
+ROW_BLOCK(block_int4_bf16, 1, 1)
+#endif
 
-static void block_int4(const qgemv_args *a, int nr, int nt, int64_t r0, int64_t t0) {
-    if (nr == 2) { NT_CASES(1, 2) } else { NT_CASES(1, 1) }
-}
+/* Whether calls with bf16 tokens take the bf16 chain in this build. */
+int qgemv_bf16_chain(void) { return HAVE_BF16_CHAIN; }
 
 /* Returns 0, -1 for an unknown kind, -2 when scratch could not be allocated. zeros: NULL for
- * FP8. Shapes as the file's comment says, checked by the wrapper. */
+ * FP8; xb: NULL, or x's values as bf16 (then the bf16 chain where the build has it). Shapes as
+ * the file's comment says, checked by the wrapper. */
 int qgemv(int kind, const void *codes, const float *scales, const int32_t *zeros, const float *x,
-          float *y, int64_t T, int64_t R, int64_t C, int64_t Gs, int64_t row_div, int64_t group,
-          int zero_offset) {
+          const bf16_t *xb, float *y, int64_t T, int64_t R, int64_t C, int64_t Gs,
+          int64_t row_div, int64_t group, int zero_offset) {
     if (kind != 0 && kind != 1) return -1;
     float *xsum = calloc((size_t)(T * Gs > 0 ? T * Gs : 1), sizeof(float));
     if (!xsum) return -2;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = 0; c < C; c++) xsum[t * Gs + c / group] += x[t * C + c];
-    const qgemv_args a = {kind, zero_offset, codes, scales, x, xsum, zeros, y, T, R, C, Gs,
+    const qgemv_args a = {kind, zero_offset, codes, scales, x, xsum, xb, zeros, y, T, R, C, Gs,
                           row_div, group, kind == 0 ? C : (C / 8) * 4};
+    const int bf16 = HAVE_BF16_CHAIN && xb != NULL;
     const int64_t pairs = (R + 1) / 2;
     for (int64_t t0 = 0; t0 < T; t0 += TOK) {
         const int nt = T - t0 < TOK ? (int)(T - t0) : TOK;
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             const int nr = 2 * p + 1 < R ? 2 : 1;
+#if HAVE_BF16_CHAIN
+            if (bf16) {
+                if (kind == 0) block_fp8_bf16(&a, nr, nt, 2 * p, t0);
+                else block_int4_bf16(&a, nr, nt, 2 * p, t0);
+                continue;
+            }
+#endif
             if (kind == 0) block_fp8(&a, nr, nt, 2 * p, t0);
             else block_int4(&a, nr, nt, 2 * p, t0);
         }

@@ -76,12 +76,15 @@ class QuantRows:
 
 def qgemv(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
     """x [T, C] (any float dtype, on the CPU) -> float32 [T, R] = x @ W^T, W decoded in
-    registers (``qgemv.c``): f32 products and sums per group, scaled once per group. Needs the
-    CPU kernels (the caller asks ``vllm.platforms.native_kernels`` first)."""
+    registers (``qgemv.c``): exact products, f32 sums per group, scaled once per group. bf16
+    tokens take the bf16 chain where the build has one (``bf16_chain``): the same products,
+    summed in another order. Needs the CPU kernels (callers ask
+    ``vllm.platforms.native_kernels`` first)."""
     w.check()
     if x.dim() != 2 or x.shape[1] != w.cols or x.device.type != "cpu":
         raise ValueError(f"qgemv: x {tuple(x.shape)} on {x.device} must be [T, {w.cols}] on the "
                          "CPU")
+    xb = x.contiguous() if x.dtype == torch.bfloat16 else None
     x = x.to(torch.float32).contiguous()
     T = x.shape[0]
     y = torch.empty(T, w.rows, dtype=torch.float32)
@@ -89,8 +92,14 @@ def qgemv(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
         return y
     codes = w.codes.view(torch.uint8) if w.kind == "fp8" else w.codes
     rc = launch("qgemv", KINDS[w.kind], codes.data_ptr(), w.scales.data_ptr(),
-                None if w.zeros is None else w.zeros.data_ptr(), x.data_ptr(), y.data_ptr(),
-                T, w.rows, w.cols, w.scales.shape[1], w.row_div, w.group, w.zero_offset)
+                None if w.zeros is None else w.zeros.data_ptr(), x.data_ptr(),
+                None if xb is None else xb.data_ptr(), y.data_ptr(), T, w.rows, w.cols,
+                w.scales.shape[1], w.row_div, w.group, w.zero_offset)
     if rc:
         raise RuntimeError(f"qgemv failed (code {rc}: -2 is out of memory)")
     return y
+
+
+def bf16_chain() -> bool:
+    """Whether bf16 tokens take ``qgemv.c``'s bf16 chain in this build (AVX512-BF16 and VBMI)."""
+    return bool(launch("qgemv_bf16_chain"))
