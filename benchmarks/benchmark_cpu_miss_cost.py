@@ -10,10 +10,11 @@ copies run beside the CPU (a GPU), it still gives the CPU the least used misses 
 shortens the step (``balance``).
 
     python benchmarks/benchmark_cpu_miss_cost.py --shape probe-4.8g dsv2-lite --threads 1 2 --json
-        [--scheme bf16 fp8-tensor fp8-channel fp8-block w4a16-gptq] [--dequantize-too]
+        [--scheme bf16 fp8-tensor fp8-channel fp8-block w4a16-gptq nvfp4 mxfp4] [--dequantize-too]
 
 ``--scheme``: the experts' format in the host store (default bf16). Quantized experts are in the
-layer layout (FP8 128 x 128 blocks, GPTQ group 128 with zero points) and run through the CPU's
+layer layout (FP8 128 x 128 blocks, GPTQ group 128 with zero points, NVFP4, MXFP4: the silu
+expert, not GPT-OSS's swigluoai, whose cost is the same products) and run through the CPU's
 quantized matrix product on that layout (``kernels/cpu/qgemv.py``); ``--dequantize-too`` adds a
 row per quantized scheme for the path without it (each expert dequantized, then the products).
 
@@ -42,6 +43,8 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.layers.quantization.gptq import GptqMoEMethod
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4MoEMethod
+from vllm.model_executor.layers.quantization.nvfp4 import Nvfp4MoEMethod
 
 SHAPES = {name: (cfg["hidden_size"], cfg["moe_intermediate_size"])
           for name, (_, cfg) in PRESETS.items()}
@@ -69,9 +72,10 @@ def time_decision(experts: int, top_k: int, concurrent: bool, steps: int = 2000)
     return best / steps * 1e6
 
 
-SCHEMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq")
-"""Expert formats of ``--scheme``: bf16, or the layer layouts of FP8 (128 x 128 blocks) and
-GPTQ INT4 (group 128, zero points), as a GPU backend that reads them keeps the host store."""
+SCHEMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4", "mxfp4")
+"""Expert formats of ``--scheme``: bf16, or the layer layouts of FP8 (128 x 128 blocks), GPTQ
+INT4 (group 128, zero points), NVFP4 and MXFP4, as a GPU backend that reads them keeps the
+host store."""
 
 
 def measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str = "bf16",
@@ -95,6 +99,9 @@ def quantized_store(method, hidden: int, inter: int, experts: int, g: torch.Gene
         shape = (experts, *spec.shape)
         if spec.dtype == torch.float8_e4m3fn:
             t = torch.randint(0, 126, shape, generator=g, dtype=torch.uint8).view(spec.dtype)
+        elif spec.dtype == torch.uint8:           # FP4 code pairs; MXFP4's e8m0 scales near 1
+            lo, hi = (115, 136) if name.endswith("scales") else (0, 256)
+            t = torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
         elif name.endswith("g_idx"):
             width = spec.shape[1]
             t = (torch.arange(width) // method.group_width(width)).to(spec.dtype).expand(shape)
@@ -119,8 +126,9 @@ def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
                  "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
                                ).to(torch.bfloat16)}
         return store, HostExperts(act), "bf16"
-    method = (GptqMoEMethod(128, False, False) if scheme == "w4a16-gptq" else
-              Fp8MoEMethod(scheme[4:], (128, 128) if scheme == "fp8-block" else None))
+    method = {"w4a16-gptq": lambda: GptqMoEMethod(128, False, False), "nvfp4": Nvfp4MoEMethod,
+              "mxfp4": Mxfp4MoEMethod}.get(scheme, lambda: Fp8MoEMethod(
+                  scheme[4:], (128, 128) if scheme == "fp8-block" else None))()
     store = quantized_store(method, hidden, inter, experts, g)
     if method.host_rows({n: t[0] for n, t in store.items()}) is None:
         path = "dequantize"                  # a layout qgemv does not read (e.g. split blocks)

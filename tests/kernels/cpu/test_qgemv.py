@@ -1,7 +1,9 @@
 """The quantized matrix products on the schemes' layouts (``vllm/kernels/cpu/qgemv.c``) against
 a dequantize-then-matmul written here (float64), for FP8 e4m3 with tensor, channel and block
-scales and GPTQ INT4 with zero points, at token counts around the kernel's chunk of 4, odd row
-counts and columns past the last 16-column vector; the code decoders exactly, every code."""
+scales, GPTQ INT4 with zero points and FP4 e2m1 with e4m3 block scales and global scales
+(NVFP4) or e8m0 scales (MXFP4), in f32 and bf16 tokens (the two chains), at token counts
+around the kernel's chunk of 4, odd row counts and columns past the last vector step; the code
+decoders exactly, every code."""
 from __future__ import annotations
 
 import pytest
@@ -40,15 +42,27 @@ def pack_rows(z: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, row_div: int, group: int,
-              zero: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, C] @ ((w - zero) * scale)^T in float64; zero [R, groups]."""
+              zero: torch.Tensor | None = None, global_scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """x [T, C] @ ((w - zero) * scale * global)^T in float64; zero [R, groups]."""
     R, C = w.shape
     r, c = torch.arange(R)[:, None] // row_div, torch.arange(C)[None] // group
     deq = w.double()
     if zero is not None:
         deq = deq - zero.double()[torch.arange(R)[:, None], c]
     deq = deq * scale.double()[r, c]
+    if global_scale is not None:
+        deq = deq * global_scale.double().repeat_interleave(R // global_scale.numel())[:, None]
     return x.double() @ deq.t()
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E2M1 = torch.tensor(E2M1 + [-v for v in E2M1], dtype=torch.float64)   # code: sign bit 3
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] codes in [0, 15] -> uint8 [R, C / 2], column 2i in the low nibble of byte i."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,6 +107,49 @@ def test_int4_equals_dequantize_then_matmul(T, R, C, group, offset, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4, 7])
+@pytest.mark.parametrize("R,C,scheme", [(64, 256, "nvfp4"), (33, 272, "nvfp4"),
+                                        (96, 512, "mxfp4"), (35, 224, "mxfp4")])
+def test_fp4_equals_dequantize_then_matmul(T, R, C, scheme, dtype):
+    """NVFP4: e4m3 scales per 16 columns and a global scale per half of the rows (w13's gate
+    and up); MXFP4: e8m0 scales per 32 columns (one bf16-chain step each)."""
+    gen = torch.Generator().manual_seed(R + C + T)
+    q = torch.randint(0, 16, (R, C), generator=gen)
+    x = torch.randn(T, C, generator=gen).to(dtype)
+    if scheme == "nvfp4":
+        group = 16
+        scale = e4m3_codes(R, C // group, gen)
+        scale_value = scale.float().abs() + 0.0                     # |scale|, NaN-free
+        scale = scale_value.to(torch.float8_e4m3fn)
+        glob = torch.rand(2 if R % 2 == 0 else 1, generator=gen) + 0.5     # w13's, w2's
+        w = QuantRows("fp4", pack_nibbles(q), scale, 1, group, global_scales=glob)
+        ref = reference(x, E2M1[q], scale.float(), 1, group, global_scale=glob)
+    else:
+        group = 32
+        exps = torch.randint(110, 140, (R, C // group), generator=gen)
+        w = QuantRows("fp4", pack_nibbles(q), exps.to(torch.uint8), 1, group)
+        ref = reference(x, E2M1[q], 2.0 ** (exps.double() - 127), 1, group)
+    y = qgemv(x, w)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_e2m1_code_and_scale_byte_decodes_exactly(dtype):
+    """One-hot tokens on one row of all 16 codes 34 times (bf16-chain steps, then 16 columns
+    one by one): each output is one code times its block's scale. e8m0 bytes 0 (2^-127, an f32
+    subnormal), 1, 127 and 254; e4m3 scale bytes through torch's value of them."""
+    q = (torch.arange(544) % 16)[None]
+    x = torch.eye(544, dtype=dtype)
+    exps = torch.tensor([[0, 1, 127, 254] * 4 + [127]], dtype=torch.uint8)      # 17 blocks of 32
+    y = qgemv(x, QuantRows("fp4", pack_nibbles(q), exps, 1, 32))
+    want = E2M1[q[0]] * (2.0 ** (exps[0].double() - 127)).repeat_interleave(32)
+    assert torch.equal(y[:, 0].double(), want.float().double())
+    scales = torch.tensor([[0.5, 448.0, 2.0 ** -9, -3.0] * 8 + [1.0, 1.0]]).to(torch.float8_e4m3fn)
+    y = qgemv(x, QuantRows("fp4", pack_nibbles(q), scales, 1, 16))
+    assert torch.equal(y[:, 0], (E2M1[q[0]] * scales[0].double().repeat_interleave(16)).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_e4m3_code_decodes_exactly(dtype):
     """One row of all 254 non-NaN codes and 6 more (both chains' vector steps, then columns one
     by one), read by one-hot tokens: each output is one code times 1, which must be torch's
@@ -123,10 +180,12 @@ def test_no_tokens():
 @pytest.mark.parametrize("bad,match", [
     (dict(kind="int8"), "kind='int8' is invalid"),
     (dict(codes=torch.zeros(4, 8, dtype=torch.int32)), "float8_e4m3fn"),
-    (dict(scales=torch.ones(4, 2)), r"scales must be contiguous float32 \(4, 1\)"),
+    (dict(scales=torch.ones(4, 2)), r"scales must be contiguous \(4, 1\)"),
     (dict(scales=torch.ones(4, 1, dtype=torch.float16)), "float16"),
+    (dict(global_scales=torch.ones(3)), "global_scales must be contiguous float32 \\[Rg\\]"),
     (dict(group=0), "must be >= 1"),
     (dict(zeros=torch.zeros(1, 1, dtype=torch.int32)), "fp8 takes no zero points"),
+    (dict(kind="fp4", codes=torch.zeros(4, 4, dtype=torch.int32)), "contiguous 2-D torch.uint8"),
 ])
 def test_fp8_layout_refusals_name_the_value(bad, match):
     fields = dict(kind="fp8", codes=torch.zeros(4, 8, dtype=torch.float8_e4m3fn),
@@ -137,7 +196,7 @@ def test_fp8_layout_refusals_name_the_value(bad, match):
 
 def test_int4_layout_refusals_name_the_value():
     words = torch.zeros(16, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="group=12 must be a multiple of 8"):
+    with pytest.raises(ValueError, match="group=12 and the columns must be multiples of 8"):
         qgemv(torch.zeros(1, 32), QuantRows("int4", words, torch.ones(16, 3), 1, 12,
                                             torch.zeros(2, 3, dtype=torch.int32)))
     with pytest.raises(ValueError, match=r"zeros must be contiguous int32 \(2, 1\)"):

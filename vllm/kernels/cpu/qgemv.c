@@ -7,29 +7,33 @@
  * kind 1, GPTQ INT4: int32 words [R, C / 8], column c at bits [4 (c % 8), +4) of word c / 8;
  *   zero points from the scheme's packed qzeros [ceil(R / 8), Gs] int32 (row r at bits
  *   [4 (r % 8), +4) of word r / 8) plus zero_offset (GPTQ v1 stores zero - 1).
- * Scales f32 [Rs, Gs]: element (r, c) reads scales[(r / row_div) * Gs + c / group] (a tensor
- * scale per half, per-channel, 128 x 128 blocks, GPTQ groups: the wrapper builds the view).
+ * kind 2, FP4 (NVFP4, MXFP4): e2m1 codes [R, C / 2] bytes, column c in the low nibble of byte
+ *   c / 2 when c is even (read as kind 1's words: the same nibble order), sign in bit 3.
+ * Scales [Rs, Gs]: element (r, c) reads scales[(r / row_div) * Gs + c / group] (a tensor
+ * scale per half, per-channel, 128 x 128 blocks, GPTQ groups, FP4 blocks of 16 or 32: the
+ * wrapper builds the view), f32 (scale_code 0) or bytes: e4m3 (1), e8m0 2^(b - 127) (2);
+ * times global[r / gdiv] when global is not NULL (NVFP4's per-half weight_scale_2).
  *
  * Per row r, token t and group g: dot = sum over the group's columns of q[r, c] x[t, c] in f32
  * (q: the code's value, exactly representable), then y[t, r] += s (dot - z sum x[t, c]); for
  * FP8 z = 0 and q is value / 256 (the f16 bit trick below), the 256 riding in s. x, y f32;
  * the caller rounds. Tokens go in chunks of up to TOK, each weight vector decoded once per
  * chunk; rows in pairs (two independent FMA chains even at one token); threads split the rows.
- * The wrapper (kernels/cpu/qgemv.py) checks shapes: int4 needs group % 8 == 0.
- * An e4m3 NaN code (0x7f, 0xff) decodes to +-480: weights are never NaN.
+ * The wrapper (kernels/cpu/qgemv.py) checks shapes: INT4 and FP4 need group % 8 == 0.
+ * An e4m3 NaN code (0x7f, 0xff) decodes to +-480, an e8m0 255 to 2^128: never in weights.
  *
  * Two chains, chosen per call: with bf16 tokens (xb, the same values as x) and a build with
  * AVX512-BF16 and VBMI, the codes' exact values become bf16 pairs of consecutive columns
- * (qgemm_codes.h's conversions: FP8 64 codes with two byte-table lookups, INT4 32 with one
- * word-table lookup) that vdpbf16ps multiplies by the tokens' pairs, about a third of the
+ * (qgemm_codes.h's conversions: FP8 64 codes with two byte-table lookups, INT4 and FP4 32 with
+ * one word-table lookup) that vdpbf16ps multiplies by the tokens' pairs, about a third of the
  * f32 chain's instructions per weight; otherwise every 16 columns decode to f32 for an fma
- * (FP8 through f16, INT4 by shifts). Columns of a group past the chain's last whole step go
- * one by one in f32. */
+ * (FP8 through f16, INT4 by shifts, FP4 by shifts and a 16-entry table). Columns of a group
+ * past the chain's last whole step go one by one in f32. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "qgemm_codes.h"
+#include "qgemm_codes_fp4.h"
 #include "vec.h"
 
 #define TOK 4
@@ -63,27 +67,43 @@ INLINE vf e4m3x16(const uint8_t *p) {
 #endif
 }
 
-/* Words p[0] (columns 0-7) and p[1] (8-15) -> the 16 int4 values. */
-INLINE vf int4x16(const int32_t *p) {
+/* Words p[0] (columns 0-7) and p[1] (8-15) -> the 16 nibbles, one per lane. */
+INLINE vu nibbles16(const int32_t *p) {
     const uint32_t a = (uint32_t)p[0], b = (uint32_t)p[1];
     const vu w = {a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
     const vu sh = {0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28};
-    return __builtin_convertvector((vi)((w >> sh) & 15u), vf);
+    return (w >> sh) & 15u;
 }
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 /* One code's exact value (FP8: fp8_value, qgemm_codes.h's table). */
 INLINE float code1(int kind, const void *row, int64_t c) {
     if (kind == 0) return fp8_value(((const uint8_t *)row)[c]);
-    return (float)((((const uint32_t *)row)[c >> 3] >> (4 * (c & 7))) & 15u);
+    const uint32_t q = (((const uint32_t *)row)[c >> 3] >> (4 * (c & 7))) & 15u;
+    return kind == 1 ? (float)q : E2M1[q];
 }
 
+/* Columns c .. c + 15 decoded (FP8: value / 256, see e4m3x16). */
 INLINE vf code16(int kind, const void *row, int64_t c) {
-    return kind == 0 ? e4m3x16((const uint8_t *)row + c) : int4x16((const int32_t *)row + (c >> 3));
+    if (kind == 0) return e4m3x16((const uint8_t *)row + c);
+    const vu q = nibbles16((const int32_t *)row + (c >> 3));
+    return kind == 1 ? __builtin_convertvector((vi)q, vf) : e2m1_to_f32(q);
+}
+
+/* A scale byte's value: e4m3 exact, or e8m0 2^(b - 127) (0: 2^-127, an f32 subnormal). */
+INLINE float scale_byte(int code, uint8_t b) {
+    if (code == 1) return fp8_value(b);
+    const uint32_t bits = b ? (uint32_t)b << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 
 #if HAVE_BF16_CHAIN
-/* Step of the bf16 chain in columns: 64 FP8 codes, 32 INT4 values (4 words). */
+/* Step of the bf16 chain in columns: 64 FP8 codes, 32 INT4 or FP4 values (4 words). */
 #define BSTEP(kind) ((kind) == 0 ? 64 : 32)
 
 /* The codes of columns c .. c + BSTEP - 1 of a row as exact bf16 values, consecutive columns
@@ -105,11 +125,17 @@ INLINE void bf16_codes(int kind, const void *row, int64_t c, __m512bh *w) {
                                                   hi);
         return;
     }
-    /* Byte k of the 4 words: column 2k in its low nibble, 2k + 1 in its high one. */
-    const __m512i tab = _mm512_set_epi16(
+    /* Byte k of the 4 words: column 2k in its low nibble, 2k + 1 in its high one; the table
+     * holds the 16 values' bf16 bits twice (vpermw reads 5 index bits). */
+    const __m512i tab = kind == 1 ? _mm512_set_epi16(
         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
         0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
-        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0)
+        : _mm512_set_epi16(
+        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
+        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
     const __m512i b = _mm512_cvtepu8_epi32(
         _mm_loadu_si128((const __m128i *)((const int32_t *)row + (c >> 3))));
     const __m512i r = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
@@ -126,14 +152,22 @@ INLINE void bf16_codes(int kind, const void *row, int64_t c, __m512bh *w) {
                        ((kind) == 0 ? (c) : (c) / 2), 0, 0)
 
 typedef struct {
-    int kind, zero_offset;
-    const void *codes;
-    const float *scales, *x, *xsum;       /* xsum [T, Gs]: x summed per group (int4 zeros) */
+    int kind, zero_offset, scale_code;
+    const void *codes, *scales;
+    const float *global, *x, *xsum;       /* xsum [T, Gs]: x summed per group (int4 zeros) */
     const bf16_t *xb;                     /* x as bf16 [T, C] (the bf16 chain), or NULL */
     const int32_t *zeros;
     float *y;
-    int64_t T, R, C, Gs, row_div, group, row_bytes;
+    int64_t T, R, C, Gs, row_div, group, row_bytes, gdiv;
 } qgemv_args;
+
+/* The scale of row r, group g, global scale included. */
+INLINE float scale_of(const qgemv_args *a, int64_t r, int64_t g) {
+    const int64_t i = (r / a->row_div) * a->Gs + g;
+    float s = a->scale_code == 0 ? ((const float *)a->scales)[i]
+                                 : scale_byte(a->scale_code, ((const uint8_t *)a->scales)[i]);
+    return a->global ? s * a->global[r / a->gdiv] : s;
+}
 
 /* Rows [r0, r0 + NR) x tokens [t0, t0 + NT): kind, NR, NT and BF16 (the bf16 chain) constant
  * in each instantiation. */
@@ -191,7 +225,7 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
             }
         for (int i = 0; i < NR; i++) {
             const int64_t r = r0 + i;
-            const float s = a->scales[(r / a->row_div) * a->Gs + g];
+            const float s = scale_of(a, r, g);
             float z = 0.0f;
             if (kind == 1)
                 z = (float)((((uint32_t)a->zeros[(r >> 3) * a->Gs + g]) >> (4 * (r & 7))) & 15u) +
@@ -221,27 +255,36 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
     }
 ROW_BLOCK(block_fp8, 0, 0)
 ROW_BLOCK(block_int4, 1, 0)
+ROW_BLOCK(block_fp4, 2, 0)
 #if HAVE_BF16_CHAIN
 ROW_BLOCK(block_fp8_bf16, 0, 1)
 ROW_BLOCK(block_int4_bf16, 1, 1)
+ROW_BLOCK(block_fp4_bf16, 2, 1)
 #endif
 
 /* Whether calls with bf16 tokens take the bf16 chain in this build. */
 int qgemv_bf16_chain(void) { return HAVE_BF16_CHAIN; }
 
-/* Returns 0, -1 for an unknown kind, -2 when scratch could not be allocated. zeros: NULL for
- * FP8; xb: NULL, or x's values as bf16 (then the bf16 chain where the build has it). Shapes as
- * the file's comment says, checked by the wrapper. */
-int qgemv(int kind, const void *codes, const float *scales, const int32_t *zeros, const float *x,
-          const bf16_t *xb, float *y, int64_t T, int64_t R, int64_t C, int64_t Gs,
-          int64_t row_div, int64_t group, int zero_offset) {
-    if (kind != 0 && kind != 1) return -1;
+/* Returns 0, -1 for an unknown kind or scale code, -2 when scratch could not be allocated.
+ * zeros: INT4's packed zero points, else NULL; global: NULL or [R / gdiv] f32; xb: NULL, or x's
+ * values as bf16 (then the bf16 chain where the build has it). Shapes as the file's comment
+ * says, checked by the wrapper. */
+int qgemv(int kind, const void *codes, const void *scales, int scale_code, const float *global,
+          int64_t gdiv, const int32_t *zeros, const float *x, const bf16_t *xb, float *y,
+          int64_t T, int64_t R, int64_t C, int64_t Gs, int64_t row_div, int64_t group,
+          int zero_offset) {
+    if (kind < 0 || kind > 2 || scale_code < 0 || scale_code > 2) return -1;
     float *xsum = calloc((size_t)(T * Gs > 0 ? T * Gs : 1), sizeof(float));
     if (!xsum) return -2;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t c = 0; c < C; c++) xsum[t * Gs + c / group] += x[t * C + c];
-    const qgemv_args a = {kind, zero_offset, codes, scales, x, xsum, xb, zeros, y, T, R, C, Gs,
-                          row_div, group, kind == 0 ? C : (C / 8) * 4};
+    if (kind == 1)                         /* the zero points' term: sum x over each group */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t g = 0; g < Gs; g++) {
+                const int64_t c1 = (g + 1) * group < C ? (g + 1) * group : C;
+                for (int64_t c = g * group; c < c1; c++) xsum[t * Gs + g] += x[t * C + c];
+            }
+    const qgemv_args a = {kind, zero_offset, scale_code, codes, scales, global, x, xsum, xb,
+                          zeros, y, T, R, C, Gs, row_div, group,
+                          kind == 0 ? C : kind == 1 ? (C / 8) * 4 : C / 2, gdiv};
     const int bf16 = HAVE_BF16_CHAIN && xb != NULL;
     const int64_t pairs = (R + 1) / 2;
     for (int64_t t0 = 0; t0 < T; t0 += TOK) {
@@ -252,14 +295,17 @@ int qgemv(int kind, const void *codes, const float *scales, const int32_t *zeros
 #if HAVE_BF16_CHAIN
             if (bf16) {
                 if (kind == 0) block_fp8_bf16(&a, nr, nt, 2 * p, t0);
-                else block_int4_bf16(&a, nr, nt, 2 * p, t0);
+                else if (kind == 1) block_int4_bf16(&a, nr, nt, 2 * p, t0);
+                else block_fp4_bf16(&a, nr, nt, 2 * p, t0);
                 continue;
             }
 #endif
             if (kind == 0) block_fp8(&a, nr, nt, 2 * p, t0);
-            else block_int4(&a, nr, nt, 2 * p, t0);
+            else if (kind == 1) block_int4(&a, nr, nt, 2 * p, t0);
+            else block_fp4(&a, nr, nt, 2 * p, t0);
         }
     }
+    (void)bf16;
     free(xsum);
     return 0;
 }

@@ -9,8 +9,11 @@ import torch
 
 from vllm.kernels.cpu.graph import launch
 
-KINDS = {"fp8": 0, "int4": 1}
+KINDS = {"fp8": 0, "int4": 1, "fp4": 2}
 """Code layouts ``qgemv`` reads, and the C side's code for each."""
+
+SCALE_CODES = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.uint8: 2}
+"""Scale element types: f32 values, e4m3 bytes (NVFP4), e8m0 bytes 2^(b - 127) (MXFP4)."""
 
 
 @dataclass(frozen=True)
@@ -18,10 +21,13 @@ class QuantRows:
     """One quantized projection W [R, C] (R outputs, C inputs) in its scheme's layout.
 
     ``codes``: fp8, float8_e4m3fn [R, C]; int4, int32 words [R, C / 8] with column c at bits
-    [4 (c % 8), +4) of word c / 8 (GPTQ's packing in the layer's [out, in] orientation).
-    ``scales``: float32 [ceil(R / row_div), ceil(C / group)]; element (r, c) of W is scaled by
+    [4 (c % 8), +4) of word c / 8 (GPTQ's packing in the layer's [out, in] orientation); fp4,
+    uint8 [R, C / 2] e2m1 pairs, column 2i in the low nibble of byte i (NVFP4, MXFP4).
+    ``scales`` [ceil(R / row_div), ceil(C / group)]: element (r, c) of W is scaled by
     scales[r // row_div, c // group] (a tensor scale: one row per ``row_div`` rows and one
-    group; per channel: row_div 1; 128 x 128 blocks: both 128; GPTQ groups: row_div 1).
+    group; per channel: row_div 1; 128 x 128 blocks: both 128; GPTQ groups and FP4 blocks:
+    row_div 1), as float32, e4m3 (float8_e4m3fn) or e8m0 bytes (uint8, 2^(b - 127)), times
+    ``global_scales`` [Rg] float32 (row r: global_scales[r // (R / Rg)]) when given.
     ``zeros``: int4 only, the packed zero points [ceil(R / 8), groups] int32, row r at bits
     [4 (r % 8), +4) of word r / 8, each plus ``zero_offset``: W = (q - zero) x scale."""
     kind: str
@@ -31,6 +37,7 @@ class QuantRows:
     group: int
     zeros: torch.Tensor | None = None
     zero_offset: int = 0
+    global_scales: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -38,7 +45,7 @@ class QuantRows:
 
     @property
     def cols(self) -> int:
-        return self.codes.shape[1] * (8 if self.kind == "int4" else 1)
+        return self.codes.shape[1] * {"fp8": 1, "int4": 8, "fp4": 2}.get(self.kind, 1)
 
     def check(self) -> None:
         """ValueError naming what does not fit the layout above."""
@@ -46,19 +53,20 @@ class QuantRows:
             raise ValueError(f"qgemv {self.kind} weight [{self.rows}, {self.cols}]: {msg}")
         if self.kind not in KINDS:
             raise ValueError(f"qgemv: kind={self.kind!r} is invalid: must be one of {list(KINDS)}")
-        want = torch.float8_e4m3fn if self.kind == "fp8" else torch.int32
+        want = {"fp8": torch.float8_e4m3fn, "int4": torch.int32, "fp4": torch.uint8}[self.kind]
         if self.codes.dim() != 2 or self.codes.dtype != want or not self.codes.is_contiguous():
             fail(f"codes must be a contiguous 2-D {want} tensor, got {self.codes.dtype} "
                  f"{tuple(self.codes.shape)}")
         if self.row_div < 1 or self.group < 1:
             fail(f"row_div={self.row_div} and group={self.group} must be >= 1")
-        if self.kind == "int4" and self.group % 8:
-            fail(f"group={self.group} must be a multiple of 8 (a word never straddles groups)")
+        if self.kind != "fp8" and (self.group % 8 or self.cols % 8):
+            fail(f"group={self.group} and the columns must be multiples of 8 (4-bit codes are "
+                 "read 8 at a time, never across groups)")
         shape = (-(-self.rows // self.row_div), -(-self.cols // self.group))
-        if (self.scales.dtype != torch.float32 or tuple(self.scales.shape) != shape
+        if (self.scales.dtype not in SCALE_CODES or tuple(self.scales.shape) != shape
                 or not self.scales.is_contiguous()):
-            fail(f"scales must be contiguous float32 {shape}, got {self.scales.dtype} "
-                 f"{tuple(self.scales.shape)}")
+            fail(f"scales must be contiguous {shape} of float32, float8_e4m3fn or uint8 "
+                 f"(e8m0), got {self.scales.dtype} {tuple(self.scales.shape)}")
         if self.kind == "int4":
             zshape = (-(-self.rows // 8), shape[1])
             z = self.zeros
@@ -67,8 +75,13 @@ class QuantRows:
                 fail(f"zeros must be contiguous int32 {zshape}, got "
                      f"{None if z is None else (z.dtype, tuple(z.shape))}")
         elif self.zeros is not None:
-            fail("fp8 takes no zero points")
-        for name in ("codes", "scales", "zeros"):
+            fail(f"{self.kind} takes no zero points")
+        g = self.global_scales
+        if g is not None and (g.dtype != torch.float32 or g.dim() != 1 or not g.numel()
+                              or self.rows % g.numel() or not g.is_contiguous()):
+            fail(f"global_scales must be contiguous float32 [Rg] with Rg dividing {self.rows}, "
+                 f"got {g.dtype} {tuple(g.shape)}")
+        for name in ("codes", "scales", "zeros", "global_scales"):
             t = getattr(self, name)
             if t is not None and t.device.type != "cpu":
                 fail(f"{name} is on {t.device}, not the CPU")
@@ -91,7 +104,11 @@ def qgemv(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
     if T == 0 or w.rows == 0:
         return y
     codes = w.codes.view(torch.uint8) if w.kind == "fp8" else w.codes
-    rc = launch("qgemv", KINDS[w.kind], codes.data_ptr(), w.scales.data_ptr(),
+    scales = w.scales.view(torch.uint8) if w.scales.dtype == torch.float8_e4m3fn else w.scales
+    g = w.global_scales
+    rc = launch("qgemv", KINDS[w.kind], codes.data_ptr(), scales.data_ptr(),
+                SCALE_CODES[w.scales.dtype], None if g is None else g.data_ptr(),
+                1 if g is None else w.rows // g.numel(),
                 None if w.zeros is None else w.zeros.data_ptr(), x.data_ptr(),
                 None if xb is None else xb.data_ptr(), y.data_ptr(), T, w.rows, w.cols,
                 w.scales.shape[1], w.row_div, w.group, w.zero_offset)

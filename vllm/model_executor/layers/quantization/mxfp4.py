@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels.cpu.qgemv import QuantRows
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.moe_ref import (CheckpointTensor,
                                                              QuantizedFusedMoEMethod, TensorSpec,
@@ -74,6 +75,11 @@ class Mxfp4MoEMethod(QuantizedFusedMoEMethod):
         w13 = dequantize_mxfp4(t["w13_blocks"], t["w13_scales"])
         w2 = dequantize_mxfp4(t["w2_blocks"], t["w2_scales"])
         return w13.to(dtype), w2.to(dtype)
+
+    def host_rows(self, t):
+        """The blocks as [rows, C / 2] code bytes and the e8m0 scale bytes, as they are."""
+        return tuple(QuantRows("fp4", t[f"{p}_blocks"].reshape(t[f"{p}_blocks"].shape[0], -1),
+                               t[f"{p}_scales"], 1, MXFP4_BLOCK) for p in ("w13", "w2"))
 
     def cpu_kernel_layout(self):
         """The C expert kernel's view of these tensors (fused_moe/cpu_kernel.py, qgemm_fp4.h):

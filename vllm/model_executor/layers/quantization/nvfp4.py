@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels.cpu.qgemv import QuantRows
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.moe_ref import (CheckpointTensor,
                                                              QuantizedFusedMoEMethod, TensorSpec,
@@ -78,6 +79,14 @@ class Nvfp4MoEMethod(QuantizedFusedMoEMethod):
                                      "s13": "w13_weight_scale", "s2": "w2_weight_scale",
                                      "gs13": "w13_weight_scale_2", "gs2": "w2_weight_scale_2"},
                            self._kernel_tensors)
+
+    def host_rows(self, t):
+        """The codes, e4m3 block scales and per-half global scales as they are."""
+        w13, w2 = t["w13_weight"], t["w2_weight"]
+        return (QuantRows("fp4", w13, t["w13_weight_scale"], 1, NVFP4_GROUP,
+                          global_scales=t["w13_weight_scale_2"].float().contiguous()),
+                QuantRows("fp4", w2, t["w2_weight_scale"], 1, NVFP4_GROUP,
+                          global_scales=t["w2_weight_scale_2"].float().contiguous()))
 
     @staticmethod
     def _kernel_tensors(t):

@@ -1,12 +1,14 @@
 """Which quantized experts the CPU computes through ``qgemv`` off a CPU device (``HostExperts``
 with the quant method's ``host_rows``) and which it dequantizes first: layouts ``qgemv`` does not
 read (act order, FP8 blocks that split a w13 half) and experts with many tokens in a call take
-the torch loop, whose pairs equal the uncached torch backend's bit for bit; bf16 activations."""
+the torch loop, whose pairs equal the uncached torch backend's bit for bit; bf16 activations;
+NVFP4 and MXFP4 (GPT-OSS) experts through ``qgemv``."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from model_executor.layers.quantization.gpt_oss_mxfp4 import gpt_oss_mxfp4
 from model_executor.layers.quantization.published_ckpt import TINY
 from model_executor.tiny_checkpoints import make_vllm_config
 from tools.quantize_checkpoint import main as quantize_main
@@ -20,10 +22,14 @@ pytestmark = pytest.mark.skipif(load_cpu_kernels() is None, reason="CPU kernels 
 
 
 def layers(tiny_model_factory, tmp_path, scheme, args, dtype=None):
-    """(cached layer with 2 slots, uncached twin) of a tiny quantized Qwen3-MoE, torch backend."""
-    src = tiny_model_factory("Qwen3MoeForCausalLM", **TINY)
+    """(cached layer with 2 slots, uncached twin) of a tiny quantized Qwen3-MoE (MXFP4: a tiny
+    GPT-OSS, biases and swigluoai), torch backend."""
     path = str(tmp_path / scheme)
-    quantize_main(["--model", src, "--out", path, "--scheme", scheme, *args])
+    if scheme == "mxfp4":
+        gpt_oss_mxfp4(tiny_model_factory("GptOssForCausalLM"), path)
+    else:
+        src = tiny_model_factory("Qwen3MoeForCausalLM", **TINY)
+        quantize_main(["--model", src, "--out", path, "--scheme", scheme, *args])
 
     def layer(cache_size):
         cfg = make_vllm_config(path)
@@ -86,3 +92,16 @@ def test_bf16_activations(tiny_model_factory, tmp_path, monkeypatch, scheme, arg
     got, want, calls, _ = run(cached, twin, monkeypatch, dtype=torch.bfloat16)
     assert calls and got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0.03, atol=2e-3)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_experts_run_qgemv(tiny_model_factory, tmp_path, monkeypatch, scheme, dtype):
+    """NVFP4 (e4m3 block scales, a global scale per w13 half) and MXFP4 (e8m0 scales; GPT-OSS's
+    biases and swigluoai around the products) within rounding of the dequantize-then-matmul
+    pairs: two products per expert of the step, none dequantized."""
+    cached, twin = layers(tiny_model_factory, tmp_path, scheme, [], dtype)
+    got, want, calls, ids = run(cached, twin, monkeypatch, dtype=dtype)
+    assert len(calls) == 2 * len(set(ids.reshape(-1).tolist()))
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.03, atol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
