@@ -72,6 +72,8 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     (33, 200, 1, 200),       # per channel; odd rows, columns past the last vector
     (256, 384, 128, 128),    # 128 x 128 blocks
     (70, 300, 32, 64),       # partial last blocks both ways
+    (48, 96, 16, 16),        # groups of one vector: each vector scaled before its FMAs
+    (40, 96, 8, 32),         # groups narrower than a bf16-chain step: the f32 chain
 ])
 def test_fp8_equals_dequantize_then_matmul(T, R, C, row_div, group, dtype):
     """bf16 tokens: the bf16 chain where the build has it (64-column steps, then the rest of
@@ -93,6 +95,7 @@ def test_fp8_equals_dequantize_then_matmul(T, R, C, row_div, group, dtype):
     (37, 136, 8, 0),         # odd rows; group 8: one word, no vector step of either chain
     (48, 520, 520, 0),       # one group over all columns, past the last vector
     (96, 384, 32, 1),
+    (40, 160, 16, 1),        # groups of one vector: (q - z) s per vector
 ])
 def test_int4_equals_dequantize_then_matmul(T, R, C, group, offset, dtype):
     gen = torch.Generator().manual_seed(R + C + T)

@@ -161,12 +161,24 @@ typedef struct {
     int64_t T, R, C, Gs, row_div, group, row_bytes, gdiv;
 } qgemv_args;
 
-/* The scale of row r, group g, global scale included. */
-INLINE float scale_of(const qgemv_args *a, int64_t r, int64_t g) {
-    const int64_t i = (r / a->row_div) * a->Gs + g;
-    float s = a->scale_code == 0 ? ((const float *)a->scales)[i]
-                                 : scale_byte(a->scale_code, ((const uint8_t *)a->scales)[i]);
-    return a->global ? s * a->global[r / a->gdiv] : s;
+/* Where row r's scales start, and its global scale (1 without): once per row. */
+INLINE int64_t scale_base(const qgemv_args *a, int64_t r) { return (r / a->row_div) * a->Gs; }
+INLINE float row_global(const qgemv_args *a, int64_t r) {
+    return a->global ? a->global[r / a->gdiv] : 1.0f;
+}
+
+/* The scale of group g of a row (scale_base, row_global), global scale included. */
+INLINE float scale_of(const qgemv_args *a, int64_t base, float glob, int64_t g) {
+    const int64_t i = base + g;
+    const float s = a->scale_code == 0 ? ((const float *)a->scales)[i]
+                                       : scale_byte(a->scale_code, ((const uint8_t *)a->scales)[i]);
+    return s * glob;
+}
+
+/* INT4's zero point of row r, group g (with the format's offset). */
+INLINE float zero_of(const qgemv_args *a, int64_t r, int64_t g) {
+    return (float)((((uint32_t)a->zeros[(r >> 3) * a->Gs + g]) >> (4 * (r & 7))) & 15u) +
+           (float)a->zero_offset;
 }
 
 /* Rows [r0, r0 + NR) x tokens [t0, t0 + NT): kind, NR, NT and BF16 (the bf16 chain) constant
@@ -180,6 +192,8 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
     const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
                            (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
     const float unit = kind == 0 && !BF16 ? 256.0f : 1.0f;    /* the f32 chain's FP8: v / 256 */
+    const int64_t base[2] = {scale_base(a, r0), scale_base(a, r0 + NR - 1)};
+    const float glob[2] = {row_global(a, r0), row_global(a, r0 + NR - 1)};
     for (int64_t g = 0; g < a->Gs; g++) {
         const int64_t c0 = g * a->group, c1 = c0 + a->group < a->C ? c0 + a->group : a->C;
         vf acc[2][TOK];
@@ -224,12 +238,8 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
                     tail[i][t] = sfma(q, a->x[(t0 + t) * a->C + c], tail[i][t]);
             }
         for (int i = 0; i < NR; i++) {
-            const int64_t r = r0 + i;
-            const float s = scale_of(a, r, g);
-            float z = 0.0f;
-            if (kind == 1)
-                z = (float)((((uint32_t)a->zeros[(r >> 3) * a->Gs + g]) >> (4 * (r & 7))) & 15u) +
-                    (float)a->zero_offset;
+            const float s = scale_of(a, base[i], glob[i], g);
+            const float z = kind == 1 ? zero_of(a, r0 + i, g) : 0.0f;
             for (int t = 0; t < NT; t++) {
                 tot[i][t] = vfma(splat(s * unit), acc[i][t], tot[i][t]);
                 corr[i][t] += s * (tail[i][t] - z * a->xsum[(t0 + t) * a->Gs + g]);
@@ -241,21 +251,60 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
             a->y[(t0 + t) * a->R + r0 + i] = lane_sum(tot[i][t]) + corr[i][t];
 }
 
+/* The f32 chain for groups of exactly one vector (NVFP4's 16 columns, INT4 groups of 16):
+ * each decoded vector is scaled, and INT4's zero point applied, (q - z) s = fma(q, s, -z s),
+ * before its FMAs, instead of a per-group epilogue for every 16 columns. */
+INLINE void rows_tokens_vscale(const qgemv_args *a, int kind, int NR, int NT, int64_t r0,
+                               int64_t t0) {
+    vf tot[2][TOK];
+    for (int i = 0; i < NR; i++)
+        for (int t = 0; t < NT; t++) tot[i][t] = splat(0.0f);
+    const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
+                           (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
+    const float unit = kind == 0 ? 256.0f : 1.0f;
+    const int64_t base[2] = {scale_base(a, r0), scale_base(a, r0 + NR - 1)};
+    const float glob[2] = {row_global(a, r0), row_global(a, r0 + NR - 1)};
+    for (int64_t g = 0; g < a->Gs; g++) {
+        const int64_t c = g * LANES;
+        vf w[2];
+        for (int i = 0; i < NR; i++) {
+            const float s = scale_of(a, base[i], glob[i], g);
+            const float zs = kind == 1 ? -zero_of(a, r0 + i, g) * s : 0.0f;
+            w[i] = vfma(code16(kind, rows[i], c), splat(s * unit), splat(zs));
+            if ((c & 63) == 0) PREFETCH_NEXT_PAIR(kind, rows[i], c);
+        }
+        for (int t = 0; t < NT; t++) {
+            vf xv;
+            memcpy(&xv, a->x + (t0 + t) * a->C + c, sizeof(xv));
+            for (int i = 0; i < NR; i++) tot[i][t] = vfma(w[i], xv, tot[i][t]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int t = 0; t < NT; t++) a->y[(t0 + t) * a->R + r0 + i] = lane_sum(tot[i][t]);
+}
+
+#define RT(KIND, NR, NTC, BF16)                                                              \
+    (BF16 < 0 ? rows_tokens_vscale(a, KIND, NR, NTC, r0, t0)                                 \
+              : rows_tokens(a, KIND, NR, NTC, BF16 > 0, r0, t0))
 #define NT_CASES(KIND, NR, BF16)                                                             \
     switch (nt) {                                                                            \
-    case 1: rows_tokens(a, KIND, NR, 1, BF16, r0, t0); break;                               \
-    case 2: rows_tokens(a, KIND, NR, 2, BF16, r0, t0); break;                               \
-    case 3: rows_tokens(a, KIND, NR, 3, BF16, r0, t0); break;                               \
-    default: rows_tokens(a, KIND, NR, 4, BF16, r0, t0); break;                              \
+    case 1: RT(KIND, NR, 1, BF16); break;                                                    \
+    case 2: RT(KIND, NR, 2, BF16); break;                                                    \
+    case 3: RT(KIND, NR, 3, BF16); break;                                                    \
+    default: RT(KIND, NR, 4, BF16); break;                                                   \
     }
 
 #define ROW_BLOCK(NAME, KIND, BF16)                                                              \
     static void NAME(const qgemv_args *a, int nr, int nt, int64_t r0, int64_t t0) {          \
         if (nr == 2) { NT_CASES(KIND, 2, BF16) } else { NT_CASES(KIND, 1, BF16) }           \
     }
+/* BF16: 1 the bf16 chain, 0 the f32 chain, -1 the f32 chain scaling every vector. */
 ROW_BLOCK(block_fp8, 0, 0)
 ROW_BLOCK(block_int4, 1, 0)
 ROW_BLOCK(block_fp4, 2, 0)
+ROW_BLOCK(block_fp8_vscale, 0, -1)
+ROW_BLOCK(block_int4_vscale, 1, -1)
+ROW_BLOCK(block_fp4_vscale, 2, -1)
 #if HAVE_BF16_CHAIN
 ROW_BLOCK(block_fp8_bf16, 0, 1)
 ROW_BLOCK(block_int4_bf16, 1, 1)
@@ -285,7 +334,9 @@ int qgemv(int kind, const void *codes, const void *scales, int scale_code, const
     const qgemv_args a = {kind, zero_offset, scale_code, codes, scales, global, x, xsum, xb,
                           zeros, y, T, R, C, Gs, row_div, group,
                           kind == 0 ? C : kind == 1 ? (C / 8) * 4 : C / 2, gdiv};
-    const int bf16 = HAVE_BF16_CHAIN && xb != NULL;
+    /* A group of one vector scales each vector; the bf16 chain needs groups of whole steps. */
+    const int vscale = group == LANES && C % LANES == 0;
+    const int bf16 = HAVE_BF16_CHAIN && xb != NULL && !vscale && group >= (kind == 0 ? 64 : 32);
     const int64_t pairs = (R + 1) / 2;
     for (int64_t t0 = 0; t0 < T; t0 += TOK) {
         const int nt = T - t0 < TOK ? (int)(T - t0) : TOK;
@@ -300,7 +351,11 @@ int qgemv(int kind, const void *codes, const void *scales, int scale_code, const
                 continue;
             }
 #endif
-            if (kind == 0) block_fp8(&a, nr, nt, 2 * p, t0);
+            if (vscale) {
+                if (kind == 0) block_fp8_vscale(&a, nr, nt, 2 * p, t0);
+                else if (kind == 1) block_int4_vscale(&a, nr, nt, 2 * p, t0);
+                else block_fp4_vscale(&a, nr, nt, 2 * p, t0);
+            } else if (kind == 0) block_fp8(&a, nr, nt, 2 * p, t0);
             else if (kind == 1) block_int4(&a, nr, nt, 2 * p, t0);
             else block_fp4(&a, nr, nt, 2 * p, t0);
         }
