@@ -1,10 +1,9 @@
 """What computes a cached layer's pairs on the CPU from the host store off a CPU device
 (``moe_expert_cpu_compute``, ``host_compute.py``): the torch loop over the experts a step needs,
-one token as two matrix-vector products, and quantized experts (FP8, GPTQ INT4) through the CPU's
-quantized matrix product on the scheme's own layout (``kernels/cpu/qgemv.py``), which decodes
-each weight in registers instead of dequantizing the expert into a new tensor first (38-53 ms
-against 0.73-0.75 ms for one token of a probe-shaped GPTQ expert on one core of the development
-machine: docs/benchmarks.md, "Quantized misses on the CPU")."""
+one token as two matrix-vector products, and quantized experts (FP8, GPTQ INT4, NVFP4, MXFP4)
+through the CPU's quantized matrix product on the scheme's own layout (``kernels/cpu/qgemv.py``),
+which decodes each weight in registers instead of dequantizing the expert into a new tensor
+first: 21-134x faster for one token (docs/benchmarks.md, "Quantized misses on the CPU")."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,10 +18,10 @@ from vllm.platforms import native_kernels
 
 QGEMV_MAX_TOKENS = 64
 """Experts with more tokens in a call (prefill misses) are dequantized once and run as one
-matrix product: ``qgemv`` decodes the weights again for every 4 tokens (0.1-0.3 ms a token at
-the probe and DeepSeek-V2-Lite shapes: 6-19 ms at 64 tokens, still under the 14-107 ms of
-dequantizing the expert, docs/benchmarks.md, "Quantized misses on the CPU"); past a few hundred
-tokens dequantizing once is cheaper, and a prefill's misses are copied anyway."""
+matrix product: ``qgemv`` decodes the weights again for every 4 tokens (0.1-0.8 ms a token at
+the probe and DeepSeek-V2-Lite shapes: 6-50 ms at 64 tokens, against the 13-152 ms of
+dequantizing the expert, docs/benchmarks.md, "Quantized misses on the CPU"); past that,
+dequantizing once is cheaper, and a prefill's misses are copied anyway."""
 
 HostRows = Callable[[dict[str, torch.Tensor]], "tuple[QuantRows, QuantRows] | None"]
 
