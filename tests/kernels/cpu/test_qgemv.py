@@ -1,6 +1,6 @@
 """The quantized matrix products on the schemes' layouts (``vllm/kernels/cpu/qgemv.c``) against
 a dequantize-then-matmul written here (float64), for FP8 e4m3 with tensor, channel and block
-scales, GPTQ INT4 with zero points and FP4 e2m1 with e4m3 block scales and global scales
+scales, GPTQ INT4 with zero points (and act order's g_idx) and FP4 e2m1 with e4m3 block scales and global scales
 (NVFP4) or e8m0 scales (MXFP4), in f32 and bf16 tokens (the two chains), at token counts
 around the kernel's chunk of 4, odd row counts and columns past the last vector step; the code
 decoders exactly, every code."""
@@ -107,6 +107,46 @@ def test_int4_equals_dequantize_then_matmul(T, R, C, group, offset, dtype):
     y = qgemv(x, QuantRows("int4", pack_cols(q), scale, 1, group, pack_rows(stored), offset))
     ref = reference(x, q.float(), scale, 1, group, stored + offset)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("R,C,group,H", [
+    (64, 256, 32, 2),        # 8 groups: one register's permute; gate and up permutations
+    (40, 200, 8, 1),         # 25 groups: two registers'; columns past the last vector
+    (36, 640, 16, 2),        # 40 groups: a gather; 18 rows a half, so a pair straddles halves
+    (30, 96, 96, 3),         # one group; rows in three parts
+])
+def test_int4_act_order_equals_dequantize_then_matmul(T, R, C, group, H, dtype):
+    """GPTQ act order: each column's group from g_idx (a permutation of column // group per
+    part of the rows), zero points and scales per lane."""
+    gen = torch.Generator().manual_seed(R + C + T + H)
+    G = -(-C // group)
+    q = torch.randint(0, 16, (R, C), generator=gen)
+    stored = torch.randint(0, 15, (R, G), generator=gen)
+    scale = torch.rand(R, G, generator=gen) * 0.01 + 0.001
+    g_idx = torch.stack([(torch.arange(C) // group)[torch.randperm(C, generator=gen)]
+                         for _ in range(H)]).to(torch.int32)
+    x = torch.randn(T, C, generator=gen).to(dtype)
+    y = qgemv(x, QuantRows("int4", pack_cols(q), scale, 1, group, pack_rows(stored), 1,
+                           g_idx=g_idx))
+    rows_g = g_idx.long().repeat_interleave(R // H, dim=0)               # [R, C] groups
+    r = torch.arange(R)[:, None]
+    deq = (q.double() - (stored + 1).double()[r, rows_g]) * scale.double()[r, rows_g]
+    ref = x.double() @ deq.t()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_g_idx_out_of_range_is_refused():
+    words = torch.zeros(16, 4, dtype=torch.int32)
+    zeros = torch.zeros(2, 2, dtype=torch.int32)
+    bad = torch.full((1, 32), 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"g_idx has values in \[2, 2\], but there are 2 groups"):
+        qgemv(torch.zeros(1, 32), QuantRows("int4", words, torch.ones(16, 2), 1, 16, zeros,
+                                            g_idx=bad))
+    with pytest.raises(ValueError, match="g_idx must be a contiguous int32"):
+        qgemv(torch.zeros(1, 32), QuantRows("int4", words, torch.ones(16, 2), 1, 16, zeros,
+                                            g_idx=torch.zeros(3, 32, dtype=torch.int32)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

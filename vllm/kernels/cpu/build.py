@@ -63,7 +63,8 @@ SIGNATURES = {
     "moe_cache_scores": [_INT, _I64, _I64, *[_PTR] * 8, _I64, _PTR],
     "expert_copy": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "run_graph": [_PTR, _I64, _PTR],
-    "qgemv": [_INT, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, *[_I64] * 6, _INT],
+    "qgemv": [_INT, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+              *[_I64] * 6, _INT],
     "qgemv_bf16_chain": [],
 }
 

@@ -6,7 +6,8 @@
  * kind 0, FP8: e4m3 codes [R, C], row-major (a row is an output).
  * kind 1, GPTQ INT4: int32 words [R, C / 8], column c at bits [4 (c % 8), +4) of word c / 8;
  *   zero points from the scheme's packed qzeros [ceil(R / 8), Gs] int32 (row r at bits
- *   [4 (r % 8), +4) of word r / 8) plus zero_offset (GPTQ v1 stores zero - 1).
+ *   [4 (r % 8), +4) of word r / 8) plus zero_offset (GPTQ v1 stores zero - 1); with act order
+ *   the group of column c is gidx[c] of the row's part (rows_tokens_gidx), not c / group.
  * kind 2, FP4 (NVFP4, MXFP4): e2m1 codes [R, C / 2] bytes, column c in the low nibble of byte
  *   c / 2 when c is even (read as kind 1's words: the same nibble order), sign in bit 3.
  * Scales [Rs, Gs]: element (r, c) reads scales[(r / row_div) * Gs + c / group] (a tensor
@@ -15,20 +16,23 @@
  * times global[r / gdiv] when global is not NULL (NVFP4's per-half weight_scale_2).
  *
  * Per row r, token t and group g: dot = sum over the group's columns of q[r, c] x[t, c] in f32
- * (q: the code's value, exactly representable), then y[t, r] += s (dot - z sum x[t, c]); for
- * FP8 z = 0 and q is value / 256 (the f16 bit trick below), the 256 riding in s. x, y f32;
- * the caller rounds. Tokens go in chunks of up to TOK, each weight vector decoded once per
- * chunk; rows in pairs (two independent FMA chains even at one token); threads split the rows.
+ * (q: the code's value, exactly representable), then y[t, r] += s (dot - z sum x[t, c]), z the
+ * zero point (INT4; else 0); the f32 chain decodes FP8 to value / 256 (the f16 bit trick
+ * below), the 256 riding in s. x, y f32; the caller rounds. Tokens go in chunks of up to TOK,
+ * each weight vector decoded once per chunk; rows in pairs (two independent FMA chains even at
+ * one token); threads split the rows.
  * The wrapper (kernels/cpu/qgemv.py) checks shapes: INT4 and FP4 need group % 8 == 0.
  * An e4m3 NaN code (0x7f, 0xff) decodes to +-480, an e8m0 255 to 2^128: never in weights.
  *
- * Two chains, chosen per call: with bf16 tokens (xb, the same values as x) and a build with
- * AVX512-BF16 and VBMI, the codes' exact values become bf16 pairs of consecutive columns
- * (qgemm_codes.h's conversions: FP8 64 codes with two byte-table lookups, INT4 and FP4 32 with
- * one word-table lookup) that vdpbf16ps multiplies by the tokens' pairs, about a third of the
- * f32 chain's instructions per weight; otherwise every 16 columns decode to f32 for an fma
- * (FP8 through f16, INT4 by shifts, FP4 by shifts and a 16-entry table). Columns of a group
- * past the chain's last whole step go one by one in f32. */
+ * Two chains, chosen per call: with bf16 tokens (xb, the same values as x), a build with
+ * AVX512-BF16 and VBMI and groups of at least one step, the codes' exact values become bf16
+ * pairs of consecutive columns (qgemm_codes.h's conversions: FP8 64 codes with two byte-table
+ * lookups, INT4 and FP4 32 with one word-table lookup) that vdpbf16ps multiplies by the
+ * tokens' pairs, about a third of the f32 chain's instructions per weight; otherwise every 16
+ * columns decode to f32 for an fma (FP8 through f16, INT4 by shifts, FP4 by shifts and a
+ * 16-entry table), and where a group is one such vector (NVFP4) the vector is scaled before
+ * its FMAs (rows_tokens_vscale) instead. Columns of a group past the chain's last whole step
+ * go one by one in f32. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -156,9 +160,9 @@ typedef struct {
     const void *codes, *scales;
     const float *global, *x, *xsum;       /* xsum [T, Gs]: x summed per group (int4 zeros) */
     const bf16_t *xb;                     /* x as bf16 [T, C] (the bf16 chain), or NULL */
-    const int32_t *zeros;
+    const int32_t *zeros, *gidx;          /* gidx [R / gidx_div, C]: column -> group, or NULL */
     float *y;
-    int64_t T, R, C, Gs, row_div, group, row_bytes, gdiv;
+    int64_t T, R, C, Gs, row_div, group, row_bytes, gdiv, gidx_div;
 } qgemv_args;
 
 /* Where row r's scales start, and its global scale (1 without): once per row. */
@@ -283,9 +287,78 @@ INLINE void rows_tokens_vscale(const qgemv_args *a, int kind, int NR, int NT, in
         for (int t = 0; t < NT; t++) a->y[(t0 + t) * a->R + r0 + i] = lane_sum(tot[i][t]);
 }
 
+/* lanes' values of a row's [Gs] table at the groups gi (Gs <= 16 or 32: a permute of the table
+ * held in t0, t1; else a gather). */
+INLINE vf group_lookup(const float *tab, vi gi, int64_t Gs, vf t0, vf t1) {
+#if defined(__AVX512F__)
+    if (Gs <= 16) return (vf)_mm512_permutexvar_ps((__m512i)gi, (__m512)t0);
+    if (Gs <= 32) return (vf)_mm512_permutex2var_ps((__m512)t0, (__m512i)gi, (__m512)t1);
+    return (vf)_mm512_i32gather_ps((__m512i)gi, tab, 4);
+#else
+    (void)Gs, (void)t0, (void)t1;
+    vf v;
+    for (int l = 0; l < LANES; l++) v[l] = tab[gi[l]];
+    return v;
+#endif
+}
+
+/* INT4 whose columns' groups are in any order (GPTQ act order: gidx): every lane of a vector
+ * takes its column's group scale s and -z s from the row's tables, (q - z) s = fma(q, s, -z s),
+ * before the FMAs. NR rows share one gidx row (callers keep a pair inside one half). */
+INLINE void rows_tokens_gidx(const qgemv_args *a, int NR, int NT, int64_t r0, int64_t t0) {
+    const int64_t Gs = a->Gs;
+    float st[2][Gs + 32], zt[2][Gs + 32];      /* padded: the permutes load 32 floats */
+    vf tot[2][TOK], s0[2], s1[2], z0[2], z1[2];
+    const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
+                           (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
+    const int32_t *gidx = a->gidx + (r0 / a->gidx_div) * a->C;
+    for (int i = 0; i < NR; i++) {
+        const int64_t base = scale_base(a, r0 + i);
+        const float glob = row_global(a, r0 + i);
+        for (int64_t g = 0; g < Gs + 32; g++) {
+            const float sg = g < Gs ? scale_of(a, base, glob, g) : 0.0f;
+            st[i][g] = sg;
+            zt[i][g] = g < Gs ? -zero_of(a, r0 + i, g) * sg : 0.0f;
+        }
+        memcpy(&s0[i], st[i], sizeof(vf));
+        memcpy(&s1[i], st[i] + LANES, sizeof(vf));
+        memcpy(&z0[i], zt[i], sizeof(vf));
+        memcpy(&z1[i], zt[i] + LANES, sizeof(vf));
+        for (int t = 0; t < NT; t++) tot[i][t] = splat(0.0f);
+    }
+    float tail[2][TOK] = {{0}};
+    int64_t c = 0;
+    for (; c + LANES <= a->C; c += LANES) {
+        vi gi;
+        memcpy(&gi, gidx + c, sizeof(gi));
+        vf w[2];
+        for (int i = 0; i < NR; i++) {
+            const vf q = __builtin_convertvector((vi)nibbles16((const int32_t *)rows[i] + (c >> 3)),
+                                                 vf);
+            w[i] = vfma(q, group_lookup(st[i], gi, Gs, s0[i], s1[i]),
+                        group_lookup(zt[i], gi, Gs, z0[i], z1[i]));
+            if ((c & 63) == 0) PREFETCH_NEXT_PAIR(1, rows[i], c);
+        }
+        for (int t = 0; t < NT; t++) {
+            vf xv;
+            memcpy(&xv, a->x + (t0 + t) * a->C + c, sizeof(xv));
+            for (int i = 0; i < NR; i++) tot[i][t] = vfma(w[i], xv, tot[i][t]);
+        }
+    }
+    for (; c < a->C; c++)
+        for (int i = 0; i < NR; i++) {
+            const float wq = sfma(code1(1, rows[i], c), st[i][gidx[c]], zt[i][gidx[c]]);
+            for (int t = 0; t < NT; t++) tail[i][t] = sfma(wq, a->x[(t0 + t) * a->C + c], tail[i][t]);
+        }
+    for (int i = 0; i < NR; i++)
+        for (int t = 0; t < NT; t++)
+            a->y[(t0 + t) * a->R + r0 + i] = lane_sum(tot[i][t]) + tail[i][t];
+}
+
 #define RT(KIND, NR, NTC, BF16)                                                              \
-    (BF16 < 0 ? rows_tokens_vscale(a, KIND, NR, NTC, r0, t0)                                 \
-              : rows_tokens(a, KIND, NR, NTC, BF16 > 0, r0, t0))
+    (BF16 == -2 ? rows_tokens_gidx(a, NR, NTC, r0, t0)                                       \
+     : BF16 < 0 ? rows_tokens_vscale(a, KIND, NR, NTC, r0, t0)                               \
+                : rows_tokens(a, KIND, NR, NTC, BF16 > 0, r0, t0))
 #define NT_CASES(KIND, NR, BF16)                                                             \
     switch (nt) {                                                                            \
     case 1: RT(KIND, NR, 1, BF16); break;                                                    \
@@ -298,13 +371,15 @@ INLINE void rows_tokens_vscale(const qgemv_args *a, int kind, int NR, int NT, in
     static void NAME(const qgemv_args *a, int nr, int nt, int64_t r0, int64_t t0) {          \
         if (nr == 2) { NT_CASES(KIND, 2, BF16) } else { NT_CASES(KIND, 1, BF16) }           \
     }
-/* BF16: 1 the bf16 chain, 0 the f32 chain, -1 the f32 chain scaling every vector. */
+/* BF16: 1 the bf16 chain, 0 the f32 chain, -1 the f32 chain scaling every vector, -2 INT4
+ * with groups by gidx. */
 ROW_BLOCK(block_fp8, 0, 0)
 ROW_BLOCK(block_int4, 1, 0)
 ROW_BLOCK(block_fp4, 2, 0)
 ROW_BLOCK(block_fp8_vscale, 0, -1)
 ROW_BLOCK(block_int4_vscale, 1, -1)
 ROW_BLOCK(block_fp4_vscale, 2, -1)
+ROW_BLOCK(block_int4_gidx, 1, -2)
 #if HAVE_BF16_CHAIN
 ROW_BLOCK(block_fp8_bf16, 0, 1)
 ROW_BLOCK(block_int4_bf16, 1, 1)
@@ -315,34 +390,46 @@ ROW_BLOCK(block_fp4_bf16, 2, 1)
 int qgemv_bf16_chain(void) { return HAVE_BF16_CHAIN; }
 
 /* Returns 0, -1 for an unknown kind or scale code, -2 when scratch could not be allocated.
- * zeros: INT4's packed zero points, else NULL; global: NULL or [R / gdiv] f32; xb: NULL, or x's
- * values as bf16 (then the bf16 chain where the build has it). Shapes as the file's comment
- * says, checked by the wrapper. */
+ * zeros: INT4's packed zero points, else NULL; global: NULL or [R / gdiv] f32; gidx: NULL (group
+ * c / group), or INT4's [R / gidx_div, C] group of each column, every value in [0, Gs); xb:
+ * NULL, or x's values as bf16 (then the bf16 chain where the build has it). Shapes as the
+ * file's comment says, checked by the wrapper. */
 int qgemv(int kind, const void *codes, const void *scales, int scale_code, const float *global,
-          int64_t gdiv, const int32_t *zeros, const float *x, const bf16_t *xb, float *y,
-          int64_t T, int64_t R, int64_t C, int64_t Gs, int64_t row_div, int64_t group,
-          int zero_offset) {
-    if (kind < 0 || kind > 2 || scale_code < 0 || scale_code > 2) return -1;
+          int64_t gdiv, const int32_t *zeros, const int32_t *gidx, int64_t gidx_div,
+          const float *x, const bf16_t *xb, float *y, int64_t T, int64_t R, int64_t C,
+          int64_t Gs, int64_t row_div, int64_t group, int zero_offset) {
+    if (kind < 0 || kind > 2 || scale_code < 0 || scale_code > 2 || (gidx && kind != 1))
+        return -1;
     float *xsum = calloc((size_t)(T * Gs > 0 ? T * Gs : 1), sizeof(float));
     if (!xsum) return -2;
-    if (kind == 1)                         /* the zero points' term: sum x over each group */
+    if (kind == 1 && !gidx)                /* the zero points' term: sum x over each group */
         for (int64_t t = 0; t < T; t++)
             for (int64_t g = 0; g < Gs; g++) {
                 const int64_t c1 = (g + 1) * group < C ? (g + 1) * group : C;
                 for (int64_t c = g * group; c < c1; c++) xsum[t * Gs + g] += x[t * C + c];
             }
     const qgemv_args a = {kind, zero_offset, scale_code, codes, scales, global, x, xsum, xb,
-                          zeros, y, T, R, C, Gs, row_div, group,
-                          kind == 0 ? C : kind == 1 ? (C / 8) * 4 : C / 2, gdiv};
+                          zeros, gidx, y, T, R, C, Gs, row_div, group,
+                          kind == 0 ? C : kind == 1 ? (C / 8) * 4 : C / 2, gdiv, gidx_div};
     /* A group of one vector scales each vector; the bf16 chain needs groups of whole steps. */
-    const int vscale = group == LANES && C % LANES == 0;
-    const int bf16 = HAVE_BF16_CHAIN && xb != NULL && !vscale && group >= (kind == 0 ? 64 : 32);
+    const int vscale = !gidx && group == LANES && C % LANES == 0;
+    const int bf16 = HAVE_BF16_CHAIN && xb != NULL && !gidx && !vscale &&
+                     group >= (kind == 0 ? 64 : 32);
     const int64_t pairs = (R + 1) / 2;
     for (int64_t t0 = 0; t0 < T; t0 += TOK) {
         const int nt = T - t0 < TOK ? (int)(T - t0) : TOK;
         #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             const int nr = 2 * p + 1 < R ? 2 : 1;
+            if (gidx) {                       /* a pair across two gidx rows goes row by row */
+                if (nr == 2 && (2 * p) / gidx_div != (2 * p + 1) / gidx_div) {
+                    block_int4_gidx(&a, 1, nt, 2 * p, t0);
+                    block_int4_gidx(&a, 1, nt, 2 * p + 1, t0);
+                } else {
+                    block_int4_gidx(&a, nr, nt, 2 * p, t0);
+                }
+                continue;
+            }
 #if HAVE_BF16_CHAIN
             if (bf16) {
                 if (kind == 0) block_fp8_bf16(&a, nr, nt, 2 * p, t0);

@@ -29,7 +29,10 @@ class QuantRows:
     row_div 1), as float32, e4m3 (float8_e4m3fn) or e8m0 bytes (uint8, 2^(b - 127)), times
     ``global_scales`` [Rg] float32 (row r: global_scales[r // (R / Rg)]) when given.
     ``zeros``: int4 only, the packed zero points [ceil(R / 8), groups] int32, row r at bits
-    [4 (r % 8), +4) of word r / 8, each plus ``zero_offset``: W = (q - zero) x scale."""
+    [4 (r % 8), +4) of word r / 8, each plus ``zero_offset``: W = (q - zero) x scale.
+    ``g_idx``: int4 only, int32 [H, C], the group of each column for the rows of each of H
+    equal parts (GPTQ act order: w13's gate and up halves); then ``group`` only sizes the
+    scales (ceil(C / group) groups) and the column groups come from g_idx."""
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -38,6 +41,7 @@ class QuantRows:
     zeros: torch.Tensor | None = None
     zero_offset: int = 0
     global_scales: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -81,7 +85,17 @@ class QuantRows:
                               or self.rows % g.numel() or not g.is_contiguous()):
             fail(f"global_scales must be contiguous float32 [Rg] with Rg dividing {self.rows}, "
                  f"got {g.dtype} {tuple(g.shape)}")
-        for name in ("codes", "scales", "zeros", "global_scales"):
+        gi = self.g_idx
+        if gi is not None:
+            if self.kind != "int4" or gi.dtype != torch.int32 or gi.dim() != 2 or \
+                    gi.shape[1] != self.cols or not gi.shape[0] or self.rows % gi.shape[0] or \
+                    not gi.is_contiguous():
+                fail(f"g_idx must be a contiguous int32 [H, {self.cols}] with H dividing "
+                     f"{self.rows}, for int4, got {gi.dtype} {tuple(gi.shape)}")
+            if gi.numel() and (int(gi.min()) < 0 or int(gi.max()) >= shape[1]):
+                fail(f"g_idx has values in [{int(gi.min())}, {int(gi.max())}], but there are "
+                     f"{shape[1]} groups: must be in [0, {shape[1] - 1}]")
+        for name in ("codes", "scales", "zeros", "global_scales", "g_idx"):
             t = getattr(self, name)
             if t is not None and t.device.type != "cpu":
                 fail(f"{name} is on {t.device}, not the CPU")
@@ -109,7 +123,9 @@ def qgemv(x: torch.Tensor, w: QuantRows) -> torch.Tensor:
     rc = launch("qgemv", KINDS[w.kind], codes.data_ptr(), scales.data_ptr(),
                 SCALE_CODES[w.scales.dtype], None if g is None else g.data_ptr(),
                 1 if g is None else w.rows // g.numel(),
-                None if w.zeros is None else w.zeros.data_ptr(), x.data_ptr(),
+                None if w.zeros is None else w.zeros.data_ptr(),
+                None if w.g_idx is None else w.g_idx.data_ptr(),
+                1 if w.g_idx is None else w.rows // w.g_idx.shape[0], x.data_ptr(),
                 None if xb is None else xb.data_ptr(), y.data_ptr(), T, w.rows, w.cols,
                 w.scales.shape[1], w.row_div, w.group, w.zero_offset)
     if rc:

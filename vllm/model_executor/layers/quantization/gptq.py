@@ -123,10 +123,10 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
 
     def host_rows(self, t):
         """qweight, scales (as float32) and the packed qzeros as they are, for GPTQ's own packing
-        (not a repacking subclass's ``unpacked_weight``) with groups of whole words in input
-        order; act order (g_idx not column // group size in some expert) is dequantized."""
-        if type(self).unpacked_weight is not GptqMoEMethod.unpacked_weight or \
-                not all(self.contiguous_groups.get(p, False) for p in ("w13", "w2")):
+        (not a repacking subclass's ``unpacked_weight``) with groups of whole words; with act
+        order (g_idx not column // group size in some expert) g_idx goes along, and each
+        column's group comes from it."""
+        if type(self).unpacked_weight is not GptqMoEMethod.unpacked_weight:
             return None
         rows = []
         for p in ("w13", "w2"):
@@ -134,8 +134,10 @@ class GptqMoEMethod(QuantizedFusedMoEMethod):
             group = self.group_width(q.shape[1] * 8)
             if group % 8:
                 return None
+            act_order = not self.contiguous_groups.get(p, False)
             rows.append(QuantRows("int4", q, t[f"{p}_scales"].float().contiguous(), 1, group,
-                                  t[f"{p}_qzeros"], self.zero_offset))
+                                  t[f"{p}_qzeros"], self.zero_offset,
+                                  g_idx=t[f"{p}_g_idx"].contiguous() if act_order else None))
         return rows[0], rows[1]
 
     def cpu_kernel_layout(self):

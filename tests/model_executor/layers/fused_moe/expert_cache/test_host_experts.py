@@ -1,8 +1,8 @@
 """Which quantized experts the CPU computes through ``qgemv`` off a CPU device (``HostExperts``
-with the quant method's ``host_rows``) and which it dequantizes first: layouts ``qgemv`` does not
-read (act order, FP8 blocks that split a w13 half) and experts with many tokens in a call take
-the torch loop, whose pairs equal the uncached torch backend's bit for bit; bf16 activations;
-NVFP4 and MXFP4 (GPT-OSS) experts through ``qgemv``."""
+with the quant method's ``host_rows``) and which it dequantizes first: a layout ``qgemv`` does
+not read (FP8 blocks that split a w13 half) and experts with many tokens in a call take the
+torch loop, whose pairs equal the uncached torch backend's bit for bit; act-order GPTQ, bf16
+activations, NVFP4 and MXFP4 (GPT-OSS) experts through ``qgemv``."""
 from __future__ import annotations
 
 import pytest
@@ -58,15 +58,24 @@ def run(cached, twin, monkeypatch, T=5, dtype=torch.float32):
     return got, want, calls, ids
 
 
-@pytest.mark.parametrize("scheme,args", [("w4a16-gptq", ["--desc-act", "--group-size", "32"]),
-                                         ("fp8-block", ["--block-size", "24", "32"])])
-def test_layouts_qgemv_does_not_read_are_dequantized(tiny_model_factory, tmp_path, monkeypatch,
-                                                     scheme, args):
-    cached, twin = layers(tiny_model_factory, tmp_path, scheme, args)
+def test_a_layout_qgemv_does_not_read_is_dequantized(tiny_model_factory, tmp_path, monkeypatch):
+    """FP8 blocks of 24 rows split the tiny model's 32-row w13 halves."""
+    cached, twin = layers(tiny_model_factory, tmp_path, "fp8-block", ["--block-size", "24", "32"])
     expert0 = {n: t[0] for n, t in cached.expert_cache.store.tensors.items()}
     assert cached.quant_method.host_rows(expert0) is None
     got, want, calls, _ = run(cached, twin, monkeypatch)
     assert not calls and torch.equal(got, want)
+
+
+def test_act_order_gptq_runs_qgemv_with_its_g_idx(tiny_model_factory, tmp_path, monkeypatch):
+    cached, twin = layers(tiny_model_factory, tmp_path, "w4a16-gptq",
+                          ["--desc-act", "--asym", "--group-size", "32"])
+    expert0 = {n: t[0] for n, t in cached.expert_cache.store.tensors.items()}
+    w13, w2 = cached.quant_method.host_rows(expert0)
+    assert w13.g_idx is not None        # w2's 32 inputs are one group: no order to follow
+    got, want, calls, ids = run(cached, twin, monkeypatch)
+    assert len(calls) == 2 * len(set(ids.reshape(-1).tolist()))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_experts_with_many_tokens_are_dequantized(tiny_model_factory, tmp_path, monkeypatch):
