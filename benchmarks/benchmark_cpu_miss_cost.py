@@ -10,7 +10,8 @@ copies run beside the CPU (a GPU), it still gives the CPU the least used misses 
 shortens the step (``balance``).
 
     python benchmarks/benchmark_cpu_miss_cost.py --shape probe-4.8g dsv2-lite --threads 1 2 --json
-        [--scheme bf16 fp8-tensor fp8-channel fp8-block w4a16-gptq nvfp4 mxfp4] [--dequantize-too]
+        [--scheme bf16 fp8-tensor fp8-channel fp8-block w4a16-gptq w4a16-gptq-act nvfp4 mxfp4]
+        [--dequantize-too]
 
 ``--scheme``: the experts' format in the host store (default bf16). Quantized experts are in the
 layer layout (FP8 128 x 128 blocks, GPTQ group 128 with zero points, NVFP4, MXFP4: the silu
@@ -72,10 +73,12 @@ def time_decision(experts: int, top_k: int, concurrent: bool, steps: int = 2000)
     return best / steps * 1e6
 
 
-SCHEMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "nvfp4", "mxfp4")
+SCHEMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "w4a16-gptq-act",
+           "nvfp4", "mxfp4")
 """Expert formats of ``--scheme``: bf16, or the layer layouts of FP8 (128 x 128 blocks), GPTQ
-INT4 (group 128, zero points), NVFP4 and MXFP4, as a GPU backend that reads them keeps the
-host store."""
+INT4 (group 128, zero points; ``-act``: act order, each projection's g_idx a random
+permutation of its groups), NVFP4 and MXFP4, as a GPU backend that reads them keeps the host
+store."""
 
 
 def measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str = "bf16",
@@ -105,6 +108,8 @@ def quantized_store(method, hidden: int, inter: int, experts: int, g: torch.Gene
         elif name.endswith("g_idx"):
             width = spec.shape[1]
             t = (torch.arange(width) // method.group_width(width)).to(spec.dtype).expand(shape)
+            if method.desc_act:
+                t = t[..., torch.randperm(width, generator=g)]
         elif spec.dtype == torch.int32:
             t = torch.randint(-2**31, 2**31 - 1, shape, generator=g, dtype=torch.int32)
         else:
@@ -126,7 +131,8 @@ def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
                  "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
                                ).to(torch.bfloat16)}
         return store, HostExperts(act), "bf16"
-    method = {"w4a16-gptq": lambda: GptqMoEMethod(128, False, False), "nvfp4": Nvfp4MoEMethod,
+    method = {"w4a16-gptq": lambda: GptqMoEMethod(128, False, False),
+              "w4a16-gptq-act": lambda: GptqMoEMethod(128, False, True), "nvfp4": Nvfp4MoEMethod,
               "mxfp4": Mxfp4MoEMethod}.get(scheme, lambda: Fp8MoEMethod(
                   scheme[4:], (128, 128) if scheme == "fp8-block" else None))()
     store = quantized_store(method, hidden, inter, experts, g)

@@ -61,8 +61,8 @@ def test_quantized_rows_with_and_without_qgemv(capsys):
     threads = torch.get_num_threads()
     try:
         rows = bench.main(["--shape", "tiny", "--scheme", "fp8-channel", "w4a16-gptq",
-                           "fp8-block", "nvfp4", "mxfp4", "--dequantize-too", "--repeats", "1",
-                           "--json"])
+                           "fp8-block", "nvfp4", "mxfp4", "w4a16-gptq-act", "--dequantize-too",
+                           "--repeats", "1", "--json"])
     finally:
         torch.set_num_threads(threads)
     got = [(r["scheme"], r["path"]) for r in rows]
@@ -71,7 +71,8 @@ def test_quantized_rows_with_and_without_qgemv(capsys):
                    ("w4a16-gptq", "qgemv"), ("w4a16-gptq", "dequantize"),
                    ("fp8-block", "dequantize"), ("fp8-block", "dequantize"),
                    ("nvfp4", "qgemv"), ("nvfp4", "dequantize"),
-                   ("mxfp4", "qgemv"), ("mxfp4", "dequantize")]
+                   ("mxfp4", "qgemv"), ("mxfp4", "dequantize"),
+                   ("w4a16-gptq-act", "qgemv"), ("w4a16-gptq-act", "dequantize")]
     fp8 = 3 * H * N + (2 * N + H) * 4                   # codes, f32 per-row scales
     gptq = (3 * H * N // 2 + (2 * N // 8 + H // 8) * 4    # words; one group: packed zeros
             + (2 * N + H) * 2 + (2 * H + N) * 4)          # f16 scales, int32 g_idx
@@ -79,6 +80,6 @@ def test_quantized_rows_with_and_without_qgemv(capsys):
     nvfp4 = 3 * H * N // 2 + 3 * H * N // 16 + (2 + 1) * 4   # codes, e4m3 per 16, f32 globals
     mxfp4 = 3 * H * N // 2 + 3 * H * N // 32                  # codes, e8m0 per 32
     assert [r["expert_bytes"] for r in rows] == [fp8, fp8, gptq, gptq, blocks, blocks,
-                                                 nvfp4, nvfp4, mxfp4, mxfp4]
+                                                 nvfp4, nvfp4, mxfp4, mxfp4, gptq, gptq]
     for r in rows:
         assert r["cpu_1_token_ms"] > 0 and r["decision_us"] > 0
