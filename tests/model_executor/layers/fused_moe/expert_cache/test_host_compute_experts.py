@@ -1,6 +1,6 @@
 """The CPU side of ``moe_expert_cpu_compute`` off a CPU device (``expert_cache/host_compute.py``):
 ``host_expert_mlp`` against the reference and an expert written out here, and (``gpu``) the mode
-on a CUDA GPU against the uncached engine."""
+on a CUDA GPU against the uncached engine, unquantized and quantized (``qgemv``)."""
 from __future__ import annotations
 
 import pytest
@@ -88,3 +88,26 @@ def test_cpu_compute_on_cuda_matches_uncached(tiny_model_factory, monkeypatch, m
         for row, want_row in zip(lps, want_lps):
             assert [t for t, _ in row] == [t for t, _ in want_row]
             assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want_row], abs=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["fp8-block", "w4a16-gptq", "nvfp4"])
+def test_quantized_cpu_compute_on_cuda_matches_uncached(tiny_model_factory, tmp_path, scheme):
+    """On a CUDA GPU (not yet run on one): quantized misses computed on the CPU from the host
+    store through ``qgemv`` (the triton backend keeps the scheme's layout there) give the
+    uncached greedy tokens, and logprobs within rounding (another kernel computes those pairs).
+    Tiny shapes: FP8 blocks of 16 x 32, GPTQ group 32."""
+    from tools.quantize_checkpoint import main as quantize_main
+    args = {"fp8-block": ["--block-size", "16", "32"], "w4a16-gptq": ["--group-size", "32"],
+            "nvfp4": []}[scheme]
+    path = str(tmp_path / scheme)
+    quantize_main(["--model", tiny_model_factory("Qwen3MoeForCausalLM",
+                                                 moe_intermediate_size=32),
+                   "--out", path, "--scheme", scheme, *args])
+    ref, _ = _cuda_outputs(path)
+    got, stats = _cuda_outputs(path, moe_expert_cache_size=2, moe_expert_cpu_compute="always")
+    assert stats["cpu_pairs"] > 0 and stats["misses"] == 0, stats
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, ref):
+        assert tokens == want_tokens
+        for row, want_row in zip(lps, want_lps):
+            assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want_row], abs=2e-3)
