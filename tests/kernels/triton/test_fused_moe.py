@@ -167,27 +167,49 @@ def test_around_8192_tokens(km, T, dtype):
     check(km, T, 5, 2, 16, 16, dtype, seed=T)
 
 
+def subset_slot_ids(T: int, K: int, G: int) -> torch.Tensor:
+    """[T, K] slot ids (on DEVICE) over three of G slots (1, 4, 6), distinct per token (a repeat
+    becomes -1), and two past the slots (G, G + 5), which the kernels skip."""
+    g = torch.Generator().manual_seed(5)
+    slots = torch.tensor([1, 4, 6])[torch.randint(0, 3, (T, K), generator=g)]
+    slots[:, 1] = torch.where(slots[:, 0] == slots[:, 1], -1, slots[:, 1])   # distinct per token
+    slots[3, 0], slots[7, 1] = G, G + 5                              # out of range: skipped
+    return slots.to(DEVICE)
+
+
+def check_skipped_pairs_and_waves(run, ids: torch.Tensor, want: torch.Tensor, G: int,
+                                  assert_close) -> None:
+    """``run(ids, out, max_ids)`` writes the pairs of ``ids`` into out [T, K, H]: the valid
+    pairs (ids in [0, G)) match ``want`` (``assert_close(got, want)``), the other rows keep what
+    was there (3.0: the expert cache's waves), and two waves (slot 4, then the rest, with
+    max_ids 1 and 2: their distinct slots) equal one call bit for bit."""
+    T, K, H = want.shape
+    out = torch.full((T, K, H), 3.0, device=DEVICE)
+    run(ids, out, None)
+    valid = (ids >= 0) & (ids < G)
+    assert_close(out[valid], want[valid])
+    assert torch.equal(out[~valid], torch.full_like(out[~valid], 3.0))
+    waves = torch.full((T, K, H), 3.0, device=DEVICE)
+    for wave, max_ids in (((ids == 4), 1), ((ids != 4), 2)):
+        run(torch.where(wave, ids, -1), waves, max_ids)
+    assert torch.equal(waves, out)
+
+
+def close_1e4(got, want):
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_slot_ids_with_unused_slots_and_skipped_pairs(km):
     """G = 9 slots, ids use three of them; -1 and ids >= G are skipped: their rows of out keep
     what was there (the expert cache's waves), and two waves equal one call."""
     T, K, H, N, G = 23, 2, 32, 16, 9
     x, w13, w2, w, _, b13, b2 = make(T, G, K, H, N, bias=True, G=G)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.tensor([1, 4, 6])[torch.randint(0, 3, (T, K), generator=g)]
-    slots[:, 1] = torch.where(slots[:, 0] == slots[:, 1], -1, slots[:, 1])   # distinct per token
-    slots[3, 0], slots[7, 1] = G, G + 5                              # out of range: skipped
-    ids = slots.to(DEVICE)
-    want = moe_ref(x, w13, w2, w, ids, "silu", b13, b2)
-    out = torch.full((T, K, H), 3.0, device=DEVICE)
-    km.fused_moe_pairs(x, w13, w2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2)
-    valid = (ids >= 0) & (ids < G)
-    torch.testing.assert_close(out[valid], want[valid], atol=1e-4, rtol=1e-4)
-    assert torch.equal(out[~valid], torch.full_like(out[~valid], 3.0))
-    waves = torch.full((T, K, H), 3.0, device=DEVICE)
-    for wave in ((ids == 4), (ids != 4)):
-        km.fused_moe_pairs(x, w13, w2, w, torch.where(wave, ids, -1), waves, "silu", ALPHA,
-                           LIMIT, b13, b2)
-    assert torch.equal(waves, out)
+    ids = subset_slot_ids(T, K, G)
+
+    def run(ids, out, max_ids):                  # no bound: grids sized for every slot
+        km.fused_moe_pairs(x, w13, w2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2)
+    check_skipped_pairs_and_waves(run, ids, moe_ref(x, w13, w2, w, ids, "silu", b13, b2), G,
+                                  close_1e4)
 
 
 def _bounded_waves_equal_one_call(km, dtype):

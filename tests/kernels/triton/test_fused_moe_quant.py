@@ -14,7 +14,8 @@ import os
 
 import pytest
 import torch
-from test_fused_moe import ALPHA, LIMIT, act_ref
+from test_fused_moe import (ALPHA, LIMIT, act_ref, check_skipped_pairs_and_waves, close_1e4,
+                            subset_slot_ids)
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
@@ -209,23 +210,13 @@ def test_slot_ids_over_a_subset_and_waves(qm, scheme):
     T, K, H, N, G = 23, 2, 32, 16, 9
     x, (p13, p2), (d13, d2), w, _, b13, b2 = make(qm, kind, T, G, K, H, N, torch.float32, G=G,
                                                   bias=True, **quant)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.tensor([1, 4, 6])[torch.randint(0, 3, (T, K), generator=g)]
-    slots[:, 1] = torch.where(slots[:, 0] == slots[:, 1], -1, slots[:, 1])   # distinct per token
-    slots[3, 0], slots[7, 1] = G, G + 5                              # out of range: skipped
-    ids = slots.to(DEVICE)
-    want = moe_ref(x, d13, d2, w, ids, "silu", b13, b2)
-    out = torch.full((T, K, H), 3.0, device=DEVICE)
-    qm.fused_moe_quant_pairs(x, p13, p2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2,
-                             config=SMALL)
-    valid = (ids >= 0) & (ids < G)
-    torch.testing.assert_close(out[valid], want[valid], atol=1e-4, rtol=1e-4)
-    assert torch.equal(out[~valid], torch.full_like(out[~valid], 3.0))
-    waves = torch.full((T, K, H), 3.0, device=DEVICE)
-    for wave, max_ids in (((ids == 4), 1), ((ids != 4), 2)):
-        qm.fused_moe_quant_pairs(x, p13, p2, w, torch.where(wave, ids, -1), waves, "silu",
-                                 ALPHA, LIMIT, b13, b2, config=SMALL, max_ids=max_ids)
-    assert torch.equal(waves, out)
+    ids = subset_slot_ids(T, K, G)
+
+    def run(ids, out, max_ids):
+        qm.fused_moe_quant_pairs(x, p13, p2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2,
+                                 config=SMALL, max_ids=max_ids)
+    check_skipped_pairs_and_waves(run, ids, moe_ref(x, d13, d2, w, ids, "silu", b13, b2), G,
+                                  close_1e4)
 
 
 def test_rejects_bad_inputs(qm):

@@ -15,7 +15,8 @@ import os
 
 import pytest
 import torch
-from test_fused_moe import ALPHA, LIMIT, act_ref
+from test_fused_moe import (ALPHA, LIMIT, act_ref, check_skipped_pairs_and_waves,
+                            subset_slot_ids)
 from test_fused_moe_quant import fp8_projection
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
@@ -227,23 +228,13 @@ def test_slot_ids_over_a_subset_and_waves(wm):
     T, K, H, N, G = 23, 2, 64, 32, 9
     x, (p13, p2), (d13, d2), w, _, b13, b2, (i13, i2) = make(
         wm, "block", (16, 32), "group32", T, G, K, H, N, torch.float32, G=G, bias=True)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.tensor([1, 4, 6])[torch.randint(0, 3, (T, K), generator=g)]
-    slots[:, 1] = torch.where(slots[:, 0] == slots[:, 1], -1, slots[:, 1])
-    slots[3, 0], slots[7, 1] = G, G + 5
-    ids = slots.to(DEVICE)
-    want = moe_ref(x, d13, d2, w, ids, i13, i2, "silu", b13, b2)
-    out = torch.full((T, K, H), 3.0, device=DEVICE)
-    wm.fused_moe_w8a8_pairs(x, p13, p2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2,
-                            config=SMALL)
-    valid = (ids >= 0) & (ids < G)
-    assert_close_but_flips(out[valid], want[valid], 2e-3)
-    assert torch.equal(out[~valid], torch.full_like(out[~valid], 3.0))
-    waves = torch.full((T, K, H), 3.0, device=DEVICE)
-    for wave, max_ids in (((ids == 4), 1), ((ids != 4), 2)):
-        wm.fused_moe_w8a8_pairs(x, p13, p2, w, torch.where(wave, ids, -1), waves, "silu",
-                                ALPHA, LIMIT, b13, b2, config=SMALL, max_ids=max_ids)
-    assert torch.equal(waves, out)
+    ids = subset_slot_ids(T, K, G)
+
+    def run(ids, out, max_ids):
+        wm.fused_moe_w8a8_pairs(x, p13, p2, w, ids, out, "silu", ALPHA, LIMIT, b13, b2,
+                                config=SMALL, max_ids=max_ids)
+    check_skipped_pairs_and_waves(run, ids, moe_ref(x, d13, d2, w, ids, i13, i2, "silu", b13, b2),
+                                  G, lambda got, want: assert_close_but_flips(got, want, 2e-3))
 
 
 def test_refusals(wm):
