@@ -86,6 +86,46 @@ INLINE vf code_last_row(const uint8_t *blk, int64_t n, int64_t bw, int64_t c) {
     return w;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+/* 64 e4m3 codes b -> their exact bf16 values, codes 0-31 in *w0 and 32-63 in *w1 (lane l of
+ * *w0: codes 2l, 2l + 1): the high and low bytes of each magnitude from the two 128-entry
+ * tables (index: bits 0-6), the sign or-ed into the high byte, then the bytes interleaved.
+ * Also qgemv_decode.h's. */
+INLINE void fp8_bf16_64(__m512i b, __m512i *w0, __m512i *w1) {
+    const __m512i ia = _mm512_set_epi8(
+        95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24, 87, 23, 86, 22, 85, 21,
+        84, 20, 83, 19, 82, 18, 81, 17, 80, 16, 79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10,
+        73, 9, 72, 8, 71, 7, 70, 6, 69, 5, 68, 4, 67, 3, 66, 2, 65, 1, 64, 0);
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(FP8_BF16_LO), b,
+                                                _mm512_load_si512(FP8_BF16_LO + 64));
+    __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(FP8_BF16_HI), b,
+                                          _mm512_load_si512(FP8_BF16_HI + 64));
+    hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xF8);   /* | b & 0x80 */
+    *w0 = _mm512_permutex2var_epi8(lo, ia, hi);                  /* bytes lo[j], hi[j] */
+    *w1 = _mm512_permutex2var_epi8(lo, _mm512_add_epi8(ia, _mm512_set1_epi8(32)), hi);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The bf16 bits of the INT4 values 0 .. 15, twice (vpermw reads 5 index bits). */
+INLINE __m512i int4_bf16_words(void) {
+    return _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0,
+        0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+        0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
+}
+
+/* 16 bytes of 4-bit codes (low nibble first) -> 16 lanes of bf16 pairs: each byte widened to
+ * a 32-bit lane, its nibbles split into the lane's two 16-bit halves, then the word table
+ * ``tab`` (the 16 codes' bf16 bits twice). Also qgemv_decode.h's. */
+INLINE __m512i nibble_pairs_bf16(const uint8_t *p, __m512i tab) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i r = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
+                                                _mm512_set1_epi32(0x000f000f), 0xA8);
+    return _mm512_permutexvar_epi16(r, tab);
+}
+#endif
+
 /* Rows 2p, 2p+1 of the CV vectors of block columns from c, as bf16 pairs of the codes'
  * values (wv[v]: columns c + 16v .. c + 16v + 15). */
 INLINE void code_pairs(int int4, const uint8_t *blk, int64_t bw, int64_t p, int64_t c, int CV,
@@ -93,39 +133,22 @@ INLINE void code_pairs(int int4, const uint8_t *blk, int64_t bw, int64_t p, int6
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
     if (!int4) {            /* bytes (p * bw + c) * 2 + 32v + 2l + r: row 2p + r, lane l */
         const uint8_t *src = blk + (p * bw + c) * 2;
-        const __m512i lo0 = _mm512_load_si512(FP8_BF16_LO), lo1 = _mm512_load_si512(FP8_BF16_LO + 64);
-        const __m512i hi0 = _mm512_load_si512(FP8_BF16_HI), hi1 = _mm512_load_si512(FP8_BF16_HI + 64);
-        const __m512i sign = _mm512_set1_epi8((char)0x80);
-        const __m512i ia = _mm512_set_epi8(
-            95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24, 87, 23, 86, 22, 85, 21,
-            84, 20, 83, 19, 82, 18, 81, 17, 80, 16, 79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10,
-            73, 9, 72, 8, 71, 7, 70, 6, 69, 5, 68, 4, 67, 3, 66, 2, 65, 1, 64, 0);
-        const __m512i ib = _mm512_add_epi8(ia, _mm512_set1_epi8(32));
         for (int v = 0; v < CV; v += 2) {
             const __m512i b = CV - v >= 2 ? _mm512_loadu_si512(src + 32 * v)
                                           : _mm512_maskz_loadu_epi8(0xffffffffull, src + 32 * v);
-            const __m512i lo = _mm512_permutex2var_epi8(lo0, b, lo1);  /* index: bits 0-6 */
-            __m512i hi = _mm512_permutex2var_epi8(hi0, b, hi1);
-            hi = _mm512_ternarylogic_epi32(hi, b, sign, 0xF8);        /* hi | (b & 0x80) */
-            wv[v] = (wpair)_mm512_permutex2var_epi8(lo, ia, hi);     /* bytes lo[j], hi[j] */
-            if (v + 1 < CV) wv[v + 1] = (wpair)_mm512_permutex2var_epi8(lo, ib, hi);
+            __m512i w0, w1;
+            fp8_bf16_64(b, &w0, &w1);
+            wv[v] = (wpair)w0;
+            if (v + 1 < CV) wv[v + 1] = (wpair)w1;
         }
         return;
     }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (int4) {             /* byte p * bw + c + 16v + l: row 2p low nibble, 2p+1 high */
-        const __m512i tab = _mm512_set_epi16(
-            0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0,
-            0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
-            0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0);
-        for (int v = 0; v < CV; v++) {
-            const __m512i b = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(blk + p * bw + c + v * LANES)));
-            const __m512i r = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
-                                                        _mm512_set1_epi32(0x000f000f), 0xA8);
-            wv[v] = (wpair)_mm512_permutexvar_epi16(r, tab);
-        }
+        const __m512i tab = int4_bf16_words();
+        for (int v = 0; v < CV; v++)
+            wv[v] = (wpair)nibble_pairs_bf16(blk + p * bw + c + v * LANES, tab);
         return;
     }
 #endif

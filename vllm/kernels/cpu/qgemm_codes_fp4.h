@@ -36,16 +36,23 @@
 #include "qgemm_fp4.h"
 #include "vec.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The bf16 bits of the 16 e2m1 codes (sign in bit 3), twice (vpermw reads 5 index bits). */
+INLINE __m512i e2m1_bf16_words(void) {
+    return _mm512_set_epi16(
+        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
+        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
+        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+}
+#endif
+
 /* Rows 2p, 2p+1 of the CV vectors of block columns from c as bf16 pairs of the codes' values
  * (wv[v]: columns c + 16v .. c + 16v + 15); CV == CV_MAX only for a full block (c = 0). */
 INLINE void fp4_code_pairs(const uint8_t *blk, int64_t bw, int64_t p, int64_t c, int CV,
                            wpair *wv) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    const __m512i tab = _mm512_set_epi16(
-        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
-        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+    const __m512i tab = e2m1_bf16_words();
     if (bw == BLOCK) {
         const __m512i w = _mm512_loadu_si512(blk + p * bw);
         for (int v = 0; v < CV; v++)

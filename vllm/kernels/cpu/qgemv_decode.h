@@ -14,13 +14,6 @@
 #define HAVE_BF16_CHAIN 0
 #endif
 
-/* One e4m3 code -> its value / 256 (normal: (8 + m) 2^(e - 10); subnormal: m 2^-9). */
-INLINE float e4m3_over_256(uint8_t b) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    const float v = e ? __builtin_ldexpf((float)(8 + m), e - 18) : __builtin_ldexpf((float)m, -17);
-    return (b & 0x80) ? -v : v;
-}
-
 /* 16 e4m3 codes -> values / 256. The code's bits shifted left by 7 put e and m where an f16's
  * exponent and top mantissa bits are, and the sign at bit 14; adding bit 14 to itself moves it
  * to bit 15. The f16 read that way is the e4m3 value / 2^8 (the biases differ by 8), also for
@@ -32,7 +25,7 @@ INLINE vf e4m3x16(const uint8_t *p) {
     return (vf)_mm512_cvtph_ps(h);
 #else
     vf v;
-    for (int l = 0; l < LANES; l++) v[l] = e4m3_over_256(p[l]);
+    for (int l = 0; l < LANES; l++) v[l] = fp8_value(p[l]) * 0x1p-8f;     /* exact */
     return v;
 #endif
 }
@@ -80,36 +73,14 @@ INLINE float scale_byte(int code, uint8_t b) {
  * paired in each 32-bit lane (w[1]: FP8's columns 32-63). */
 INLINE void bf16_codes(int kind, const void *row, int64_t c, __m512bh *w) {
     if (kind == 0) {
-        const __m512i b = _mm512_loadu_si512((const uint8_t *)row + c);
-        const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(FP8_BF16_LO), b,
-                                                    _mm512_load_si512(FP8_BF16_LO + 64));
-        __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(FP8_BF16_HI), b,
-                                              _mm512_load_si512(FP8_BF16_HI + 64));
-        hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xF8);
-        const __m512i ia = _mm512_set_epi8(
-            95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24, 87, 23, 86, 22, 85, 21,
-            84, 20, 83, 19, 82, 18, 81, 17, 80, 16, 79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10,
-            73, 9, 72, 8, 71, 7, 70, 6, 69, 5, 68, 4, 67, 3, 66, 2, 65, 1, 64, 0);
-        w[0] = (__m512bh)_mm512_permutex2var_epi8(lo, ia, hi);     /* bytes lo[j], hi[j] */
-        w[1] = (__m512bh)_mm512_permutex2var_epi8(lo, _mm512_add_epi8(ia, _mm512_set1_epi8(32)),
-                                                  hi);
+        __m512i w0, w1;
+        fp8_bf16_64(_mm512_loadu_si512((const uint8_t *)row + c), &w0, &w1);
+        w[0] = (__m512bh)w0;
+        w[1] = (__m512bh)w1;
         return;
     }
-    /* Byte k of the 4 words: column 2k in its low nibble, 2k + 1 in its high one; the table
-     * holds the 16 values' bf16 bits twice (vpermw reads 5 index bits). */
-    const __m512i tab = kind == 1 ? _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
-        0x4080, 0x4040, 0x4000, 0x3F80, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
-        0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0)
-        : _mm512_set_epi16(
-        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
-        (short)0xC0C0, (short)0xC080, (short)0xC040, (short)0xC000, (short)0xBFC0, (short)0xBF80,
-        (short)0xBF00, (short)0x8000, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
-    const __m512i b = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i *)((const int32_t *)row + (c >> 3))));
-    const __m512i r = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
-                                                _mm512_set1_epi32(0x000f000f), 0xA8);
-    w[0] = (__m512bh)_mm512_permutexvar_epi16(r, tab);
+    /* Byte k of the 4 words: column 2k in its low nibble, 2k + 1 in its high one. */
+    w[0] = (__m512bh)nibble_pairs_bf16((const uint8_t *)((const int32_t *)row + (c >> 3)),
+                                       kind == 1 ? int4_bf16_words() : e2m1_bf16_words());
 }
 #endif
