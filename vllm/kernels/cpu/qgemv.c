@@ -73,6 +73,25 @@ INLINE float scale_of(const qgemv_args *a, int64_t base, float glob, int64_t g) 
     return s * glob;
 }
 
+/* Rows r0 and r0 + NR - 1 of a call (NR = 1: the same row twice): their codes, where their
+ * scales start (scale_base) and their global scales (row_global). */
+typedef struct {
+    const char *codes[2];
+    int64_t base[2];
+    float glob[2];
+} row_pair;
+
+INLINE row_pair rows_at(const qgemv_args *a, int NR, int64_t r0) {
+    row_pair p;
+    for (int i = 0; i < 2; i++) {
+        const int64_t r = r0 + (i ? NR - 1 : 0);
+        p.codes[i] = (const char *)a->codes + r * a->row_bytes;
+        p.base[i] = scale_base(a, r);
+        p.glob[i] = row_global(a, r);
+    }
+    return p;
+}
+
 /* INT4's zero point of row r, group g (with the format's offset). */
 INLINE float zero_of(const qgemv_args *a, int64_t r, int64_t g) {
     return (float)((((uint32_t)a->zeros[(r >> 3) * a->Gs + g]) >> (4 * (r & 7))) & 15u) +
@@ -87,11 +106,9 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
     float corr[2][TOK] = {{0}};
     for (int i = 0; i < NR; i++)
         for (int t = 0; t < NT; t++) tot[i][t] = splat(0.0f);
-    const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
-                           (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
+    const row_pair pr = rows_at(a, NR, r0);
+    const char *const *rows = pr.codes;
     const float unit = kind == 0 && !BF16 ? 256.0f : 1.0f;    /* the f32 chain's FP8: v / 256 */
-    const int64_t base[2] = {scale_base(a, r0), scale_base(a, r0 + NR - 1)};
-    const float glob[2] = {row_global(a, r0), row_global(a, r0 + NR - 1)};
     for (int64_t g = 0; g < a->Gs; g++) {
         const int64_t c0 = g * a->group, c1 = c0 + a->group < a->C ? c0 + a->group : a->C;
         vf acc[2][TOK];
@@ -136,7 +153,7 @@ INLINE void rows_tokens(const qgemv_args *a, int kind, int NR, int NT, int BF16,
                     tail[i][t] = sfma(q, a->x[(t0 + t) * a->C + c], tail[i][t]);
             }
         for (int i = 0; i < NR; i++) {
-            const float s = scale_of(a, base[i], glob[i], g);
+            const float s = scale_of(a, pr.base[i], pr.glob[i], g);
             const float z = kind == 1 ? zero_of(a, r0 + i, g) : 0.0f;
             for (int t = 0; t < NT; t++) {
                 tot[i][t] = vfma(splat(s * unit), acc[i][t], tot[i][t]);
@@ -157,16 +174,14 @@ INLINE void rows_tokens_vscale(const qgemv_args *a, int kind, int NR, int NT, in
     vf tot[2][TOK];
     for (int i = 0; i < NR; i++)
         for (int t = 0; t < NT; t++) tot[i][t] = splat(0.0f);
-    const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
-                           (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
+    const row_pair pr = rows_at(a, NR, r0);
+    const char *const *rows = pr.codes;
     const float unit = kind == 0 ? 256.0f : 1.0f;
-    const int64_t base[2] = {scale_base(a, r0), scale_base(a, r0 + NR - 1)};
-    const float glob[2] = {row_global(a, r0), row_global(a, r0 + NR - 1)};
     for (int64_t g = 0; g < a->Gs; g++) {
         const int64_t c = g * LANES;
         vf w[2];
         for (int i = 0; i < NR; i++) {
-            const float s = scale_of(a, base[i], glob[i], g);
+            const float s = scale_of(a, pr.base[i], pr.glob[i], g);
             const float zs = kind == 1 ? -zero_of(a, r0 + i, g) * s : 0.0f;
             w[i] = vfma(code16(kind, rows[i], c), splat(s * unit), splat(zs));
             if ((c & 63) == 0) PREFETCH_NEXT_PAIR(kind, rows[i], c);
@@ -203,14 +218,12 @@ INLINE void rows_tokens_gidx(const qgemv_args *a, int NR, int NT, int64_t r0, in
     const int64_t Gs = a->Gs;
     float st[2][Gs + 32], zt[2][Gs + 32];      /* padded: the permutes load 32 floats */
     vf tot[2][TOK], s0[2], s1[2], z0[2], z1[2];
-    const char *rows[2] = {(const char *)a->codes + r0 * a->row_bytes,
-                           (const char *)a->codes + (r0 + NR - 1) * a->row_bytes};
+    const row_pair pr = rows_at(a, NR, r0);
+    const char *const *rows = pr.codes;
     const int32_t *gidx = a->gidx + (r0 / a->gidx_div) * a->C;
     for (int i = 0; i < NR; i++) {
-        const int64_t base = scale_base(a, r0 + i);
-        const float glob = row_global(a, r0 + i);
         for (int64_t g = 0; g < Gs + 32; g++) {
-            const float sg = g < Gs ? scale_of(a, base, glob, g) : 0.0f;
+            const float sg = g < Gs ? scale_of(a, pr.base[i], pr.glob[i], g) : 0.0f;
             st[i][g] = sg;
             zt[i][g] = g < Gs ? -zero_of(a, r0 + i, g) * sg : 0.0f;
         }
