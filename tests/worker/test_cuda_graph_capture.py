@@ -66,6 +66,39 @@ def test_a_failed_capture_ends_it_and_the_next_uses_a_fresh_pool():
     assert capturer.pool is not None and capturer.pool != first
 
 
+def test_a_graph_break_splits_the_capture_into_pieces_replayed_in_order():
+    """``break_graph`` inside the captured function ends the graph being captured and begins
+    the next in the same pool; its function does not run at capture. A replay runs the first
+    graph, the function (its result copied into the tensor the capture handed on), the second
+    graph, on the caller's stream; outside a capture ``break_graph`` just calls it."""
+    from vllm.model_executor.graph_break import break_graph
+    cuda = FakeCuda()
+    capturer = CudaGraphCapturer(torch.device("cuda", 1), cuda=cuda)
+    handed = []
+
+    def eager():
+        cuda.log.append(("eager", cuda.where()))
+        return torch.full((2,), 7.0)
+
+    def fn():
+        cuda.log.append(("before", cuda.where()))
+        handed.append(break_graph(eager, torch.zeros(2)))
+        cuda.log.append(("after", cuda.where()))
+        return _Out(cuda)
+    replay = capturer.capture(fn)
+    cap, pool = (1, capturer.stream.name), capturer.pool
+    assert cuda.log == [("Stream", cap[1], -1), ("synchronize", 1), ("capture_begin", pool, cap),
+                        ("before", cap),
+                        ("capture_end", cap), ("capture_begin", pool, cap), ("after", cap),
+                        ("capture_end", cap), ("wait_stream", "default:1", capturer.stream.name)]
+    del cuda.log[:]
+    replay()
+    assert cuda.log == [("replay", (1, "default:1")), ("eager", (1, "default:1")),
+                        ("replay", (1, "default:1"))]
+    assert handed[0].tolist() == [7.0, 7.0]
+    assert break_graph(lambda: torch.ones(1), torch.zeros(1)).tolist() == [1.0]
+
+
 class _MaskingCapturer(cuda_graphs.GraphCapturer):
     """As the CUDA capture: the forward raises, then ``capture_end`` in the ``finally`` raises
     its own error, which masks the first."""

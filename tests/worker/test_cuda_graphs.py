@@ -186,8 +186,8 @@ def _attn(impl="safe"):
 
 
 class _Cache:
-    def __init__(self, reason=None):
-        self.reason = reason
+    def __init__(self, reason=None, reads_on_host=False):
+        self.reason, self.reads_on_host = reason, reads_on_host
 
     def cuda_graph_refusal(self):
         return self.reason
@@ -211,6 +211,9 @@ def _moe(kernel=None, cache=None, observer=None):
     (dict(moe_layers=[_moe(kernel=TorchExperts.__new__(TorchExperts), cache=_Cache())]),
      "MoE backend 'torch' is not cuda_graph_safe"),
     (dict(moe_layers=[_moe(cache=_Cache())]), None),
+    # moe_expert_cpu_compute: the layer runs between the graph's pieces, whatever its backend.
+    (dict(moe_layers=[_moe(kernel=TorchExperts.__new__(TorchExperts),
+                           cache=_Cache(reads_on_host=True))]), None),
     (dict(), None)])
 def test_refusal_reasons(layers, reason):
     args = dict(attn_layers=[_attn()], moe_layers=[_moe()], state_layers=[])

@@ -54,6 +54,12 @@ recurrent-state models (padding rows would need state slots of their own, and
 enqueue device work (the next router, ``Residency.load``, the copy), and the one Python flag they
 keep (``CachedWeightProvider._settled``) takes the same values in every decode step, so a replay
 repeats what the capture recorded.
+
+Graph breaks (``vllm/model_executor/graph_break.py``): a MoE layer whose step reads the device
+on the host (``moe_expert_cpu_compute``) is not refused but cut out: the capture ends before it
+and a new graph begins after it, and a replay runs the pieces and these layers eagerly, in order
+(``CudaGraphCapturer.capture``); padding rows stay off the CPU (``HostMissCompute.host_pairs``).
+Its backend and residency step need not be capturable.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ from vllm.config.graph_sizes import padded_size
 from vllm.logger import init_logger
 from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
                                                  set_forward_context)
+from vllm.model_executor.graph_break import graph_breaks
 from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
 from vllm.platforms import platform_for
 
@@ -100,6 +107,8 @@ def cuda_graph_refusal(attn_layers: list, moe_layers: list, state_layers: list =
         reason = m.expert_cache.cuda_graph_refusal() if m.expert_cache is not None else None
         if reason is not None:
             return f"{m.prefix}: expert cache: {reason}"
+        if getattr(m.expert_cache, "reads_on_host", False):
+            continue                           # runs between the pieces (graph_break)
         kernel = m.quant_method.kernel
         if not getattr(kernel, "cuda_graph_safe", False):
             name = getattr(kernel, "name", type(kernel).__name__)
@@ -162,24 +171,44 @@ class CudaGraphCapturer(GraphCapturer):
         return out
 
     def capture(self, fn):
+        """A graph break (``graph_break``) ends the graph being captured and begins the next
+        one in the same pool: a replay runs graph, eager function, graph, ... in capture order
+        (graphs sharing a pool must replay in that order), all on the caller's stream."""
         cuda, dev = self.cuda, self.device
+        pieces: list = []                      # CUDAGraph, or (eager fn, its output tensor)
         with cuda.device(dev):
             if self.pool is None:
                 self.pool = cuda.graph_pool_handle()
             stream, caller = self._stream(), cuda.current_stream(dev)
             graph = cuda.CUDAGraph()
+
+            def on_break(eager, out_like: torch.Tensor) -> torch.Tensor:
+                nonlocal graph
+                graph.capture_end()
+                pieces.append(graph)
+                with torch.inference_mode(False):
+                    out = torch.empty_like(out_like)   # outside the pool: no piece reuses it
+                pieces.append((eager, out))
+                graph = cuda.CUDAGraph()
+                graph.capture_begin(pool=self.pool)
+                return out
             cuda.synchronize(dev)              # nothing in flight may join the capture
-            with cuda.stream(stream):
+            with cuda.stream(stream), graph_breaks(on_break):
                 graph.capture_begin(pool=self.pool)
                 try:
                     out = fn()
                 finally:
                     graph.capture_end()
+            pieces.append(graph)
             caller.wait_stream(stream)
 
         def replay() -> torch.Tensor:
             with cuda.device(dev):
-                graph.replay()
+                for piece in pieces:
+                    if isinstance(piece, tuple):
+                        piece[1].copy_(piece[0]())
+                    else:
+                        piece.replay()
             return out
         return replay
 

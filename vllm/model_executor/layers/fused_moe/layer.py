@@ -18,6 +18,7 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.forward_context import get_attn_metadata
+from vllm.model_executor.graph_break import break_graph, capturing_in_pieces
 from vllm.model_executor.layers.fused_moe.expert_cache import (CachedWeightProvider,
                                                                WeightProvider, cache_enabled,
                                                                make_weight_provider)
@@ -155,7 +156,15 @@ class FusedMoE(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden_states [T, H], router_logits [T, E] -> [T, H]."""
+        """hidden_states [T, H], router_logits [T, E] -> [T, H]. A layer whose step reads the
+        device on the host (``moe_expert_cpu_compute``) runs eagerly between the pieces of a
+        decode graph (``graph_break``)."""
+        if capturing_in_pieces() and self.weight_provider.reads_on_host:
+            return break_graph(partial(self._forward, hidden_states, router_logits),
+                               hidden_states)
+        return self._forward(hidden_states, router_logits)
+
+    def _forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.router_config,
                                                 self.e_score_correction_bias)
         if self.routing_observer is not None:
@@ -177,7 +186,7 @@ class FusedMoE(nn.Module):
         row_slots = md.slot_mapping if md is not None and \
             md.slot_mapping.shape[0] == topk_ids.shape[0] else None
         topk_weights = topk_weights.to(hidden_states.dtype)
-        split = provider.split_for_host(topk_ids, hidden_states, topk_weights)
+        split = provider.split_for_host(topk_ids, hidden_states, topk_weights, row_slots)
         host_pairs = None
         if split is not None:  # moe_expert_cpu_compute: the CPU computes the pairs it names
             topk_ids = split.device_ids

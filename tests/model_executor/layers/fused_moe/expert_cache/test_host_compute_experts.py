@@ -59,12 +59,16 @@ def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, act, tokens):
 
 
 def _cuda_outputs(path, **kw):
+    """Decode steps replay CUDA graphs, a layer with CPU compute between their pieces
+    (``graph_break``): a capture that failed (the steps then run eagerly) fails the test."""
     llm = LLM(path, device="cuda", dtype="float32", **kw)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     prompts = [[5, 17, 99, 3], [250, 7], list(range(40, 90)), [11] * 9]
     outs = [(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in d.items())
                                       for d in o.outputs[0].logprobs])
             for o in llm.generate(prompts, params)]
+    graphs = llm.llm_engine.runner.decode_graphs
+    assert graphs is not None and graphs.refused is None, graphs and graphs.refused
     return outs, llm.get_moe_cache_stats()
 
 

@@ -4,7 +4,7 @@ Where the link is slow (PCIe 4 x4 laptops, WSL), running a missing expert's few 
 CPU, which reads the expert from RAM, can be cheaper than copying the expert to the device.
 Per step and cached layer, with a mode other than "off":
   1. the routing and the layer's residency are read on the host (one synchronisation: this mode
-     is for eager steps; decode graphs refuse it, ``CachedWeightProvider.cuda_graph_refusal``);
+     runs eagerly: a decode graph runs the layer between its pieces, ``graph_break``);
   2. each *missing* expert (needed, not resident) goes to the CPU in mode "always", and in
      "auto" while the CPU time spent on it since it was last copied, this step's included,
      stays under one copy's (``rent_or_buy``, ski rental over ``HostCostModel``); else it is
@@ -33,6 +33,7 @@ import torch
 from vllm.config import MOE_CPU_COMPUTE_MODES
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
+from vllm.model_executor.forward_context import PAD_SLOT_ID
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.platforms import platform_for
 
@@ -214,18 +215,24 @@ class HostMissCompute:
         """[E] float64 steps that used each expert, halved every ``USE_HALF_LIFE`` steps (mode
         "auto"): ``balance``'s order."""
 
-    def host_pairs(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """topk_ids [T, top_k] (device), slot_of_expert [E] (the residency before this step) ->
-        (ids [T, top_k] on the host, [T, top_k] bool: the pairs the CPU computes). One read of
-        the device."""
+    def host_pairs(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor,
+                   row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_ids [T, top_k] (device), slot_of_expert [E] (the residency before this step),
+        row_slots [T] or None (rows whose KV slot is PAD_SLOT_ID are a decode graph's padding)
+        -> (ids [T, top_k] on the host, [T, top_k] bool: the pairs the CPU computes). One read
+        of the device."""
         T, K = topk_ids.shape
-        both = torch.cat([topk_ids.reshape(-1), slot_of_expert]).to("cpu")   # the sync
+        parts = [topk_ids.reshape(-1), slot_of_expert]
+        if row_slots is not None:
+            parts.append(row_slots.reshape(-1))
+        both = torch.cat(parts).to("cpu")                                     # the sync
         ids = both[:T * K].view(T, K)
         # numpy from here: a few [E] and [T, K] operations, each far cheaper than a torch op.
-        flat, resident = ids.numpy(), both[T * K:].numpy() >= 0
-        num_experts = resident.shape[0]
+        num_experts = slot_of_expert.shape[0]
+        flat, resident = ids.numpy(), both[T * K:T * K + num_experts].numpy() >= 0
         known = (flat >= 0) & (flat < num_experts)          # others route nowhere, as the steps
+        if row_slots is not None:                           # and padding rows, as ``prepare``
+            known &= (both[T * K + num_experts:].numpy() != PAD_SLOT_ID)[:, None]
         clamped = flat.clip(0, num_experts - 1)
         miss = known & ~resident[clamped]
         if self.mode == "auto":
@@ -258,19 +265,22 @@ class HostMissCompute:
         return rent
 
     def split(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
-              topk_weights: torch.Tensor) -> HostSplit | None:
+              topk_weights: torch.Tensor, row_slots: torch.Tensor | None = None
+              ) -> HostSplit | None:
         """The step's split (``host_pairs``), or None when the device computes every pair.
-        x [T, H] and topk_weights [T, top_k] are the device's; eager steps only (no padding rows:
-        graphs refuse this mode). One read of the device for a small step (its inputs come with
-        the routing: ``EARLY_READ_BYTES``), else two (the routing, then the CPU's rows of the
-        inputs); one upload (the device's ids and pairs, and the CPU's rows if read later)."""
+        x [T, H] and topk_weights [T, top_k] are the device's; row_slots as ``host_pairs``'s (a
+        decode graph runs this layer eagerly between its pieces, padding rows included: they
+        stay on the device, which routes them nowhere). One read of the device for a small
+        step (its inputs come with the routing: ``EARLY_READ_BYTES``), else two (the routing,
+        then the CPU's rows of the inputs); one upload (the device's ids and pairs, and the
+        CPU's rows if read later)."""
         T, K = topk_ids.shape
         early = None
         if T * (x.shape[1] + K) * x.element_size() <= EARLY_READ_BYTES:
             # Queued before host_pairs' blocking read on the same stream, so it has landed when
             # that read returns.
             early = torch.cat([x, topk_weights.to(x.dtype)], 1).to("cpu", non_blocking=True)
-        ids, miss = self.host_pairs(topk_ids, slot_of_expert)
+        ids, miss = self.host_pairs(topk_ids, slot_of_expert, row_slots)
         flat, miss = ids.numpy(), miss.numpy()                        # host [T, K]
         if not miss.any():
             return None

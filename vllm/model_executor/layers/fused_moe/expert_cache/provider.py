@@ -98,11 +98,17 @@ class WeightProvider:
         """name -> [G, ...] device tensor the kernel reads (G = E experts, or N slots)."""
         raise NotImplementedError
 
+    reads_on_host = False
+    """Whether a step reads the device on the host (``moe_expert_cpu_compute``): the layer then
+    runs eagerly between the pieces of a decode graph (``graph_break``)."""
+
     def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
-                       topk_weights: torch.Tensor) -> "HostSplit | None":
+                       topk_weights: torch.Tensor, row_slots: torch.Tensor | None = None
+                       ) -> "HostSplit | None":
         """This step's pairs the CPU computes from host memory (``HostMissCompute.split``, a host
         read), or None (all on the device): only a cache with ``moe_expert_cpu_compute`` has
-        any. x [T, H], topk_ids and topk_weights [T, K]."""
+        any. x [T, H], topk_ids and topk_weights [T, K]; row_slots [T] (``prepare``'s: rows
+        whose slot is PAD_SLOT_ID are graph padding and route nowhere)."""
         return None
 
 
@@ -164,10 +170,11 @@ class CachedWeightProvider(WeightProvider):
         """Why a decode graph (``worker/cuda_graphs.py``) cannot capture this layer's cached
         step, or None. It needs the platform's fused residency step (one launch per layer, no
         host read; the reference is refused: ~40 launches per wave) and a ``sync_free`` copy
-        engine (a copy kernel; not the torch fallback, which reads the plan on the host)."""
-        if self.host_compute is not None:
-            return (f"moe_expert_cpu_compute={self.host_compute.mode!r} reads each step's "
-                    "routing on the host to choose the experts the CPU computes")
+        engine (a copy kernel; not the torch fallback, which reads the plan on the host).
+        None where the step reads on the host (``reads_on_host``): the layer runs eagerly
+        between the graph's pieces, so nothing of it is captured."""
+        if self.reads_on_host:
+            return None
         if self.step.name == "reference":
             return (f"its residency step is the tensor-op reference (the {self.device.type} "
                     "platform has no fused residency step kernel, e.g. triton is missing, or "
@@ -268,11 +275,17 @@ class CachedWeightProvider(WeightProvider):
                                             else ")"))
         self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
 
+    @property
+    def reads_on_host(self) -> bool:
+        return self.host_compute is not None
+
     def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
-                       topk_weights: torch.Tensor) -> HostSplit | None:
+                       topk_weights: torch.Tensor, row_slots: torch.Tensor | None = None
+                       ) -> HostSplit | None:
         if self.host_compute is None:
             return None
-        return self.host_compute.split(topk_ids, self.residency.slot_of_expert, x, topk_weights)
+        return self.host_compute.split(topk_ids, self.residency.slot_of_expert, x, topk_weights,
+                                       row_slots)
 
     @property
     def prefetching(self) -> bool:

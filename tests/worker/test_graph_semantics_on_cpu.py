@@ -1,0 +1,101 @@
+"""The CUDA decode path rehearsed on CPU with a capturer that keeps a graph's semantics
+(``graph_recorder.RecordingCapturer``: a capture executes nothing, a replay runs only the
+recorded kernels and ops, none of the step's Python). Bugs that ``EagerCapturer`` hides, such
+as Python state a real replay would not recompute, fail here as on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_recorder import RecordingCapturer, recording
+from host_sync_audit import HostSync
+from side_streams import hand_out_side_streams
+from test_cuda_path_on_cpu import RehearsalPlatform, _run
+
+from vllm.platforms import _PLATFORMS
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    with recording(monkeypatch) as capturer:
+        yield capturer
+
+
+def test_the_recorder_runs_nothing_at_capture_and_only_the_record_at_replay():
+    """A write runs at each replay and not at capture; a computation reads its inputs' values
+    at replay, while a Python value it used is the one the capture saw; a break's function runs
+    at its point of each replay."""
+    from vllm.model_executor.graph_break import break_graph
+    capturer = RecordingCapturer()
+    buf, x, scale, order = torch.zeros(3), torch.ones(3), [2.0], []
+
+    def fn():
+        buf.add_(1)
+        y = break_graph(lambda: order.append(buf[0].item()) or buf * 10, x)
+        return x * scale[0] + y
+    replay = capturer.capture(fn)
+    assert buf.tolist() == [0.0] * 3 and order == [] and capturer.breaks == 1
+    x.fill_(3.0)
+    scale[0] = 5.0
+    assert replay().tolist() == [16.0] * 3 and buf.tolist() == [1.0] * 3
+    assert replay().tolist() == [26.0] * 3 and order == [1.0, 2.0]
+
+
+def test_the_recorder_refuses_a_host_read():
+    with pytest.raises(HostSync):
+        RecordingCapturer().capture(lambda: torch.ones(2).sum().item())
+
+
+def _stats(runner):
+    return [m.expert_cache.stats() for m in runner.moe_layers if m.expert_cache is not None]
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("Qwen3MoeForCausalLM", {}),
+    ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_cache_policy="lrfu_next")),
+    ("DeepseekV2ForCausalLM", {}),
+    ("DeepseekV2ForCausalLM", dict(moe_expert_cache_size=3)),
+    ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_prefetch="next-layer")),
+    ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_overlap=True))])
+def test_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, monkeypatch, arch,
+                                                kw):
+    """Tokens and every cache counter equal enforce_eager's when replays run only what the
+    capture recorded."""
+    hand_out_side_streams(monkeypatch, RehearsalPlatform)
+    path = tiny_model_factory(arch)
+    eager, eager_runner = _run(path, enforce_eager=True, dtype="float32", **kw)
+    got, runner = _run(path, dtype="float32", **kw)
+    assert runner.decode_graphs.refused is None, runner.decode_graphs.refused
+    assert recorded.replays > 0 and recorded.breaks == 0
+    assert got == eager
+    assert _stats(runner) == _stats(eager_runner)
+
+
+@pytest.mark.parametrize("mode", ["always", "auto"])
+def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, monkeypatch, mode):
+    """``moe_expert_cpu_compute`` reads each step's routing on the host, so its MoE layers run
+    eagerly between the pieces of the decode graphs (one break per MoE layer and capture):
+    tokens and every counter (CPU pairs included: graph padding rows stay off the CPU) equal
+    enforce_eager's, batches 3 and 1 padded to 4 and 1. "auto" gets a fixed cost model (a
+    measured one differs between the two runs): an expert is rented twice, then bought."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    cost = host_compute.HostCostModel(copy_seconds=1.0, cpu_fixed=0.4, cpu_per_token=0.0,
+                                      concurrent=True)
+    monkeypatch.setattr(host_compute, "_COST_MODELS", {})
+    monkeypatch.setattr(host_compute, "measure_cost_model", lambda *a, **k: cost)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    kw = dict(dtype="float32", moe_expert_cache_size=2, moe_expert_cpu_compute=mode)
+    eager, eager_runner = _run(path, enforce_eager=True, **kw)
+    got, runner = _run(path, **kw)
+    graphs = runner.decode_graphs
+    assert graphs.refused is None, graphs.refused
+    assert recorded.replays > 0
+    assert recorded.breaks == len(runner.moe_layers) * len(graphs.captured_sizes)
+    assert got == eager
+    stats = _stats(runner)
+    assert stats == _stats(eager_runner)
+    if mode == "always":
+        assert sum(s["cpu_pairs"] for s in stats) > 0
