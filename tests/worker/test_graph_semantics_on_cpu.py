@@ -59,7 +59,10 @@ def _stats(runner):
     ("DeepseekV2ForCausalLM", {}),
     ("DeepseekV2ForCausalLM", dict(moe_expert_cache_size=3)),
     ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_prefetch="next-layer")),
-    ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_overlap=True))])
+    ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_overlap=True)),
+    ("MixtralForCausalLM", dict(moe_expert_cache_size=1, moe_expert_cache_policy="lfu")),
+    ("GptOssForCausalLM", dict(moe_expert_cache_size=2)),
+    ("DeepseekV3ForCausalLM", dict(moe_expert_cache_size=3, moe_expert_prefetch="next-layer"))])
 def test_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, monkeypatch, arch,
                                                 kw):
     """Tokens and every cache counter equal enforce_eager's when replays run only what the
@@ -99,3 +102,20 @@ def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, mon
     assert stats == _stats(eager_runner)
     if mode == "always":
         assert sum(s["cpu_pairs"] for s in stats) > 0
+
+
+@pytest.mark.parametrize("scheme", [["--scheme", "fp8-block", "--block-size", "16", "32"],
+                                    ["--scheme", "w4a16-gptq", "--asym", "--desc-act",
+                                     "--group-size", "16"]], ids=["fp8-block", "w4a16-gptq"])
+def test_quantized_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, tmp_path,
+                                                          scheme):
+    """The Triton FP8 / INT4 kernels on slot weights and slot scales, cached, replayed from
+    the record: enforce_eager's tokens and counters."""
+    from tools.quantize_checkpoint import main as quantize_main
+    src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
+    quantize_main(["--model", src, "--out", str(tmp_path), *scheme])
+    kw = dict(dtype="float32", moe_expert_cache_size=2)
+    eager, eager_runner = _run(str(tmp_path), enforce_eager=True, **kw)
+    got, runner = _run(str(tmp_path), **kw)
+    assert runner.decode_graphs.refused is None and recorded.replays > 0
+    assert got == eager and _stats(runner) == _stats(eager_runner)
