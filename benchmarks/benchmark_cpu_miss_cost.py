@@ -121,8 +121,9 @@ def quantized_store(method, hidden: int, inter: int, experts: int, g: torch.Gene
 
 
 def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
-    """(host store, HostExperts, the path it takes: "bf16", "qgemv" or "dequantize") of
-    ``experts`` random experts in ``scheme``."""
+    """(host store, HostExperts, the path it takes: "gemv16" or "torch" for bf16, else
+    "qgemv" or "dequantize") of ``experts`` random experts in ``scheme``; path "dequantize"
+    asks for the path without the C kernel."""
     g = torch.Generator().manual_seed(0)
     act = MoEActivation.of("silu")
     if scheme == "bf16":
@@ -130,7 +131,9 @@ def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
                                 ).to(torch.bfloat16),
                  "w2_weight": (torch.randn(experts, hidden, inter, generator=g) * 0.02
                                ).to(torch.bfloat16)}
-        return store, HostExperts(act), "bf16"
+        # "gemv16": the store's rows read in place (kernels/cpu/gemv16.c); "torch": torch.mv.
+        return store, HostExperts(act, gemv=path != "dequantize"), \
+            "gemv16" if path != "dequantize" else "torch"
     method = {"w4a16-gptq": lambda: GptqMoEMethod(128, False, False),
               "w4a16-gptq-act": lambda: GptqMoEMethod(128, False, True), "nvfp4": Nvfp4MoEMethod,
               "mxfp4": Mxfp4MoEMethod}.get(scheme, lambda: Fp8MoEMethod(
@@ -167,8 +170,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--scheme", nargs="+", default=["bf16"], choices=SCHEMES,
                     help="expert formats (quantized: the CPU's qgemv on the scheme's layout)")
     ap.add_argument("--dequantize-too", action="store_true",
-                    help="also time each quantized scheme dequantizing the expert first (the "
-                         "path without qgemv)")
+                    help="also time each scheme without its C kernel: quantized ones "
+                         "dequantizing the expert first (no qgemv), bf16 through torch.mv (no "
+                         "gemv16)")
     ap.add_argument("--json", action="store_true", help="print one JSON list")
     args = ap.parse_args(argv)
     if args.repeats < 1 or any(t < 1 for t in args.threads):
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     paths = ["qgemv", "dequantize"] if args.dequantize_too else ["qgemv"]
     rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats, scheme, path)}
             for s in args.shape for t in args.threads for scheme in args.scheme
-            for path in (paths if scheme != "bf16" else ["qgemv"])]
+            for path in paths]
     for s in args.shape:
         decision = {"decision_us": time_decision(*ROUTING[s], False),
                     "decision_balance_us": time_decision(*ROUTING[s], True)}

@@ -56,18 +56,19 @@ def test_bad_arguments_are_refused(capsys):
     assert "--repeats 0" in capsys.readouterr().err
 
 
-def test_quantized_rows_with_and_without_qgemv(capsys):
+def test_rows_with_and_without_the_c_kernels(capsys):
     H, N = 64, 32                                   # the tiny shape
     threads = torch.get_num_threads()
     try:
-        rows = bench.main(["--shape", "tiny", "--scheme", "fp8-channel", "w4a16-gptq",
+        rows = bench.main(["--shape", "tiny", "--scheme", "bf16", "fp8-channel", "w4a16-gptq",
                            "fp8-block", "nvfp4", "mxfp4", "w4a16-gptq-act", "--dequantize-too",
                            "--repeats", "1", "--json"])
     finally:
         torch.set_num_threads(threads)
     got = [(r["scheme"], r["path"]) for r in rows]
     # 128 x 128 blocks split the tiny model's 32-row w13 halves: dequantized either way.
-    assert got == [("fp8-channel", "qgemv"), ("fp8-channel", "dequantize"),
+    assert got == [("bf16", "gemv16"), ("bf16", "torch"),
+                   ("fp8-channel", "qgemv"), ("fp8-channel", "dequantize"),
                    ("w4a16-gptq", "qgemv"), ("w4a16-gptq", "dequantize"),
                    ("fp8-block", "dequantize"), ("fp8-block", "dequantize"),
                    ("nvfp4", "qgemv"), ("nvfp4", "dequantize"),
@@ -79,7 +80,8 @@ def test_quantized_rows_with_and_without_qgemv(capsys):
     blocks = 3 * H * N + (2 + 1) * 4                    # one 128 x 128 block per half / w2
     nvfp4 = 3 * H * N // 2 + 3 * H * N // 16 + (2 + 1) * 4   # codes, e4m3 per 16, f32 globals
     mxfp4 = 3 * H * N // 2 + 3 * H * N // 32                  # codes, e8m0 per 32
-    assert [r["expert_bytes"] for r in rows] == [fp8, fp8, gptq, gptq, blocks, blocks,
+    bf16 = 3 * H * N * 2
+    assert [r["expert_bytes"] for r in rows] == [bf16, bf16, fp8, fp8, gptq, gptq, blocks, blocks,
                                                  nvfp4, nvfp4, mxfp4, mxfp4, gptq, gptq]
     for r in rows:
         assert r["cpu_1_token_ms"] > 0 and r["decision_us"] > 0

@@ -66,6 +66,7 @@ SIGNATURES = {
     "qgemv": [_INT, _PTR, _PTR, _INT, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
               *[_I64] * 6, _INT],
     "qgemv_bf16_chain": [],
+    "gemv16": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
 }
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.kernels.cpu.gemv16 import gemv16 as host_experts_gemv16
 from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import host_expert_mlp
 from vllm.model_executor.layers.fused_moe.modular_kernel import MOE_ACTIVATIONS, MoEActivation
 
@@ -28,13 +29,23 @@ def _mlp64(x, w13, w2, act, b13, b2):
     return a @ w2.T + b2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,gemv", [(torch.float32, False), (torch.bfloat16, False),
+                                        (torch.bfloat16, True), (torch.float16, True)])
 @pytest.mark.parametrize("act", MOE_ACTIVATIONS)
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, act, tokens):
-    """The CPU's expert: one token by matrix-vector products (F.linear is not called), more by
-    the reference's expert_mlp; both the expert written out in float64."""
+@pytest.mark.parametrize("tokens", [1, 3, 5])
+def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, gemv, act, tokens):
+    """The CPU's expert: with ``gemv`` (the CPU kernels built) a bf16 / f16 expert of at most 4
+    tokens through ``gemv16`` (twice: gate-up and down), else one token by matrix-vector
+    products (F.linear is not called) and more by the reference's expert_mlp; each the expert
+    written out in float64."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_experts
     from vllm.model_executor.layers.fused_moe.torch_ref import expert_mlp
+    from vllm.platforms import native_kernels
+    if gemv and not native_kernels(torch.float32, torch.device("cpu")):
+        pytest.skip("the CPU kernels are not built")
+    calls = []
+    monkeypatch.setattr(host_experts, "gemv16",
+                        lambda x, w: calls.append(tuple(w.shape)) or host_experts_gemv16(x, w))
     g = torch.Generator().manual_seed(3)
     n, k = 16, 32
     rows = n if act == "relu2_no_mul" else 2 * n
@@ -47,10 +58,12 @@ def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, act, tokens):
         def no_linear(*a, **kw):
             raise AssertionError("F.linear on a one-token expert")
         monkeypatch.setattr(torch.nn.functional, "linear", no_linear)
-    got = host_expert_mlp(x, w13, w2, MoEActivation.of(act), b13, b2)
+    got = host_expert_mlp(x, w13, w2, MoEActivation.of(act), b13, b2, gemv=gemv)
     assert got.shape == (tokens, k) and got.dtype == dtype
-    tol = dict(rtol=2e-2, atol=2e-2 * float(want.abs().max())) if dtype == torch.bfloat16 \
-        else dict(rtol=1e-5, atol=1e-4)
+    assert calls == ([(rows, k), (k, n)] if gemv and tokens <= 4 else [])
+    tol = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2 * float(want.abs().max())),
+           torch.float16: dict(rtol=2e-3, atol=2e-3 * float(want.abs().max())),
+           torch.float32: dict(rtol=1e-5, atol=1e-4)}[dtype]
     torch.testing.assert_close(got, want, **tol)
     ref = _mlp64(x, w13, w2, act, b13, b2)
     if ref is not None:

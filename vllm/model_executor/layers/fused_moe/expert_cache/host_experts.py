@@ -1,15 +1,18 @@
 """What computes a cached layer's pairs on the CPU from the host store off a CPU device
 (``moe_expert_cpu_compute``, ``host_compute.py``): the torch loop over the experts a step needs,
-one token as two matrix-vector products, and quantized experts (FP8, GPTQ INT4, NVFP4, MXFP4)
+bf16 / f16 experts of a few tokens through ``kernels/cpu/gemv16.py`` (the store's rows read in
+place at memory speed), and quantized experts (FP8, GPTQ INT4, NVFP4, MXFP4)
 through the CPU's quantized matrix product on the scheme's own layout (``kernels/cpu/qgemv.py``),
 which decodes each weight in registers instead of dequantizing the expert into a new tensor
 first: 21-134x faster for one token (docs/benchmarks.md, "Quantized misses on the CPU")."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+from vllm.kernels.cpu.gemv16 import WEIGHT_TYPES, gemv16
 from vllm.kernels.cpu.qgemv import QuantRows, qgemv
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation, MoEExperts
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
@@ -26,22 +29,38 @@ dequantizing once is cheaper, and a prefill's misses are copied anyway."""
 HostRows = Callable[[dict[str, torch.Tensor]], "tuple[QuantRows, QuantRows] | None"]
 
 
+GEMV16_MAX_TOKENS = 4
+"""bf16 / f16 experts with at most this many tokens in a call (one of ``gemv16.c``'s token
+chunks) run ``gemv16``, which reads a probe-shaped expert 2.6-2.7x faster than two
+``torch.mv`` at one token and 1.0-1.4x faster than ``F.linear`` up to 4; from 8 tokens on
+``F.linear`` is faster (docs/benchmarks.md, "Misses on the CPU")."""
+
+
+def _projections(x: torch.Tensor, w13, w2, activation: MoEActivation, b13, b2,
+                 matmul: Callable) -> torch.Tensor:
+    """The expert MLP through ``matmul(x, w) -> f32 [P, R]``, each projection's output rounded
+    to x's dtype as a matrix product in that dtype would be."""
+    gate_up = matmul(x, w13).to(x.dtype)
+    if b13 is not None:
+        gate_up = gate_up + b13
+    y = matmul(activation(gate_up), w2).to(x.dtype)
+    return y if b2 is None else y + b2
+
+
 def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor | QuantRows,
                     w2: torch.Tensor | QuantRows, activation: MoEActivation,
-                    b13: torch.Tensor | None = None,
-                    b2: torch.Tensor | None = None) -> torch.Tensor:
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    gemv: bool = False) -> torch.Tensor:
     """``expert_mlp`` for the CPU's pairs, x [P, K] -> [P, K]. Quantized projections
-    (``QuantRows``) run ``qgemv`` (f32 sums, each projection's output rounded to x's dtype as a
-    matrix product in that dtype would be); an expert with one token (a decode miss) as two
-    matrix-vector products, which on the CPU read the weights 1.3-1.5x faster than
-    ``F.linear`` on one row (bf16, 1 and 2 threads: docs/benchmarks.md, "Misses on the CPU");
+    (``QuantRows``) run ``qgemv``; with ``gemv`` (the CPU kernels are built) bf16 / f16
+    experts with at most ``GEMV16_MAX_TOKENS`` tokens run ``gemv16`` (both: f32 sums, each
+    projection rounded once to x's dtype); else one token as two matrix-vector products and
     more tokens as ``expert_mlp``."""
     if isinstance(w13, QuantRows):
-        gate_up = qgemv(x, w13).to(x.dtype)
-        if b13 is not None:
-            gate_up = gate_up + b13
-        y = qgemv(activation(gate_up), w2).to(x.dtype)
-        return y if b2 is None else y + b2
+        return _projections(x, w13, w2, activation, b13, b2, qgemv)
+    if gemv and x.shape[0] <= GEMV16_MAX_TOKENS and w13.dtype in WEIGHT_TYPES and \
+            w2.dtype in WEIGHT_TYPES:
+        return _projections(x, w13, w2, activation, b13, b2, gemv16)
     if x.shape[0] != 1:
         return expert_mlp(x, w13, w2, activation, b13, b2)
     gate_up = torch.mv(w13, x[0])
@@ -57,12 +76,12 @@ class HostExperts(TorchExperts):
     built (else None): an expert it gives a view of runs ``qgemv`` on its codes while it has at
     most ``QGEMV_MAX_TOKENS`` tokens in the call; any other is dequantized first."""
     name = "torch_host"
-    mlp = staticmethod(host_expert_mlp)
 
     def __init__(self, activation: MoEActivation, dequantize=None,
-                 rows: HostRows | None = None):
+                 rows: HostRows | None = None, gemv: bool = False):
         super().__init__(activation, dequantize)
         self.rows = rows
+        self.mlp = partial(host_expert_mlp, gemv=gemv)
 
     def apply_pairs(self, weights, x, topk_weights, ids, out, max_ids=None):
         if self.rows is None or self.dequantize is None:
@@ -94,4 +113,4 @@ def host_experts(quant_method, device: torch.device) -> MoEExperts:
                          "torch) or moe_expert_cpu_compute='off'")
     built = native_kernels(torch.float32, torch.device("cpu"))
     return HostExperts(quant_method.activation, quant_method.dequantizer(),
-                       quant_method.host_rows if built else None)
+                       quant_method.host_rows if built else None, gemv=built)

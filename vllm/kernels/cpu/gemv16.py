@@ -1,0 +1,39 @@
+"""Matrix products of a few tokens with 16-bit weight rows read in place (``gemv16.c``): what a
+GPU machine's CPU runs for the unquantized experts it computes from the host store
+(``moe_expert_cpu_compute``)."""
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels.cpu.graph import launch
+
+WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1}
+"""Weight dtypes ``gemv16`` reads, and the C side's code for each."""
+
+
+def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, C] (a float dtype, on the CPU) -> float32 [T, R] = x @ w^T, w [R, C] bf16 or f16
+    on the CPU with unit column stride (rows may be apart: a view of a store's rows): f32
+    sums. bf16 tokens with bf16 weights multiply exact pair products (vdpbf16ps where the
+    build has it); other pairings widen the weights to f32 for an fma with f32 tokens. Needs
+    the CPU kernels (callers ask ``vllm.platforms.native_kernels`` first)."""
+    if w.dtype not in WEIGHT_TYPES or w.dim() != 2 or w.device.type != "cpu" or \
+            (w.shape[1] > 1 and w.stride(1) != 1):
+        raise ValueError(f"gemv16: w {tuple(w.shape)} {w.dtype} on {w.device} with strides "
+                         f"{tuple(w.stride())} must be a 2-D bf16 or float16 CPU tensor with "
+                         "unit column stride")
+    R, C = w.shape
+    if x.dim() != 2 or x.shape[1] != C or x.device.type != "cpu" or not x.is_floating_point():
+        raise ValueError(f"gemv16: x {tuple(x.shape)} {x.dtype} on {x.device} must be a float "
+                         f"[T, {C}] tensor on the CPU")
+    xb = x.contiguous() if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 else None
+    x32 = x.to(torch.float32).contiguous()
+    T = x.shape[0]
+    y = torch.empty(T, R, dtype=torch.float32)
+    if T == 0 or R == 0:
+        return y
+    rc = launch("gemv16", WEIGHT_TYPES[w.dtype], w.data_ptr(), w.stride(0) if R > 1 else C,
+                x32.data_ptr(), None if xb is None else xb.data_ptr(), y.data_ptr(), T, R, C)
+    if rc:
+        raise RuntimeError(f"gemv16 failed (code {rc})")
+    return y
