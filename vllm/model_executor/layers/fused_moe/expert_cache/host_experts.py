@@ -31,9 +31,10 @@ HostRows = Callable[[dict[str, torch.Tensor]], "tuple[QuantRows, QuantRows] | No
 
 GEMV16_MAX_TOKENS = 4
 """bf16 / f16 experts with at most this many tokens in a call (one of ``gemv16.c``'s token
-chunks) run ``gemv16``, which reads a probe-shaped expert 2.6-2.7x faster than two
-``torch.mv`` at one token and 1.0-1.4x faster than ``F.linear`` up to 4; from 8 tokens on
-``F.linear`` is faster (docs/benchmarks.md, "Misses on the CPU")."""
+chunks) run ``gemv16``, which reads a probe-shaped expert 1.4-3.0x faster than two
+``torch.mv`` at one token, and gate-up rows 1.3-1.5x faster than ``F.linear`` at one token and
+about as fast at 4; from 8 tokens on ``F.linear`` is faster (docs/benchmarks.md, "Misses on
+the CPU")."""
 
 
 def _projections(x: torch.Tensor, w13, w2, activation: MoEActivation, b13, b2,
