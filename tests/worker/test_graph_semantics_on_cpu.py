@@ -77,20 +77,24 @@ def test_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, mo
     assert _stats(runner) == _stats(eager_runner)
 
 
-@pytest.mark.parametrize("mode", ["always", "auto"])
-def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, monkeypatch, mode):
+@pytest.mark.parametrize("mode,prefetch", [("always", "off"), ("auto", "off"),
+                                           ("auto", "next-layer")])
+def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, monkeypatch, mode,
+                                               prefetch):
     """``moe_expert_cpu_compute`` reads each step's routing on the host, so its MoE layers run
     eagerly between the pieces of the decode graphs (one break per MoE layer and capture):
     tokens and every counter (CPU pairs included: graph padding rows stay off the CPU) equal
-    enforce_eager's, batches 3 and 1 padded to 4 and 1. "auto" gets a fixed cost model (a
-    measured one differs between the two runs): an expert is rented twice, then bought."""
+    enforce_eager's, batches 3 and 1 padded to 4 and 1, with next-layer prefetch too. "auto"
+    gets a fixed cost model (a measured one differs between the two runs): an expert is
+    rented twice, then bought."""
     from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
     cost = host_compute.HostCostModel(copy_seconds=1.0, cpu_fixed=0.4, cpu_per_token=0.0,
                                       concurrent=True)
     monkeypatch.setattr(host_compute, "_COST_MODELS", {})
     monkeypatch.setattr(host_compute, "measure_cost_model", lambda *a, **k: cost)
     path = tiny_model_factory("Qwen3MoeForCausalLM")
-    kw = dict(dtype="float32", moe_expert_cache_size=2, moe_expert_cpu_compute=mode)
+    kw = dict(dtype="float32", moe_expert_cache_size=2, moe_expert_cpu_compute=mode,
+              moe_expert_prefetch=prefetch)
     eager, eager_runner = _run(path, enforce_eager=True, **kw)
     got, runner = _run(path, **kw)
     graphs = runner.decode_graphs
