@@ -107,19 +107,29 @@ def test_cuda_decode_path_has_no_host_reads(tiny_model_factory, rehearsal, arch,
     assert got == eager
 
 
-@pytest.mark.parametrize("scheme", [["--scheme", "fp8-block", "--block-size", "16", "32"],
-                                    ["--scheme", "w4a16-gptq", "--asym", "--desc-act",
-                                     "--group-size", "16"]], ids=["fp8-block", "w4a16-gptq"])
+QUANT_SCHEMES = pytest.mark.parametrize(
+    "scheme", [["--scheme", "fp8-block", "--block-size", "16", "32"],
+               ["--scheme", "w4a16-gptq", "--asym", "--desc-act", "--group-size", "16"]],
+    ids=["fp8-block", "w4a16-gptq"])
+
+
+def quantized_tiny(tiny_model_factory, tmp_path, scheme: list[str]) -> str:
+    """A tiny Qwen3-MoE quantized by tools/quantize_checkpoint.py with ``scheme``'s arguments."""
+    from tools.quantize_checkpoint import main as quantize_main
+    src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
+    quantize_main(["--model", src, "--out", str(tmp_path), *scheme])
+    return str(tmp_path)
+
+
+@QUANT_SCHEMES
 def test_quantized_experts_on_the_cuda_path_have_no_host_reads(tiny_model_factory, rehearsal,
                                                                tmp_path, scheme):
     """The Triton FP8 / INT4 MoE kernels on the slot weights and slot scales, cached, in the
     graphs: no host read, enforce_eager's tokens."""
-    from tools.quantize_checkpoint import main as quantize_main
-    src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
-    quantize_main(["--model", src, "--out", str(tmp_path), *scheme])
+    path = quantized_tiny(tiny_model_factory, tmp_path, scheme)
     kw = dict(dtype="float32", moe_expert_cache_size=2)
-    eager, _ = _run(str(tmp_path), enforce_eager=True, **kw)
-    got, runner = _run(str(tmp_path), **kw)
+    eager, _ = _run(path, enforce_eager=True, **kw)
+    got, runner = _run(path, **kw)
     assert runner.decode_graphs.refused is None and rehearsal.replays > 0
     assert {m.quant_method.kernel.name for m in runner.moe_layers} == {"triton"}
     assert got == eager

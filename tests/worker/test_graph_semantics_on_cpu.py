@@ -9,7 +9,7 @@ import torch
 from graph_recorder import RecordingCapturer, recording
 from host_sync_audit import HostSync
 from side_streams import hand_out_side_streams
-from test_cuda_path_on_cpu import RehearsalPlatform, _run
+from test_cuda_path_on_cpu import QUANT_SCHEMES, RehearsalPlatform, _run, quantized_tiny
 
 from vllm.platforms import _PLATFORMS
 
@@ -108,18 +108,14 @@ def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, mon
         assert sum(s["cpu_pairs"] for s in stats) > 0
 
 
-@pytest.mark.parametrize("scheme", [["--scheme", "fp8-block", "--block-size", "16", "32"],
-                                    ["--scheme", "w4a16-gptq", "--asym", "--desc-act",
-                                     "--group-size", "16"]], ids=["fp8-block", "w4a16-gptq"])
+@QUANT_SCHEMES
 def test_quantized_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, tmp_path,
                                                           scheme):
     """The Triton FP8 / INT4 kernels on slot weights and slot scales, cached, replayed from
     the record: enforce_eager's tokens and counters."""
-    from tools.quantize_checkpoint import main as quantize_main
-    src = tiny_model_factory("Qwen3MoeForCausalLM", moe_intermediate_size=32)
-    quantize_main(["--model", src, "--out", str(tmp_path), *scheme])
+    path = quantized_tiny(tiny_model_factory, tmp_path, scheme)
     kw = dict(dtype="float32", moe_expert_cache_size=2)
-    eager, eager_runner = _run(str(tmp_path), enforce_eager=True, **kw)
-    got, runner = _run(str(tmp_path), **kw)
+    eager, eager_runner = _run(path, enforce_eager=True, **kw)
+    got, runner = _run(path, **kw)
     assert runner.decode_graphs.refused is None and recorded.replays > 0
     assert got == eager and _stats(runner) == _stats(eager_runner)

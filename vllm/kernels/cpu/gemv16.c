@@ -11,7 +11,9 @@
  * weights to f32 (bf16: a shift; f16: vcvtph2ps, or bits without AVX512F) for an fma with
  * the f32 tokens. Columns past the last whole vector go one by one. Tokens go in chunks of up
  * to TOK, each weight vector loaded once per chunk; rows in pairs (two independent chains even
- * at one token); OpenMP splits the pairs; the row two rows on is prefetched. */
+ * at one token); OpenMP splits the pairs; the row two rows on is prefetched. The token loops
+ * are qgemv.c's, written out: an always-inline helper shared by both compiled to other address
+ * arithmetic and ran 7-25% slower (one and four tokens, one thread, 2026-11-27). */
 #include <stdint.h>
 #include <string.h>
 
