@@ -15,8 +15,6 @@ and its bound is not a bound for it: the CPU's work moves no bytes over the link
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
@@ -75,10 +73,8 @@ def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     """One layer: h + experts(h) for routing ids [b, K] and weights w [b, K], as the engine's
     FusedMoE runs it (CPU-computed pairs split off first where the provider has them)."""
     host_pairs = None
-    split = provider.split_for_host(ids, h, w) \
-        if getattr(provider, "host_compute", None) is not None else None       # ours+cpu only
-    if split is not None:
-        ids, host_pairs = split.device_ids, partial(provider.host_compute.compute, split)
+    if getattr(provider, "host_compute", None) is not None:                    # ours+cpu only
+        ids, host_pairs = provider.host_step(ids, h, w)
     waves = provider.prepare(ids)
     return h + qm.apply(provider.slot_weights(), h, w, waves, host_pairs=host_pairs)
 
@@ -94,8 +90,8 @@ def model_wait_seconds(providers: list, cost) -> list[float]:
         hc = p.host_compute
         inner = hc.host_pairs
 
-        def host_pairs(topk_ids, slot_of_expert, inner=inner):
-            ids, on_cpu = inner(topk_ids, slot_of_expert)
+        def host_pairs(topk_ids, slot_of_expert, row_slots=None, inner=inner):
+            ids, on_cpu = inner(topk_ids, slot_of_expert, row_slots)
             resident = slot_of_expert.cpu() >= 0
             E = resident.numel()
             known = (ids >= 0) & (ids < E)

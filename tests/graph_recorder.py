@@ -15,7 +15,7 @@ Recorded, in order:
   copied);
 - a graph break (``vllm.model_executor.graph_break``): its function is not run at capture; at
   each replay it runs eagerly at that point of the order, and its result is copied into the
-  tensor the capture handed to the work after it.
+  tensor the capture handed to the work after it (a break without one writes in place).
 A host read of device data (``.item()``, ``.numpy()``, ``nonzero``: ``host_sync_audit``) raises
 ``HostSync`` during a capture, as a CUDA capture fails. Not
 covered: work that bypasses the dispatcher (a ctypes kernel) would run at capture and never at
@@ -132,8 +132,10 @@ class RecordingCapturer(cuda_graphs.GraphCapturer):
 
         def record_break(fn_, out_like):
             self.breaks += 1
-            with torch.inference_mode(False):
-                out = torch.empty_like(out_like)
+            out = None
+            if out_like is not None:
+                with torch.inference_mode(False):
+                    out = torch.empty_like(out_like)
             work.append(("break", fn_, (), {}, out))
             return out
 
@@ -150,7 +152,9 @@ class RecordingCapturer(cuda_graphs.GraphCapturer):
                 if kind == "launch":
                     run(f, *args, **kwargs)
                 elif kind == "break":
-                    dst.copy_(f())
+                    got = f()
+                    if dst is not None:
+                        dst.copy_(got)
                 elif kind == "write":
                     f(*args, **kwargs)
                 else:

@@ -207,8 +207,8 @@ decode)
         --output-len 64 --enforce-eager --profile-steps 4 --out "$OUT/decode-eager.json"
     step 120 decode-overlap "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 16 \
         --output-len 64 --moe-expert-overlap --out "$OUT/decode-overlap.json"
-    # Misses computed on the CPU where the load-time cost model says so (its layers run
-    # eagerly between the pieces of the decode graphs: graph_break).
+    # Misses computed on the CPU where the load-time cost model says so (each layer's host
+    # read and CPU pairs run between the pieces of the decode graphs: graph_break).
     step 120 decode-cpu "${DECODE[@]}" --batch 1 --moe-expert-cache-size 16 --output-len 32 \
         --moe-expert-cpu-compute auto --out "$OUT/decode-cpu.json"
     ;;

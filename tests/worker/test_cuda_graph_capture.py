@@ -69,8 +69,9 @@ def test_a_failed_capture_ends_it_and_the_next_uses_a_fresh_pool():
 def test_a_graph_break_splits_the_capture_into_pieces_replayed_in_order():
     """``break_graph`` inside the captured function ends the graph being captured and begins
     the next in the same pool; its function does not run at capture. A replay runs the first
-    graph, the function (its result copied into the tensor the capture handed on), the second
-    graph, on the caller's stream; outside a capture ``break_graph`` just calls it."""
+    graph, the function (its result copied into the tensor the capture handed on; a break
+    without ``out_like`` hands on nothing), the next graph, ..., on the caller's stream; outside
+    a capture ``break_graph`` just calls it."""
     from vllm.model_executor.graph_break import break_graph
     cuda = FakeCuda()
     capturer = CudaGraphCapturer(torch.device("cuda", 1), cuda=cuda)
@@ -80,21 +81,28 @@ def test_a_graph_break_splits_the_capture_into_pieces_replayed_in_order():
         cuda.log.append(("eager", cuda.where()))
         return torch.full((2,), 7.0)
 
+    def in_place():
+        cuda.log.append(("in place", cuda.where()))
+
     def fn():
         cuda.log.append(("before", cuda.where()))
         handed.append(break_graph(eager, torch.zeros(2)))
         cuda.log.append(("after", cuda.where()))
+        handed.append(break_graph(in_place, None))    # writes in place: nothing handed on
         return _Out(cuda)
     replay = capturer.capture(fn)
     cap, pool = (1, capturer.stream.name), capturer.pool
     assert cuda.log == [("Stream", cap[1], -1), ("synchronize", 1), ("capture_begin", pool, cap),
                         ("before", cap),
                         ("capture_end", cap), ("capture_begin", pool, cap), ("after", cap),
+                        ("capture_end", cap), ("capture_begin", pool, cap),
                         ("capture_end", cap), ("wait_stream", "default:1", capturer.stream.name)]
     del cuda.log[:]
     replay()
     assert cuda.log == [("replay", (1, "default:1")), ("eager", (1, "default:1")),
+                        ("replay", (1, "default:1")), ("in place", (1, "default:1")),
                         ("replay", (1, "default:1"))]
+    assert handed[1] is None
     assert handed[0].tolist() == [7.0, 7.0]
     assert break_graph(lambda: torch.ones(1), torch.zeros(1)).tolist() == [1.0]
 

@@ -77,17 +77,23 @@ def test_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, mo
     assert _stats(runner) == _stats(eager_runner)
 
 
-@pytest.mark.parametrize("mode,prefetch", [("always", "off"), ("auto", "off"),
-                                           ("auto", "next-layer")])
+@pytest.mark.parametrize("mode,prefetch,whole", [("always", "off", False), ("auto", "off", False),
+                                                 ("auto", "next-layer", False),
+                                                 ("auto", "off", True)])
 def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, monkeypatch, mode,
-                                               prefetch):
-    """``moe_expert_cpu_compute`` reads each step's routing on the host, so its MoE layers run
-    eagerly between the pieces of the decode graphs (one break per MoE layer and capture):
-    tokens and every counter (CPU pairs included: graph padding rows stay off the CPU) equal
+                                               prefetch, whole):
+    """``moe_expert_cpu_compute`` reads each step's routing on the host: a decode graph runs
+    each MoE layer's split and CPU pairs eagerly between its pieces and captures the device's
+    waves between them (two breaks per MoE layer and capture), or, where the waves cannot be
+    captured (``whole``: the provider's ``capture_refusal`` says why), the whole layer (one).
+    Tokens and every counter (CPU pairs included: graph padding rows stay off the CPU) equal
     enforce_eager's, batches 3 and 1 padded to 4 and 1, with next-layer prefetch too. "auto"
     gets a fixed cost model (a measured one differs between the two runs): an expert is
     rented twice, then bought."""
     from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    from vllm.model_executor.layers.fused_moe.expert_cache.provider import CachedWeightProvider
+    if whole:
+        monkeypatch.setattr(CachedWeightProvider, "capture_refusal", lambda self: "a test's")
     cost = host_compute.HostCostModel(copy_seconds=1.0, cpu_fixed=0.4, cpu_per_token=0.0,
                                       concurrent=True)
     monkeypatch.setattr(host_compute, "_COST_MODELS", {})
@@ -100,7 +106,8 @@ def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, mon
     graphs = runner.decode_graphs
     assert graphs.refused is None, graphs.refused
     assert recorded.replays > 0
-    assert recorded.breaks == len(runner.moe_layers) * len(graphs.captured_sizes)
+    per_layer = 1 if whole else 2
+    assert recorded.breaks == per_layer * len(runner.moe_layers) * len(graphs.captured_sizes)
     assert got == eager
     stats = _stats(runner)
     assert stats == _stats(eager_runner)

@@ -11,7 +11,8 @@ The contract of ``fn``: it reads only tensors that stay at fixed addresses acros
 static inputs, the forward context's metadata, the previous piece's outputs) and returns a
 tensor shaped and typed like ``out_like``; it runs under the forward context current where it
 was recorded. Its result is copied into the tensor that the work after the break reads (the
-capturer allocates it, outside any pool the pieces reuse)."""
+capturer allocates it, outside any pool the pieces reuse). With ``out_like`` None, ``fn``
+writes in place into such tensors and returns nothing to hand on."""
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,10 @@ import torch
 
 from vllm.model_executor.forward_context import get_attn_metadata, set_forward_context
 
-BreakHandler = Callable[[Callable[[], torch.Tensor], torch.Tensor], torch.Tensor]
-"""(fn, out_like) -> the tensor the work after the break reads; set by a capturer."""
+BreakHandler = Callable[[Callable[[], torch.Tensor | None], torch.Tensor | None],
+                        torch.Tensor | None]
+"""(fn, out_like) -> the tensor the work after the break reads (None with out_like None); set by
+a capturer."""
 
 _handler: BreakHandler | None = None
 
@@ -43,13 +46,14 @@ def capturing_in_pieces() -> bool:
     return _handler is not None
 
 
-def break_graph(fn: Callable[[], torch.Tensor], out_like: torch.Tensor) -> torch.Tensor:
+def break_graph(fn: Callable[[], torch.Tensor | None],
+                out_like: torch.Tensor | None) -> torch.Tensor | None:
     """``fn()`` now, or, while a capture in pieces records, at this point of every replay."""
     if _handler is None:
         return fn()
     md = get_attn_metadata()
 
-    def eager() -> torch.Tensor:
+    def eager() -> torch.Tensor | None:
         with set_forward_context(md):
             return fn()
     return _handler(eager, out_like)

@@ -56,10 +56,13 @@ keep (``CachedWeightProvider._settled``) takes the same values in every decode s
 repeats what the capture recorded.
 
 Graph breaks (``vllm/model_executor/graph_break.py``): a MoE layer whose step reads the device
-on the host (``moe_expert_cpu_compute``) is not refused but cut out: the capture ends before it
-and a new graph begins after it, and a replay runs the pieces and these layers eagerly, in order
-(``CudaGraphCapturer.capture``); padding rows stay off the CPU (``HostMissCompute.host_pairs``).
-Its backend and residency step need not be capturable.
+on the host (``moe_expert_cpu_compute``) is not refused but cut: the capture ends at each
+break and a new graph begins after it, and a replay runs the pieces and the breaks eagerly, in
+order (``CudaGraphCapturer.capture``). Such a layer breaks twice, for its split (the host read
+and decision: ``HostMissCompute.step``) and for its CPU pairs, and its device waves between
+them are captured; where they cannot be (the provider's ``capture_refusal``, or a backend not
+``cuda_graph_safe``) the whole layer is one break. Padding rows stay off the CPU
+(``HostMissCompute.host_pairs``).
 """
 from __future__ import annotations
 
@@ -182,12 +185,14 @@ class CudaGraphCapturer(GraphCapturer):
             stream, caller = self._stream(), cuda.current_stream(dev)
             graph = cuda.CUDAGraph()
 
-            def on_break(eager, out_like: torch.Tensor) -> torch.Tensor:
+            def on_break(eager, out_like: torch.Tensor | None) -> torch.Tensor | None:
                 nonlocal graph
                 graph.capture_end()
                 pieces.append(graph)
-                with torch.inference_mode(False):
-                    out = torch.empty_like(out_like)   # outside the pool: no piece reuses it
+                out = None
+                if out_like is not None:
+                    with torch.inference_mode(False):
+                        out = torch.empty_like(out_like)   # outside the pool: never reused
                 pieces.append((eager, out))
                 graph = cuda.CUDAGraph()
                 graph.capture_begin(pool=self.pool)
@@ -205,10 +210,12 @@ class CudaGraphCapturer(GraphCapturer):
         def replay() -> torch.Tensor:
             with cuda.device(dev):
                 for piece in pieces:
-                    if isinstance(piece, tuple):
-                        piece[1].copy_(piece[0]())
-                    else:
+                    if not isinstance(piece, tuple):
                         piece.replay()
+                    elif piece[1] is None:         # the break wrote in place
+                        piece[0]()
+                    else:
+                        piece[1].copy_(piece[0]())
             return out
         return replay
 

@@ -156,13 +156,21 @@ class FusedMoE(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden_states [T, H], router_logits [T, E] -> [T, H]. A layer whose step reads the
-        device on the host (``moe_expert_cpu_compute``) runs eagerly between the pieces of a
-        decode graph (``graph_break``)."""
-        if capturing_in_pieces() and self.weight_provider.reads_on_host:
+        """hidden_states [T, H], router_logits [T, E] -> [T, H]. Where a step reads the device
+        on the host (``moe_expert_cpu_compute``), a decode graph runs that part eagerly between
+        its pieces (``graph_break``: ``HostMissCompute.step``), or the whole layer where the
+        rest cannot be captured (``_captured_in_part``)."""
+        if capturing_in_pieces() and self.weight_provider.reads_on_host and \
+                not self._captured_in_part():
             return break_graph(partial(self._forward, hidden_states, router_logits),
                                hidden_states)
         return self._forward(hidden_states, router_logits)
+
+    def _captured_in_part(self) -> bool:
+        """Whether a graph can capture this layer's device work around its host part: its
+        residency step and copies (``capture_refusal``) and its MoE backend."""
+        return self.weight_provider.capture_refusal() is None and \
+            getattr(self.quant_method.kernel, "cuda_graph_safe", False)
 
     def _forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.router_config,
@@ -186,11 +194,9 @@ class FusedMoE(nn.Module):
         row_slots = md.slot_mapping if md is not None and \
             md.slot_mapping.shape[0] == topk_ids.shape[0] else None
         topk_weights = topk_weights.to(hidden_states.dtype)
-        split = provider.split_for_host(topk_ids, hidden_states, topk_weights, row_slots)
-        host_pairs = None
-        if split is not None:  # moe_expert_cpu_compute: the CPU computes the pairs it names
-            topk_ids = split.device_ids
-            host_pairs = partial(provider.host_compute.compute, split)
+        # moe_expert_cpu_compute: the CPU computes the pairs host_pairs writes.
+        topk_ids, host_pairs = provider.host_step(topk_ids, hidden_states, topk_weights,
+                                                  row_slots)
         waves = provider.prepare(topk_ids, row_slots)
         return self.quant_method.apply(provider.slot_weights(), hidden_states, topk_weights,
                                        waves, host_pairs=host_pairs)

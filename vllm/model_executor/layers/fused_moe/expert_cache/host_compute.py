@@ -3,8 +3,8 @@
 Where the link is slow (PCIe 4 x4 laptops, WSL), running a missing expert's few tokens on the
 CPU, which reads the expert from RAM, can be cheaper than copying the expert to the device.
 Per step and cached layer, with a mode other than "off":
-  1. the routing and the layer's residency are read on the host (one synchronisation: this mode
-     runs eagerly: a decode graph runs the layer between its pieces, ``graph_break``);
+  1. the routing and the layer's residency are read on the host (one synchronisation: a decode
+     graph runs this split, and step 4's pairs, eagerly between its pieces, ``step``);
   2. each *missing* expert (needed, not resident) goes to the CPU in mode "always", and in
      "auto" while the CPU time spent on it since it was last copied, this step's included,
      stays under one copy's (``rent_or_buy``, ski rental over ``HostCostModel``); else it is
@@ -25,7 +25,9 @@ equal to the uncached layer's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from vllm.config import MOE_CPU_COMPUTE_MODES
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.forward_context import PAD_SLOT_ID
+from vllm.model_executor.graph_break import break_graph, capturing_in_pieces
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.platforms import platform_for
 
@@ -306,6 +309,32 @@ class HostMissCompute:
         return HostSplit(device_ids, up[T * K:T * K + P],
                          torch.from_numpy(np.where(miss[rows], flat[rows], -1)),
                          inputs[:, :H].contiguous(), inputs[:, H:].contiguous())
+
+    def step(self, topk_ids: torch.Tensor, slot_of_expert: torch.Tensor, x: torch.Tensor,
+             topk_weights: torch.Tensor, row_slots: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None] | None]:
+        """A step's (device ids [T, top_k], the layer's ``host_pairs`` or None): ``split`` now,
+        ``compute`` when the layer calls ``host_pairs``. While a decode graph is captured in
+        pieces (``graph_break``) both become breaks that run eagerly at every replay, the split
+        before the device's waves (captured between them: the ids come through the break)
+        and the CPU's pairs after them, written in place into the layer's pairs."""
+        if not capturing_in_pieces():
+            split = self.split(topk_ids, slot_of_expert, x, topk_weights, row_slots)
+            if split is None:
+                return topk_ids, None
+            return split.device_ids, partial(self.compute, split)
+        held: list[HostSplit | None] = [None]          # this replay's split, for its pairs
+
+        def decide() -> torch.Tensor:
+            held[0] = self.split(topk_ids, slot_of_expert, x, topk_weights, row_slots)
+            return topk_ids if held[0] is None else held[0].device_ids
+
+        def host_pairs(out: torch.Tensor) -> None:
+            def compute() -> None:
+                if held[0] is not None:
+                    self.compute(held[0], out)
+            break_graph(compute, None)
+        return break_graph(decide, topk_ids), host_pairs
 
     def compute(self, split: HostSplit, out: torch.Tensor) -> None:
         """Writes the pairs ``split`` gives the CPU into out [T, top_k, H] (the device's, where

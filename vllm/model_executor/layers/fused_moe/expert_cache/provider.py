@@ -39,7 +39,7 @@ onto the device.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -49,7 +49,7 @@ from vllm.logger import init_logger, log_once
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.expert_plan import ExpertPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
-    HostCostModel, HostMissCompute, HostSplit, cost_model_for)
+    HostCostModel, HostMissCompute, cost_model_for)
 from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import host_experts
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
@@ -99,17 +99,18 @@ class WeightProvider:
         raise NotImplementedError
 
     reads_on_host = False
-    """Whether a step reads the device on the host (``moe_expert_cpu_compute``): the layer then
-    runs eagerly between the pieces of a decode graph (``graph_break``)."""
+    """Whether a step reads the device on the host (``moe_expert_cpu_compute``): a decode graph
+    runs that part eagerly between its pieces (``graph_break``)."""
 
-    def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
-                       topk_weights: torch.Tensor, row_slots: torch.Tensor | None = None
-                       ) -> "HostSplit | None":
-        """This step's pairs the CPU computes from host memory (``HostMissCompute.split``, a host
-        read), or None (all on the device): only a cache with ``moe_expert_cpu_compute`` has
-        any. x [T, H], topk_ids and topk_weights [T, K]; row_slots [T] (``prepare``'s: rows
-        whose slot is PAD_SLOT_ID are graph padding and route nowhere)."""
-        return None
+    def host_step(self, topk_ids: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
+                  row_slots: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None] | None]:
+        """(the ids [T, K] the device computes, the layer's ``host_pairs`` or None): the pairs
+        the CPU computes from host memory leave the device's ids (``HostMissCompute.step``,
+        a host read); only a cache with ``moe_expert_cpu_compute`` has any. x [T, H];
+        row_slots [T] (``prepare``'s: rows whose slot is PAD_SLOT_ID are graph padding and
+        route nowhere)."""
+        return topk_ids, None
 
 
 class IdentityProvider(WeightProvider):
@@ -168,13 +169,16 @@ class CachedWeightProvider(WeightProvider):
 
     def cuda_graph_refusal(self) -> str | None:
         """Why a decode graph (``worker/cuda_graphs.py``) cannot capture this layer's cached
-        step, or None. It needs the platform's fused residency step (one launch per layer, no
-        host read; the reference is refused: ~40 launches per wave) and a ``sync_free`` copy
-        engine (a copy kernel; not the torch fallback, which reads the plan on the host).
-        None where the step reads on the host (``reads_on_host``): the layer runs eagerly
-        between the graph's pieces, so nothing of it is captured."""
-        if self.reads_on_host:
-            return None
+        step, or None: ``capture_refusal``, except where the step reads on the host
+        (``reads_on_host``): a graph never refuses such a layer, it runs the host's part, or
+        the whole layer where the rest cannot be captured, between its pieces."""
+        return None if self.reads_on_host else self.capture_refusal()
+
+    def capture_refusal(self) -> str | None:
+        """Why a graph cannot capture this layer's residency step and copies, or None. They
+        need the platform's fused residency step (one launch per layer, no host read; the
+        reference is refused: ~40 launches per wave) and a ``sync_free`` copy engine (a copy
+        kernel; not the torch fallback, which reads the plan on the host)."""
         if self.step.name == "reference":
             return (f"its residency step is the tensor-op reference (the {self.device.type} "
                     "platform has no fused residency step kernel, e.g. triton is missing, or "
@@ -279,13 +283,12 @@ class CachedWeightProvider(WeightProvider):
     def reads_on_host(self) -> bool:
         return self.host_compute is not None
 
-    def split_for_host(self, topk_ids: torch.Tensor, x: torch.Tensor,
-                       topk_weights: torch.Tensor, row_slots: torch.Tensor | None = None
-                       ) -> HostSplit | None:
+    def host_step(self, topk_ids: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
+                  row_slots: torch.Tensor | None = None):
         if self.host_compute is None:
-            return None
-        return self.host_compute.split(topk_ids, self.residency.slot_of_expert, x, topk_weights,
-                                       row_slots)
+            return topk_ids, None
+        return self.host_compute.step(topk_ids, self.residency.slot_of_expert, x, topk_weights,
+                                      row_slots)
 
     @property
     def prefetching(self) -> bool:
