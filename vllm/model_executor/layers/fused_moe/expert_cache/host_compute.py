@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from vllm.config import MOE_CPU_COMPUTE_MODES
-from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
-from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.forward_context import PAD_SLOT_ID
 from vllm.model_executor.graph_break import break_graph, capturing_in_pieces
+from vllm.model_executor.layers.fused_moe.expert_cache.copy import CopyMisses
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEExperts
 from vllm.platforms import platform_for
 
@@ -272,7 +272,7 @@ class HostMissCompute:
               ) -> HostSplit | None:
         """The step's split (``host_pairs``), or None when the device computes every pair.
         x [T, H] and topk_weights [T, top_k] are the device's; row_slots as ``host_pairs``'s (a
-        decode graph runs this layer eagerly between its pieces, padding rows included: they
+        decode graph runs this split eagerly between its pieces, padding rows included: they
         stay on the device, which routes them nowhere). One read of the device for a small
         step (its inputs come with the routing: ``EARLY_READ_BYTES``), else two (the routing,
         then the CPU's rows of the inputs); one upload (the device's ids and pairs, and the
