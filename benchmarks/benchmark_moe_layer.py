@@ -44,7 +44,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KernelConfig, MoECacheConfig
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
 from vllm.model_executor.layers.fused_moe.registry import moe_backend_names
-from vllm.worker.cuda_graphs import default_capturer
+from vllm.worker.graph_capture import default_capturer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

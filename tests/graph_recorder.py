@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from vllm.model_executor.graph_break import graph_breaks
 from vllm.worker import cuda_graphs
+from vllm.worker.graph_capture import GraphCapturer
 
 def _is_view(func) -> bool:
     """All returns alias an input without writing it (a view, ``detach``, ``split``)."""
@@ -114,7 +115,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-class RecordingCapturer(cuda_graphs.GraphCapturer):
+class RecordingCapturer(GraphCapturer):
     """``capture`` records (module docstring); ``replay`` runs the record. ``replays`` counts
     them; ``breaks`` counts the graph breaks met by captures."""
 

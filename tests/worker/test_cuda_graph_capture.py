@@ -10,7 +10,7 @@ from fake_cuda import FakeCuda
 
 from vllm import LLM, SamplingParams
 from vllm.worker import cuda_graphs
-from vllm.worker.cuda_graphs import CudaGraphCapturer
+from vllm.worker.graph_capture import CudaGraphCapturer, GraphCapturer
 
 
 class _Out:
@@ -107,7 +107,7 @@ def test_a_graph_break_splits_the_capture_into_pieces_replayed_in_order():
     assert break_graph(lambda: torch.ones(1), torch.zeros(1)).tolist() == [1.0]
 
 
-class _MaskingCapturer(cuda_graphs.GraphCapturer):
+class _MaskingCapturer(GraphCapturer):
     """As the CUDA capture: the forward raises, then ``capture_end`` in the ``finally`` raises
     its own error, which masks the first."""
 

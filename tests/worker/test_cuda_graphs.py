@@ -19,6 +19,7 @@ from vllm.model_executor.layers.attention.torch_sdpa import TorchSdpaAttention
 from vllm.model_executor.layers.fused_moe.registry import GroupedMMExperts, TorchExperts
 from vllm.worker import cuda_graphs
 from vllm.worker.cuda_graphs import CudaDecodeGraphs, cuda_graph_refusal
+from vllm.worker.graph_capture import GraphCapturer
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_padding_rows_leave_the_kv_cache_alone(tiny_model_factory, on_cpu):
         assert untouched and attn.kv_cache[:, untouched].abs().sum() == 0
 
 
-class _FailingCapturer(cuda_graphs.GraphCapturer):
+class _FailingCapturer(GraphCapturer):
     def __init__(self):
         self.failures = 0
 

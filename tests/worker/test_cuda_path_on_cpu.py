@@ -18,6 +18,7 @@ from vllm import LLM, SamplingParams
 from vllm.platforms import _PLATFORMS, elementwise_ops
 from vllm.platforms.cuda import CudaPlatform
 from vllm.worker import cuda_graphs
+from vllm.worker.graph_capture import EagerCapturer
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
@@ -44,7 +45,7 @@ class RehearsalPlatform(CudaPlatform):
         return None
 
 
-class AuditingCapturer(cuda_graphs.EagerCapturer):
+class AuditingCapturer(EagerCapturer):
     """A replay re-runs the captured step under the host-sync audit."""
 
     def __init__(self):
@@ -164,7 +165,7 @@ def _replayed_launches(tiny_model_factory, monkeypatch, batch: int):
     from launch_count import count_launches
     counts = []
 
-    class Counting(cuda_graphs.EagerCapturer):
+    class Counting(EagerCapturer):
         def capture(self, fn):
             def replay():
                 with count_launches() as n:

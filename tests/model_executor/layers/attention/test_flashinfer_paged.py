@@ -26,7 +26,8 @@ from vllm.model_executor.layers.attention.registry import (AttentionQuery,
                                                            select_attention_backend)
 from vllm.platforms import platform_for
 from vllm.platforms.cuda import CudaPlatform
-from vllm.worker.cuda_graphs import CudaDecodeGraphs, CudaGraphCapturer, GraphCapturer
+from vllm.worker.cuda_graphs import CudaDecodeGraphs
+from vllm.worker.graph_capture import CudaGraphCapturer, GraphCapturer
 
 from .flashinfer_paged_standin import fake_flashinfer
 from .test_attention_options import BATCHES, make_layer, paged_case, run_paged

@@ -350,7 +350,8 @@ def test_capture_warm_up_sizes_the_workspace_before_any_capture(monkeypatch):
 
 
 def test_cuda_decode_graphs_warm_up_inside_the_seam():
-    from vllm.worker.cuda_graphs import CudaDecodeGraphs, EagerCapturer
+    from vllm.worker.cuda_graphs import CudaDecodeGraphs
+    from vllm.worker.graph_capture import EagerCapturer
     graphs = CudaDecodeGraphs(None, [1, 4, 16], 2, 32, 16, torch.device("cpu"), EagerCapturer())
     seen = []
     graphs._run = lambda P, e: seen.append((P, capture_warm_up_tokens())) or torch.zeros(P, 3)

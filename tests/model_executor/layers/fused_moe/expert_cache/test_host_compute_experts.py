@@ -81,8 +81,22 @@ def _cuda_outputs(path, **kw):
                                       for d in o.outputs[0].logprobs])
             for o in llm.generate(prompts, params)]
     graphs = llm.llm_engine.runner.decode_graphs
-    assert graphs is not None and graphs.refused is None, graphs and graphs.refused
+    if not kw.get("enforce_eager"):
+        assert graphs is not None and graphs.refused is None, graphs and graphs.refused
     return outs, llm.get_moe_cache_stats()
+
+
+@pytest.mark.gpu
+def test_cpu_compute_in_graph_pieces_equals_eager_on_cuda(tiny_model_factory):
+    """On a CUDA GPU (not yet run on one): decode graphs in pieces around the CPU's work (its
+    split and pairs run between them) give enforce_eager's tokens, logprobs and counters
+    bitwise (the same kernels on both sides)."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    kw = dict(moe_expert_cache_size=2, moe_expert_cpu_compute="always")
+    eager, eager_stats = _cuda_outputs(path, enforce_eager=True, **kw)
+    got, stats = _cuda_outputs(path, **kw)
+    assert stats["cpu_pairs"] > 0 and stats == eager_stats
+    assert got == eager
 
 
 @pytest.mark.gpu
