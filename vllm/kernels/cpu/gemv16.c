@@ -13,7 +13,7 @@
  * to TOK, each weight vector loaded once per chunk; rows in pairs (two independent chains even
  * at one token); OpenMP splits the pairs; the row two rows on is prefetched. The token loops
  * are qgemv.c's, written out: an always-inline helper shared by both compiled to other address
- * arithmetic and ran 7-25% slower (one and four tokens, one thread, 2026-11-27). */
+ * arithmetic and ran slower (the 2026-11-27 session note has the timing and its script). */
 #include <stdint.h>
 #include <string.h>
 
