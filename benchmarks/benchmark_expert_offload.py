@@ -65,6 +65,9 @@ link's speed (the DMA bandwidth above is the single-expert reference: one ``copy
 expert). ``--out`` is rewritten after every measured row with ``"partial": true`` (a run cut
 short keeps what it measured); the final write has no ``partial``. The routing ids of every
 step are uploaded before the timing (the timed loop copies no routing host to device).
+``--graphs``: each design's steps replay CUDA graphs where it allows, as the engine's decode
+steps do (``offload_graphs.py``; sync-lfru and non-CUDA devices stay eager, the row says why);
+without it every design runs eagerly, launching each layer's kernels from Python.
 """
 from __future__ import annotations
 
@@ -81,8 +84,9 @@ from bench_io import write_json
 from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
                             measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
-from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, layer_step,
-                             make_providers, model_wait_seconds, uva_refusal)
+from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, make_providers,
+                             model_wait_seconds, run_layers, uva_refusal)
+from offload_graphs import graph_fields, make_step_graphs
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
@@ -183,9 +187,10 @@ def upload_steps(setup: Setup, steps: list[torch.Tensor], pred: torch.Tensor | N
 
 def run_design(setup: Setup, design: str, capacity: int | None, batch: int, policy: str,
                keep_outputs: bool = False, count: bool = False,
-               max_steps: int | None = None) -> dict:
+               max_steps: int | None = None, use_graphs: bool = False) -> dict:
     """One cold run of the whole trace (its first ``max_steps`` steps: a warm-up). Returns the
-    row (and "_outputs": the last layer's h per step when ``keep_outputs``)."""
+    row (and "_outputs": the last layer's h per step when ``keep_outputs``). ``use_graphs``:
+    steps replayed from graphs where the design allows (``offload_graphs.py``)."""
     s = setup
     refusal = uva_refusal(s) if design == "uva" else None
     if refusal is not None:
@@ -196,26 +201,29 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     modelled = model_wait_seconds(providers, s.cpu_cost) \
         if design == "ours+cpu" and s.cpu_cost is not None else None
     pred = s.affinity_pred if design == "ours+prefetch" else None
-    steps, L = s.steps(batch)[:max_steps], s.trace.num_layers
+    steps = s.steps(batch)[:max_steps]
     step_ids, step_pred, host_ids = upload_steps(s, steps, pred)
+    forward = partial(run_layers, providers, s.qm, s.topk_weights)
+    graphs, graph_refusal = make_step_graphs(
+        design, providers, forward, s.qm.kernel, (batch, s.trace.num_layers, s.trace.top_k),
+        s.hidden, s.dtype, s.device, pred is not None, counted is not None) \
+        if use_graphs else (None, None)
+    step = graphs.step if graphs is not None else forward
     sync = device_sync(s.device)
     outputs = []
     sync()
     start = time.perf_counter()
     for i, (ids, p_ids) in enumerate(zip(step_ids, step_pred)):           # ids [b, L, K]
-        w = s.topk_weights.expand(ids.shape[0], -1)
-        h = s.inputs[i % s.inputs.shape[0], :ids.shape[0]]
-        for l in range(L):
-            if p_ids is not None and l + 1 < L:
-                providers[l + 1].prefetch(p_ids[:, l + 1])
-            h = layer_step(providers[l], s.qm, h, ids[:, l], w)
+        h = step(ids, p_ids, s.inputs[i % s.inputs.shape[0], :ids.shape[0]])
         if keep_outputs:
-            outputs.append(h.cpu())
+            outputs.append(h.to("cpu", copy=True))      # a replay reuses its buffer
     sync()
     seconds = time.perf_counter() - start
     row = {"design": design, "capacity": capacity, "batch": batch, "status": "ok",
            "tokens": len(s.trace.experts), "seconds": seconds,
            "tok_s": len(s.trace.experts) / seconds}
+    if use_graphs:
+        row.update(graph_fields(graphs, graph_refusal))
     row.update(cache_stats(providers, design))
     if design == "ours+cpu":            # the cost model its choices rest on (given or measured)
         row["cpu_cost"] = dataclasses.asdict(providers[0].host_compute.cost)
@@ -240,7 +248,8 @@ def _header(args: argparse.Namespace, setup: Setup, bandwidth: float,
             "shape": {"name": args.shape, "hidden": setup.hidden, "inter": SHAPES[args.shape][1],
                       "experts": trace.num_experts, "top_k": trace.top_k, "dtype": args.dtype,
                       "bytes_per_expert": setup.store.bytes_per_expert},
-            "policy": resolve_policy_name(args.policy), "bandwidth_gbps": bandwidth / 1e9,
+            "policy": resolve_policy_name(args.policy), "graphs_asked": args.graphs,
+            "bandwidth_gbps": bandwidth / 1e9,
             "bandwidth_what": "pinned host-to-device DMA (copy_)" if cuda
             else "memcpy of expert rows (CPU)",
             "copy_engine_gbps": engine[0] / 1e9, "copy_engine": engine[1],
@@ -271,14 +280,14 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
     if setup.cpu_cost is not None:
         head["cpu_cost_given"] = dataclasses.asdict(setup.cpu_cost)
     for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
-        run_design(setup, design, c, batch, args.policy, max_steps=2)
+        run_design(setup, design, c, batch, args.policy, max_steps=2, use_graphs=args.graphs)
     rows: dict = {}
     # Rounds interleave the jobs, so a shared machine's slow spell hits every design alike;
     # every round is a cold run with the same counts, its seconds kept.
     for _ in range(args.repeat):
         for batch, design, c in jobs:
             row = run_design(setup, design, c, batch, args.policy, keep_outputs and not rows.get(
-                (batch, design, c)), count)
+                (batch, design, c)), count, use_graphs=args.graphs)
             rows.setdefault((batch, design, c), row).setdefault("all_seconds", []).append(
                 row.get("seconds"))
             if args.out:
@@ -312,6 +321,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-cost", type=float, nargs=3, default=None,
                     metavar=("COPY_MS", "CPU_MS", "PER_TOKEN_MS"),
                     help="ours+cpu's cost model, given (copies beside the CPU, as on a GPU)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="replay each design's steps from CUDA graphs where it allows "
+                    "(offload_graphs.py; sync-lfru and CPU devices stay eager)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON here (rewritten "
                     "after every measured row with \"partial\": true)")
@@ -346,11 +358,14 @@ def _print_table(out: dict) -> None:
         if r["status"] != "ok":
             print(f"| {r['design']} | | {r['batch']} | {r['status']} | | | | | | |")
             continue
-        print(f"| {r['design']} | {r['capacity'] or ''} | {r['batch']} | {r['tok_s']:.1f} | "
+        name = r["design"] + (" (graphs)" if r.get("graphs") else "")
+        print(f"| {name} | {r['capacity'] or ''} | {r['batch']} | {r['tok_s']:.1f} | "
               f"{r['hit_rate']:.3f} | {r['bytes_copied'] / 1e9:.2f} | {r['copy_gbps']:.2f} | "
               f"{r['link_bytes'] / 1e9:.2f} | {r['link_gbps']:.2f} | "
               f"{r.get('bound_tok_s', float('nan')):.1f} |")
     for r in out["rows"]:
+        if r.get("graph_refusal"):
+            print(f"{r['design']} batch {r['batch']}: eager ({r['graph_refusal']})")
         if "cpu_cost" in r:
             c = r["cpu_cost"]
             print(f"{r['design']} C={r['capacity']} batch {r['batch']}: {r['cpu_expert_calls']} "

@@ -79,6 +79,20 @@ def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     return h + qm.apply(provider.slot_weights(), h, w, waves, host_pairs=host_pairs)
 
 
+def run_layers(providers: list, qm, w_row: torch.Tensor, ids: torch.Tensor,
+               pred: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
+    """One step through every layer: routing ids [b, L, K], next-layer predictions [b, L, K]
+    (ours+prefetch: layer l + 1's are prefetched before layer l runs) or None, layer 0's input
+    h [b, H], one row of top-k weights w_row [K] -> the last layer's h [b, H]."""
+    w = w_row.expand(ids.shape[0], -1)
+    L = len(providers)
+    for l in range(L):
+        if pred is not None and l + 1 < L:
+            providers[l + 1].prefetch(pred[:, l + 1])
+        h = layer_step(providers[l], qm, h, ids[:, l], w)
+    return h
+
+
 def model_wait_seconds(providers: list, cost) -> list[float]:
     """``--cpu-cost``: wrap each ours+cpu layer's split (``HostMissCompute.host_pairs``) to add
     up, per layer and step, what ``balance`` minimises: max(experts copied x the copy's

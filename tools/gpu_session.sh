@@ -175,7 +175,9 @@ first)
     # plans of 1, 2, 4, 8 and E valid entries (does one miss copy at the link's speed?), and
     # ours+cpu computes misses on the machine's 16 cores where cheaper than a copy, and the
     # least used ones beside the copies while that shortens the step.
-    offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 \
+    # --graphs: each design's steps replay CUDA graphs as the engine's do (sync-lfru cannot:
+    # eager); the 2026-11-26 figures were eager, each layer's ~20 launches from Python.
+    offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 --graphs \
         --designs resident sync-lfru uva ours ours+overlap ours+prefetch ours+cpu
     quant_steps 70 50
     step 40 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
@@ -215,7 +217,7 @@ decode)
 offload)
     install
     offload 540 --capacity 8 16 32 --batch 1 8 --designs all --max-tokens 300 --repeat 3 \
-        --threads 16
+        --threads 16 --graphs
     ;;
 quant)
     install

@@ -151,9 +151,10 @@ def test_every_timed_job_is_warmed_up_first(result, monkeypatch):
     real = bench.run_design
 
     def spy(setup, design, capacity, batch, policy, keep_outputs=False, count=False,
-            max_steps=None):
+            max_steps=None, use_graphs=False):
         calls.append((batch, design, capacity, max_steps))
-        return real(setup, design, capacity, batch, policy, keep_outputs, count, max_steps)
+        return real(setup, design, capacity, batch, policy, keep_outputs, count, max_steps,
+                    use_graphs)
     monkeypatch.setattr(bench, "run_design", spy)
     args = bench.parse_args(["--trace", path, "--shape", "tiny", "--dtype", "float32",
                              "--capacity", "2", "4", "--batch", "3", "--designs", "resident",

@@ -12,37 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 from host_sync_audit import HostSync, audit_host_syncs
+from rehearsal import RehearsalPlatform
 from side_streams import hand_out_side_streams
 
 from vllm import LLM, SamplingParams
 from vllm.platforms import _PLATFORMS, elementwise_ops
-from vllm.platforms.cuda import CudaPlatform
 from vllm.worker import cuda_graphs
 from vllm.worker.graph_capture import EagerCapturer
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("triton_interpreter")]
-
-
-class RehearsalPlatform(CudaPlatform):
-    """CUDA's kernel and backend choices for CPU tensors (Triton interpreted); no pinned memory,
-    no device memory query."""
-    name = "cuda"
-
-    def is_available(self) -> bool:
-        return True
-
-    def device_name(self, device=None) -> str:
-        return "CUDA rehearsal on CPU (Triton interpreter)"
-
-    def get_device_capability(self, device=None):
-        return None
-
-    def is_pin_memory_available(self) -> bool:
-        return False
-
-    def memory_info(self, device):
-        return None
 
 
 class AuditingCapturer(EagerCapturer):

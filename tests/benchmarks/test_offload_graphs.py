@@ -1,0 +1,147 @@
+"""benchmark_expert_offload.py --graphs (benchmarks/offload_graphs.py): each design's steps
+replayed from graphs give the eager run's outputs bit for bit and its cache counters, on the CUDA
+path rehearsed on CPU with a capturer that keeps a graph's semantics (a capture executes nothing,
+a replay runs only what was recorded); what cannot be captured says why and runs eagerly."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from graph_recorder import RecordingCapturer
+from rehearsal import RehearsalPlatform
+from test_benchmark_expert_offload import _trace
+
+from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
+from vllm.model_executor.layers.fused_moe.expert_cache.trace import interleave, load_trace
+from vllm.platforms import _PLATFORMS
+from vllm.worker.graph_capture import EagerCapturer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import benchmark_expert_offload as bench  # noqa: E402
+import offload_graphs  # noqa: E402
+from offload_designs import CACHED  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+TOKENS, LAYERS, BATCH = 9, 2, 2
+COUNTERS = ("hits", "misses", "bytes_copied", "prefetch", "cpu_pairs", "cpu_expert_calls")
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("graphs") / "trace.npz")
+    _trace(path)
+    return path
+
+
+def _run(path: str, designs: list[str], graphs: bool) -> dict:
+    argv = ["--trace", path, "--shape", "tiny", "--dtype", "float32", "--capacity", "2",
+            "--batch", "1", "3", "--max-tokens", "10", "--designs", *designs]
+    return bench.run(bench.parse_args(argv + (["--graphs"] if graphs else [])),
+                     keep_outputs=True)
+
+
+def _by_job(out: dict) -> dict:
+    return {(r["design"], r["batch"]): r for r in out["rows"]}
+
+
+def _rows(path: str, designs: list[str], graphs: bool, device: str = "cpu") -> dict:
+    """design -> row of one cold run (no warm-up runs: the interpreter is slow) of the odd
+    sequences' first TOKENS tokens, LAYERS layers, BATCH lanes, capacity 2."""
+    trace, fit = bench.prepare_trace(path, "odd", TOKENS, LAYERS)
+    setup = bench.Setup(trace, "tiny", torch.float32, device, BATCH)
+    setup.affinity_pred = bench.predict_next(trace, bench.fit_affinity(fit))
+    setup.cpu_cost = HostCostModel(1e-3, 3e-4, 1e-4, concurrent=True)   # fixed choices
+    return {d: bench.run_design(setup, d, 2 if d in CACHED else None, BATCH, "auto",
+                                keep_outputs=True, use_graphs=graphs) for d in designs}
+
+
+def _sizes(path: str) -> list[int]:
+    """The active batch sizes of the run's steps: the odd sequences' first TOKENS tokens, lanes
+    refilled as sequences end (from the trace file, not from the benchmark)."""
+    lens = np.diff(load_trace(path).offsets)[1::2]
+    offsets = np.unique(np.minimum(np.concatenate([[0], np.cumsum(lens)]), TOKENS))
+    return sorted({int((row >= 0).sum()) for row in interleave(offsets, BATCH)})
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+def test_replayed_steps_equal_eager_on_the_rehearsed_cuda_path(trace_path, monkeypatch):
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    designs = ["resident", "ours", "ours+prefetch", "ours+cpu"]
+    eager = _rows(trace_path, designs, False)
+    capturer = RecordingCapturer()
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: capturer)
+    got = _rows(trace_path, designs, True)
+    assert capturer.replays > 0 and capturer.breaks > 0       # ours+cpu: pieces
+    assert len(_sizes(trace_path)) == 2                        # two graphs a design
+    for design, row in got.items():
+        ref = eager[design]
+        assert row["graphs"] and row["graph_refusal"] is None, (design, row["graph_refusal"])
+        assert row["graph_sizes"] == _sizes(trace_path), design
+        assert len(row["_outputs"]) == len(ref["_outputs"])
+        for a, b in zip(row["_outputs"], ref["_outputs"]):
+            assert torch.equal(a, b), design
+        for k in COUNTERS:
+            assert row.get(k) == ref.get(k), (design, k)
+    assert got["ours+cpu"]["cpu_pairs"] > 0 and got["ours"]["misses"] > 0
+    assert got["ours+prefetch"]["prefetch"]["prefetch_loads"] > 0
+
+
+def test_sync_lfru_runs_eagerly_and_says_why(trace_path, monkeypatch):
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: EagerCapturer())
+    row = _by_job(_run(trace_path, ["sync-lfru"], True))[("sync-lfru", 1)]
+    assert not row["graphs"] and "sync-lfru" in row["graph_refusal"]
+
+
+class FailingCapturer(EagerCapturer):
+    def capture(self, fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_goes_on_eagerly_with_the_reason(trace_path, monkeypatch):
+    eager = _by_job(_run(trace_path, ["ours"], False))
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: FailingCapturer())
+    got = _by_job(_run(trace_path, ["ours"], True))
+    for job, row in got.items():
+        assert not row["graphs"] and row["graph_sizes"] == []
+        assert "capturing batch" in row["graph_refusal"] and "not permitted" in \
+            row["graph_refusal"]
+        assert all(torch.equal(a, b) for a, b in zip(row["_outputs"], eager[job]["_outputs"]))
+        assert row["misses"] == eager[job]["misses"]
+
+
+def test_without_a_capturer_every_design_runs_eagerly_and_says_why(trace_path):
+    got = _run(trace_path, ["resident", "ours"], True)
+    for row in got["rows"]:
+        assert not row["graphs"] and "no graphs on cpu" in row["graph_refusal"]
+    assert got["graphs_asked"] is True
+
+
+def test_the_tests_byte_counter_refuses_graphs(trace_path, monkeypatch):
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: EagerCapturer())
+    args = bench.parse_args(["--trace", trace_path, "--shape", "tiny", "--dtype", "float32",
+                             "--capacity", "2", "--batch", "1", "--max-tokens", "8",
+                             "--designs", "ours", "--graphs"])
+    row = bench.run(args, count=True)["rows"][0]
+    assert not row["graphs"] and "count_copies" in row["graph_refusal"]
+
+
+@pytest.mark.gpu
+def test_replayed_cuda_graphs_equal_eager(trace_path):
+    """The real capture: every design but sync-lfru replays CUDA graphs (ours+overlap's side
+    stream and ours+cpu's pieces included) and gives the eager run's outputs and counters."""
+    designs = ["resident", "uva", "ours", "ours+overlap", "ours+prefetch", "ours+cpu"]
+    eager = _rows(trace_path, designs, False, "cuda")
+    got = _rows(trace_path, designs, True, "cuda")
+    for design, row in got.items():
+        ref = eager[design]
+        assert row["graphs"] and row["graph_refusal"] is None, (design, row["graph_refusal"])
+        assert row["graph_sizes"] == _sizes(trace_path), design
+        for a, b in zip(row["_outputs"], ref["_outputs"], strict=True):
+            assert torch.equal(a, b), design
+        for k in COUNTERS:
+            assert row.get(k) == ref.get(k), (design, k)
