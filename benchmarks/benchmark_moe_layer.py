@@ -18,7 +18,7 @@ each forward is timed to a device synchronisation). By default these are eager f
 the cached layer's residency step is one C call per step, but Python still runs around it;
 inside a decode graph (``benchmark_throughput.py --cache-sweep``) that Python is gone too.
 ``--graphs`` times what a decode step's CUDA graph runs instead: each layer is captured once per
-token count (``worker/cuda_graphs.py``'s capturer; on CPU its eager stand-in) over static
+token count (``worker/graph_capture.py``'s capturer; on CPU its eager stand-in) over static
 inputs that each iteration rewrites, and each replay is timed alone (CUDA events around it), so
 ``overhead_ms`` is the cached layer's device cost per forward: its residency step, the copy
 launch with its blocks that exit, the remap. ``--profile-iters K`` adds the kernels K more

@@ -127,7 +127,7 @@ def _device_side_stream(index: int, role: str) -> torch.cuda.Stream:
     role, not one per layer: PyTorch hands out ``torch.cuda.Stream()``s round-robin from a pool
     of 32 per device and priority, so past 32 layers theirs would silently alias each other.
     Default priority: the decode-graph capture stream is drawn from the high-priority pool
-    (``worker/cuda_graphs.py``), so they never coincide."""
+    (``worker/graph_capture.py``), so they never coincide."""
     return torch.cuda.Stream(torch.device("cuda", index))
 
 

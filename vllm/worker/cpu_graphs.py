@@ -3,8 +3,8 @@ batch size, captured the first time a decode-only step of that size runs (``CAPT
 
 As vLLM pads a decode batch to its next CUDA-graph size, a step of B sequences replays the
 graph of ``padded_size(B)`` rows (1, 2, 4, then multiples of 8), so a batch that shrinks as
-requests finish keeps replaying the same few graphs. A padding row decodes token 0 at position
-0 against a one-token context, writes no KV (its slot is ``PAD_SLOT_ID``) and its logits are
+requests finish keeps replaying the same few graphs. A padding row decodes whatever token and
+position its row last held (0 at capture) against a one-token context, writes no KV (its slot is ``PAD_SLOT_ID``) and its logits are
 dropped; every op of the forward works row by row, so padding does not change the real rows.
 
 A padded size has a graph of the forward and, where it can be captured, one of
