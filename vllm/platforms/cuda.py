@@ -180,6 +180,13 @@ class CudaPlatform(Platform):
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return _triton_residency_step()
 
+    def exp12_copy_kernel(self) -> Callable[..., None] | None:
+        try:
+            from vllm.kernels.triton.exp12_gather import exp12_gather
+        except ImportError:               # no triton: the cache says so where it is asked for
+            return None
+        return exp12_gather
+
     def w4a16_moe_ops(self) -> cuda_ops.W4A16MoEOps | None:
         return cuda_ops.w4a16_moe_ops()
 

@@ -176,6 +176,12 @@ class Platform:
         the cache then calls ``expert_copy_kernel`` once per tensor."""
         return None
 
+    def exp12_copy_kernel(self) -> Callable[..., None] | None:
+        """The kernel that copies experts from an ``exp12`` host store, decoding them into bf16
+        slots (``kernels/triton/exp12_gather.exp12_gather``'s contract), or None: this platform
+        has no link compression (``expert_cache/link_codec.py``)."""
+        return None
+
     def residency_step_kernel(self) -> Callable[..., None] | None:
         """The expert cache's fused residency step on this platform
         (``vllm.kernels.cpu.moe_cache.residency_step``'s contract), or None: the cache then runs

@@ -46,6 +46,7 @@ import torch
 
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
+from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Copy
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.expert_plan import ExpertPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
@@ -278,6 +279,18 @@ class CachedWeightProvider(WeightProvider):
                                             "the copies shortens the step)" if cost.concurrent
                                             else ")"))
         self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
+
+    def enable_link_compression(self, copy: Exp12Copy | None = None) -> None:
+        """Misses move as exp12 planes, decoded exactly into the slots (``compressed_copy.py``):
+        a quarter fewer bytes over the link for bf16 experts. ``copy``: one already built over
+        this layer's store (layers sharing a store share its planes). ValueError where the
+        platform or the tensors cannot; call before the first step."""
+        if copy is None:
+            platform = platform_for(self.device)
+            empty = partial(platform.empty_pinned, device=self.device) if self.store.pinned \
+                else torch.empty
+            copy = Exp12Copy(self.store, self.device, empty)
+        self.copy = copy
 
     @property
     def reads_on_host(self) -> bool:

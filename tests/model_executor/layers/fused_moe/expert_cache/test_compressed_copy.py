@@ -1,0 +1,91 @@
+"""exp12 link compression in the cache (expert_cache/compressed_copy.py): with misses moved as
+exp12 planes the slots hold exactly the experts they would hold without it, step after step, on
+the CUDA path rehearsed on CPU (Triton interpreted); where a platform has no exp12 kernel,
+asking for it names why."""
+from __future__ import annotations
+
+import pytest
+import torch
+from rehearsal import RehearsalPlatform
+
+from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import (
+    Exp12Copy, link_compression_refusal)
+from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
+from vllm.model_executor.layers.fused_moe.expert_cache.provider import CachedWeightProvider
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
+from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
+from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
+from vllm.platforms import _PLATFORMS
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+
+E, H, I, K, N = 8, 32, 16, 2, 3
+
+
+def _store(extra: bool = False) -> HostStore:
+    g = torch.Generator().manual_seed(0)
+    t = {"w13_weight": torch.randn(E, 2 * I, H, generator=g).mul_(0.1).to(torch.bfloat16),
+         "w2_weight": torch.randn(E, H, I, generator=g).mul_(0.1).to(torch.bfloat16)}
+    t["w13_weight"][2, 0, :3] = torch.tensor([1e-30, 0.0, float("inf")], dtype=torch.bfloat16)
+    if extra:                                   # not exp12-shaped: the plain gather moves it
+        t["w2_bias"] = torch.randn(E, H, generator=g)
+    return HostStore(t, pinned=False)
+
+
+def _provider(store: HostStore) -> CachedWeightProvider:
+    return CachedWeightProvider(store, allocate_slots(store, N, "cpu"),
+                                Residency(E, N, get_policy("lrfu"), "cpu"), "lrfu")
+
+
+def _step(p: CachedWeightProvider, ids: torch.Tensor) -> None:
+    for _ in p.prepare(ids):                    # each wave copies its misses
+        pass
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("extra", [False, True])
+def test_slots_equal_the_uncompressed_copy_step_after_step(monkeypatch, extra):
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    store = _store(extra)
+    plain, packed = _provider(store), _provider(store)
+    packed.enable_link_compression()
+    assert isinstance(packed.copy, Exp12Copy) and packed.capture_refusal() is None
+    assert set(packed.copy.plain) == ({"w2_bias"} if extra else set())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(2)])
+        _step(plain, ids)
+        _step(packed, ids)
+        assert torch.equal(plain.residency.expert_of_slot, packed.residency.expert_of_slot)
+        for name, slot in packed.slots.items():
+            assert torch.equal(slot.view(torch.uint8), plain.slots[name].view(torch.uint8))
+            for s, e in enumerate(packed.residency.expert_of_slot.tolist()):
+                if e >= 0:                      # against the store itself
+                    assert torch.equal(slot[s].view(torch.uint8),
+                                       store.tensors[name][e].view(torch.uint8))
+    assert packed.stats()["misses"] == plain.stats()["misses"] > N
+
+
+def test_bytes_per_expert_count_the_planes_and_the_plain_tensors(monkeypatch):
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    store = _store(extra=True)
+    copy = Exp12Copy(store, torch.device("cpu"))
+    n13, n2 = 2 * I * H, H * I
+    X13, X2 = (copy.planes[n].esc_index.shape[1] for n in ("w13_weight", "w2_weight"))
+    want = sum(n + n // 2 + n // 128 + 6 * X for n, X in ((n13, X13), (n2, X2))) + 4 * H
+    assert copy.bytes_per_expert == want
+
+
+def test_a_platform_without_the_kernel_refuses_by_name():
+    store = _store()
+    why = link_compression_refusal(store, torch.device("cpu"))
+    assert "exp12 copy kernel" in why
+    with pytest.raises(ValueError, match="exp12 copy kernel"):
+        _provider(store).enable_link_compression()
+
+
+def test_no_bf16_tensor_is_refused_by_name(monkeypatch):
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    store = HostStore({"w13_weight": torch.zeros(E, 2 * I, H)}, pinned=False)
+    assert "bfloat16" in link_compression_refusal(store, torch.device("cpu"))

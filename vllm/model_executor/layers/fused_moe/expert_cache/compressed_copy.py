@@ -1,0 +1,69 @@
+"""A miss copy that moves ``exp12`` planes over the link (``link_codec.py``): each bf16
+expert-indexed tensor of the store is encoded once into planes in pinned host memory, and a miss
+is decoded into its slot by the platform's ``exp12_copy_kernel``, one launch per tensor, no host
+read. Tensors exp12 cannot hold (not bf16, a size not a multiple of 128) go through the
+platform's plain gather. The slots, and so the expert kernels and every output, are unchanged:
+the decode is exact.
+
+Used by ``CachedWeightProvider.enable_link_compression`` (the offload benchmark's
+``ours+exp12`` design). The bf16 store stays beside the planes (the CPU-compute path and the
+counters read it), so host memory grows by three quarters; an engine option would keep the
+planes only. Not yet run on a GPU.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12, encode, refusal
+from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
+from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
+from vllm.platforms import platform_for
+
+
+def link_compression_refusal(store: HostStore, device: torch.device) -> str | None:
+    """Why misses from ``store`` into slots on ``device`` cannot move as exp12, or None."""
+    device = torch.device(device)
+    if platform_for(device).exp12_copy_kernel() is None:
+        return (f"the {device.type} platform has no exp12 copy kernel (CUDA with the 'triton' "
+                "package has one)")
+    if not any(refusal(t) is None for t in store.tensors.values()):
+        reasons = {refusal(t) for t in store.tensors.values()}
+        return f"no expert tensor can be stored as exp12 ({'; '.join(sorted(reasons))})"
+    return None
+
+
+class Exp12Copy:
+    """``CopyMisses`` over exp12 planes (module docstring)."""
+    cpu_graph_node = False
+    sync_free = True
+    """Both kernels read the plan on the device: a decode graph may capture the copy."""
+
+    def __init__(self, store: HostStore, device: torch.device,
+                 empty: Callable[..., torch.Tensor] = torch.empty):
+        """``empty(shape, dtype=)`` allocates the planes: pinned for a CUDA device."""
+        why = link_compression_refusal(store, device)
+        if why is not None:
+            raise ValueError(f"exp12 link compression: {why}")
+        platform = platform_for(device)
+        self.kernel = platform.exp12_copy_kernel()
+        self.plain_kernel = platform.expert_copy_kernel()
+        self.planes: dict[str, Exp12] = {n: encode(t, empty)
+                                         for n, t in store.tensors.items() if refusal(t) is None}
+        self.plain = {n: t for n, t in store.tensors.items() if n not in self.planes}
+        if self.plain and self.plain_kernel is None:
+            raise ValueError(f"exp12 link compression: tensors {list(self.plain)} need the "
+                             "plain gather, which this platform lacks")
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """What one expert's copy reads over the link, all its tensors."""
+        return sum(c.bytes_per_expert for c in self.planes.values()) + \
+            sum(t[0].numel() * t.element_size() for t in self.plain.values())
+
+    def __call__(self, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
+        for name, c in self.planes.items():
+            self.kernel(c.planes, slots[name], plan.experts, plan.slots, plan.valid)
+        for name, src in self.plain.items():
+            self.plain_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
