@@ -46,6 +46,11 @@ Designs (``DESIGNS``):
                  copied x COPY, the CPU's time for the experts it computes), summed (ours:
                  misses x COPY); a model of the wait for misses, compute left out. Its
                  rows carry ``cpu_cost``, the cost model used (given or measured).
+  ours+exp12     ours, and misses move as exp12 planes, decoded exactly into the slots
+                 (``expert_cache/link_codec.py``, ``compressed_copy.py``): 12 bits per bf16
+                 weight over the link instead of 16, the same outputs. Its link bytes (and so
+                 its bound) count the planes. Needs CUDA with triton (or the CUDA path
+                 rehearsed on CPU, in the tests); elsewhere its rows say why not.
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
@@ -84,8 +89,8 @@ from bench_io import write_json
 from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
                             measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
-from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, make_providers,
-                             model_wait_seconds, run_layers, uva_refusal)
+from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, design_refusal,
+                             make_providers, model_wait_seconds, run_layers, upload_steps)
 from offload_graphs import graph_fields, make_step_graphs
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
@@ -167,22 +172,14 @@ class Setup:
         self.inputs = torch.randn(16, max_batch, self.hidden, generator=g).to(dtype).to(
             self.device)
         self.affinity_pred: torch.Tensor | None = None
+        self.exp12 = None
+        """ours+exp12's copy engine (its planes encoded once, shared by every layer)."""
         self.cpu_cost: HostCostModel | None = None
         """ours+cpu's cost model (``--cpu-cost``); None: measured on layer 0's provider."""
 
     def steps(self, batch: int) -> list[torch.Tensor]:
         """Per step, the trace tokens of its active lanes ([b] int64)."""
         return [torch.from_numpy(row[row >= 0]) for row in interleave(self.trace.offsets, batch)]
-
-
-def upload_steps(setup: Setup, steps: list[torch.Tensor], pred: torch.Tensor | None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
-    """(per step the device ids [b, L, K], the device predictions or None, the host ids): the
-    routing uploaded before the timing, so the timed loop does no host-to-device copy of it."""
-    host = [setup.ids[tokens] for tokens in steps]
-    ids = [h.to(setup.device) for h in host]
-    p_ids = [pred[tokens].to(setup.device) if pred is not None else None for tokens in steps]
-    return ids, p_ids, host
 
 
 def run_design(setup: Setup, design: str, capacity: int | None, batch: int, policy: str,
@@ -192,7 +189,7 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     row (and "_outputs": the last layer's h per step when ``keep_outputs``). ``use_graphs``:
     steps replayed from graphs where the design allows (``offload_graphs.py``)."""
     s = setup
-    refusal = uva_refusal(s) if design == "uva" else None
+    refusal = design_refusal(s, design)
     if refusal is not None:
         return {"design": design, "capacity": None, "batch": batch, "status": refusal}
     providers = make_providers(s, design, capacity, policy)
@@ -229,6 +226,10 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
         row["cpu_cost"] = dataclasses.asdict(providers[0].host_compute.cost)
     row["link_bytes"] = row["bytes_copied"] if design != "uva" else uva_link_bytes(
         host_ids, s.trace.num_experts, s.store.bytes_per_expert)
+    if design == "ours+exp12":          # the planes' bytes per expert copied, not bf16's
+        row["link_bytes"] = row["bytes_copied"] // s.store.bytes_per_expert * \
+            s.exp12.bytes_per_expert
+        row["exp12_ratio"] = s.exp12.bytes_per_expert / s.store.bytes_per_expert
     if count:
         row["bytes_copied_counted"] = counted[0] if counted is not None else 0
     if s.cpu_cost is not None and design in ("ours", "ours+cpu"):

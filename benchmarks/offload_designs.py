@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
+from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import (
+    link_compression_refusal)
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWeightProvider,
                                                                         IdentityProvider,
@@ -25,16 +27,20 @@ from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWe
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
 
-DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch", "ours+cpu")
-CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch", "ours+cpu")
+DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch", "ours+cpu",
+           "ours+exp12")
+CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch", "ours+cpu", "ours+exp12")
 _PREFETCH_FIELDS = ("prefetch_loads", "prefetch_used", "prefetch_wasted", "prefetch_recalled",
                     "prefetch_needed", "prefetch_bytes", "prefetch_wasted_bytes")
 
 
-def uva_refusal(s) -> str | None:
-    """Why the uva design cannot run on this setup (a ``Setup``), or None. On CUDA it needs the
-    Triton MoE backend (which reads pinned host weights in place) and a pinned store."""
-    if s.device.type != "cuda":
+def design_refusal(s, design: str) -> str | None:
+    """Why ``design`` cannot run on this setup (a ``Setup``), or None. uva on CUDA needs the
+    Triton MoE backend (which reads pinned host weights in place) and a pinned store;
+    ours+exp12 a platform with an exp12 copy kernel (CUDA with triton)."""
+    if design == "ours+exp12":
+        return link_compression_refusal(s.store, s.device)
+    if design != "uva" or s.device.type != "cuda":
         return None
     if s.qm.kernel.name != "triton" or not s.store.pinned:
         return (f"uva on CUDA needs the triton MoE backend and a pinned store (backend "
@@ -60,12 +66,28 @@ def make_providers(s, design: str, capacity: int | None, policy: str) -> list:
            for _ in range(L)]
     for p in out[:1] if design == "ours+prefetch" else ():
         p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
+    if design == "ours+exp12":
+        if s.exp12 is None:                   # encoded once per run: every layer shares the store
+            out[0].enable_link_compression()
+            s.exp12 = out[0].copy
+        for p in out:
+            p.enable_link_compression(s.exp12)
     if design == "ours+cpu":
         # Measures the cost model unless the run gives one (--cpu-cost).
         out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=s.cpu_cost)
         for p in out[1:]:
             p.enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=out[0].host_compute.cost)
     return out
+
+
+def upload_steps(setup, steps: list[torch.Tensor], pred: torch.Tensor | None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]:
+    """(per step the device ids [b, L, K], the device predictions or None, the host ids): the
+    routing uploaded before the timing, so the timed loop does no host-to-device copy of it."""
+    host = [setup.ids[tokens] for tokens in steps]
+    ids = [h.to(setup.device) for h in host]
+    p_ids = [pred[tokens].to(setup.device) if pred is not None else None for tokens in steps]
+    return ids, p_ids, host
 
 
 def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor

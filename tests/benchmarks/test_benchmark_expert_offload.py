@@ -63,6 +63,10 @@ def test_same_outputs_for_every_design(result):
     for batch in BATCHES:
         rows = [r for r in out["rows"] if r["batch"] == batch]
         assert {r["design"] for r in rows} == set(bench.DESIGNS)
+        # exp12 needs a platform with its copy kernel (test_offload_exp12.py runs it).
+        refused = {r["design"]: r["status"] for r in rows if r["status"] != "ok"}
+        assert set(refused) == {"ours+exp12"} and "exp12 copy kernel" in refused["ours+exp12"]
+        rows = [r for r in rows if r["status"] == "ok"]
         ref = rows[0]["_outputs"]
         assert len(ref) == len(interleave(bench.prepare_trace(result[0])[0].offsets, batch))
         for r in rows[1:]:
@@ -74,6 +78,8 @@ def test_bytes_copied_are_misses_times_expert_bytes(result):
     per_expert = out["shape"]["bytes_per_expert"]
     assert per_expert == 4 * (2 * 16 * 32 + 32 * 16)                  # f32 w13 + w2, tiny
     for r in out["rows"]:
+        if r["status"] != "ok":
+            continue
         if r["design"] not in bench.CACHED:
             assert r["bytes_copied"] == 0 and r["misses"] == 0
             continue
@@ -172,7 +178,7 @@ def test_link_bytes_per_design(result):
     bandwidth = out["bandwidth_gbps"] * 1e9
     for batch in BATCHES:
         needed = int(step_masks(trace, batch).sum())
-        for r in [r for r in out["rows"] if r["batch"] == batch]:
+        for r in [r for r in out["rows"] if r["batch"] == batch and r["status"] == "ok"]:
             want = {"resident": 0, "uva": needed * per_expert}.get(r["design"], r["bytes_copied"])
             assert r["link_bytes"] == want, r["design"]
             assert r["link_gbps"] == pytest.approx(want / r["seconds"] / 1e9)

@@ -48,11 +48,12 @@ def _by_job(out: dict) -> dict:
     return {(r["design"], r["batch"]): r for r in out["rows"]}
 
 
-def _rows(path: str, designs: list[str], graphs: bool, device: str = "cpu") -> dict:
+def _rows(path: str, designs: list[str], graphs: bool, device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> dict:
     """design -> row of one cold run (no warm-up runs: the interpreter is slow) of the odd
     sequences' first TOKENS tokens, LAYERS layers, BATCH lanes, capacity 2."""
     trace, fit = bench.prepare_trace(path, "odd", TOKENS, LAYERS)
-    setup = bench.Setup(trace, "tiny", torch.float32, device, BATCH)
+    setup = bench.Setup(trace, "tiny", dtype, device, BATCH)
     setup.affinity_pred = bench.predict_next(trace, bench.fit_affinity(fit))
     setup.cpu_cost = HostCostModel(1e-3, 3e-4, 1e-4, concurrent=True)   # fixed choices
     return {d: bench.run_design(setup, d, 2 if d in CACHED else None, BATCH, "auto",
@@ -89,6 +90,27 @@ def test_replayed_steps_equal_eager_on_the_rehearsed_cuda_path(trace_path, monke
             assert row.get(k) == ref.get(k), (design, k)
     assert got["ours+cpu"]["cpu_pairs"] > 0 and got["ours"]["misses"] > 0
     assert got["ours+prefetch"]["prefetch"]["prefetch_loads"] > 0
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+def test_exp12_design_equals_ours_and_counts_its_planes(trace_path, monkeypatch):
+    """ours+exp12 (bf16: the experts exp12 holds) gives ours' outputs bit for bit, eagerly and
+    replayed, with the same misses; its link bytes are the experts copied x the planes'
+    bytes per expert, about three quarters of ours'."""
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    eager = _rows(trace_path, ["ours", "ours+exp12"], False, dtype=torch.bfloat16)
+    capturer = RecordingCapturer()
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: capturer)
+    graphed = _rows(trace_path, ["ours+exp12"], True, dtype=torch.bfloat16)["ours+exp12"]
+    ours, packed = eager["ours"], eager["ours+exp12"]
+    assert graphed["graphs"] and capturer.replays > 0
+    for row in (packed, graphed):
+        assert row["status"] == "ok" and row["misses"] == ours["misses"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(row["_outputs"], ours["_outputs"],
+                                                        strict=True))
+        assert row["bytes_copied"] == ours["bytes_copied"] == ours["link_bytes"]
+        assert 0.70 < row["link_bytes"] / ours["link_bytes"] < 0.85
 
 
 def test_sync_lfru_runs_eagerly_and_says_why(trace_path, monkeypatch):
@@ -145,3 +167,16 @@ def test_replayed_cuda_graphs_equal_eager(trace_path):
             assert torch.equal(a, b), design
         for k in COUNTERS:
             assert row.get(k) == ref.get(k), (design, k)
+
+
+@pytest.mark.gpu
+def test_exp12_on_cuda_equals_ours_eager_and_replayed(trace_path):
+    """The pinned planes decoded by the compiled kernel: ours' outputs bit for bit."""
+    eager = _rows(trace_path, ["ours", "ours+exp12"], False, "cuda", torch.bfloat16)
+    graphed = _rows(trace_path, ["ours+exp12"], True, "cuda", torch.bfloat16)["ours+exp12"]
+    ours = eager["ours"]
+    for row in (eager["ours+exp12"], graphed):
+        assert row["status"] == "ok" and row["misses"] == ours["misses"] > 0
+        for a, b in zip(row["_outputs"], ours["_outputs"], strict=True):
+            assert torch.equal(a, b)
+    assert graphed["graphs"], graphed["graph_refusal"]
