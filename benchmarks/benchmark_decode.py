@@ -139,6 +139,7 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
                   attention_backend=args.attention_backend,
                   moe_expert_overlap=args.moe_expert_overlap,
                   moe_expert_cpu_compute=args.moe_expert_cpu_compute,
+                  moe_expert_link_compression=args.moe_expert_link_compression,
                   kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
         if args.unrouted_experts:       # every routed expert loaded before the timed steps
             decode(llm, make_prompts(vocab, 32, 64, args.seed + 1), 1)
@@ -202,6 +203,7 @@ def run(args) -> dict:
         "batches": args.batch, "cache_sizes": args.moe_expert_cache_size,
         "enforce_eager": args.enforce_eager, "moe_expert_overlap": args.moe_expert_overlap,
         "moe_expert_cpu_compute": args.moe_expert_cpu_compute,
+        "moe_expert_link_compression": args.moe_expert_link_compression,
         "threads": torch.get_num_threads(),
         "checkpoint": args.checkpoint or "temporary", "checkpoint_reused": reused,
         "build_seconds": build_s, "rows": rows, "tokens_identical": identical,
@@ -232,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--moe-expert-cpu-compute", choices=["off", "auto", "always"], default="off",
                     help="compute missing experts on the CPU (eager steps; tokens may differ "
                          "by rounding off a CPU device)")
+    ap.add_argument("--moe-expert-link-compression", choices=["off", "exp12"], default="off",
+                    help="bf16 experts held and copied as exp12 (12 bits a weight, lossless)")
     ap.add_argument("--unrouted-experts", type=int, default=0, metavar="K",
                     help="zero the router rows of the last K experts (never routed: a cache of "
                          "E - K slots then hits on every access; see decode_models.UNROUTED)")

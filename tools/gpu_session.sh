@@ -4,9 +4,10 @@
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
 #                                       # build, a C++-exception probe under gdb, every gpu
 #                                       # test (-n 8), the decode headline, one cached
-#                                       # layer's graph cost by kernel (16 and 63 slots), a
-#                                       # short offload run (copy speed by plan entries),
-#                                       # the quantized figures, eager decode
+#                                       # layer's graph cost by kernel (16 and 63 slots),
+#                                       # decode with exp12 misses, a short offload run (copy
+#                                       # speed by plan entries), the quantized figures, eager
+#                                       # decode
 #   bash tools/gpu_session.sh retry     # after fixes: build, probe, gpu tests, quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
@@ -30,7 +31,7 @@
 #
 # $OUT (the device tool's return folder; /tmp/gpu-out elsewhere) gets at most 8 files, the
 # tool's limit: summary.txt (the GPU, the build's key lines, each step's rc and time), one JSON
-# per benchmark, and logs.tgz (every log, re-packed after each step). The offload steps need the
+# per benchmark (a few into $LOGS instead), and logs.tgz (every log, re-packed after each step). The offload steps need the
 # trace in the working tree: copy ../shared/traces/deepseek-v2-lite.npz to .traces/ (ignored)
 # and name .traces in the device tool's carry. For the CUTLASS kernel, download nvidia-cutlass
 # into .whl/ (the device README's command, NAME==VERSION nvidia-cutlass==4.2.0.0), carry .whl.
@@ -171,6 +172,10 @@ first)
         --output-len 32 --profile-steps 4 --profile-trace-dir "$LOGS/traces" \
         --out "$OUT/decode-graphs.json"
     step 60 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
+    # The same N = 16 rows with misses moved as exp12 (3/4 of the bytes); its JSON goes into
+    # logs.tgz ($OUT holds 8 files at most).
+    step 60 decode-exp12 "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 16 \
+        --output-len 32 --moe-expert-link-compression exp12 --out "$LOGS/decode-exp12.json"
     # Before the quantized rows (measured once already): its header times the copy engine on
     # plans of 1, 2, 4, 8 and E valid entries (does one miss copy at the link's speed?), and
     # ours+cpu computes misses on the machine's 16 cores where cheaper than a copy, and the

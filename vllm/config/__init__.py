@@ -140,6 +140,7 @@ class SchedulerConfig:
 
 MOE_PREFETCH_MODES = ("off", "next-layer")
 MOE_CPU_COMPUTE_MODES = ("off", "auto", "always")
+MOE_LINK_COMPRESSION_MODES = ("off", "exp12")
 
 
 @dataclass
@@ -167,6 +168,11 @@ class MoECacheConfig:
     least used of the other misses while that shortens the step; "always": every miss on the
     CPU. Not loaded, not counted as a miss; eager steps only; outputs may differ by rounding
     (``expert_cache/host_compute.py``)."""
+    link_compression: str = "off"
+    """"off", or "exp12": bf16 experts are held in host memory as exp12 planes (12 bits per
+    weight, lossless) and each miss is decoded exactly into its slot on the device
+    (``expert_cache/link_codec.py``): a quarter fewer bytes over the link and in host memory,
+    outputs unchanged. CUDA with triton."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:
@@ -178,6 +184,14 @@ class MoECacheConfig:
         if self.cpu_compute not in MOE_CPU_COMPUTE_MODES:
             raise ValueError(f"moe_expert_cpu_compute={self.cpu_compute!r} is invalid: must be "
                              f"one of {list(MOE_CPU_COMPUTE_MODES)}")
+        if self.link_compression not in MOE_LINK_COMPRESSION_MODES:
+            raise ValueError(f"moe_expert_link_compression={self.link_compression!r} is invalid: "
+                             f"must be one of {list(MOE_LINK_COMPRESSION_MODES)}")
+        if self.link_compression != "off" and self.cpu_compute != "off":
+            raise ValueError(f"moe_expert_link_compression={self.link_compression!r} and "
+                             f"moe_expert_cpu_compute={self.cpu_compute!r} cannot be combined: "
+                             "the CPU computes misses from the bf16 store, which link "
+                             "compression replaces")
         if self.prefetch not in MOE_PREFETCH_MODES:
             raise ValueError(f"moe_expert_prefetch={self.prefetch!r} is invalid: must be one of "
                              f"{list(MOE_PREFETCH_MODES)}")
@@ -252,6 +266,7 @@ class VllmConfig:
             "moe_expert_prefetch": self.moe_cache_config.prefetch,
             "moe_expert_overlap": self.moe_cache_config.overlap,
             "moe_expert_cpu_compute": self.moe_cache_config.cpu_compute,
+            "moe_expert_link_compression": self.moe_cache_config.link_compression,
             "quantization": self.quant_config.describe() if self.quant_config else None,
         })
 

@@ -89,3 +89,59 @@ def test_no_bf16_tensor_is_refused_by_name(monkeypatch):
     monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
     store = HostStore({"w13_weight": torch.zeros(E, 2 * I, H)}, pinned=False)
     assert "bfloat16" in link_compression_refusal(store, torch.device("cpu"))
+
+
+def _generate(path, **kw):
+    from vllm import LLM, SamplingParams
+    llm = LLM(path, device="cpu", dtype="bfloat16", max_num_seqs=2, enforce_eager=True, **kw)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [250, 7])]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.runner
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+def test_engine_option_gives_the_same_tokens_and_frees_the_bf16_store(tiny_model_factory,
+                                                                      monkeypatch):
+    """moe_expert_link_compression="exp12" on the CUDA path rehearsed on CPU: the tokens and
+    misses of the uncompressed cache; the store keeps only the planes."""
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    want, plain = _generate(path, moe_expert_cache_size=2)
+    got, runner = _generate(path, moe_expert_cache_size=2, moe_expert_link_compression="exp12")
+    assert got == want
+    caches = [m.expert_cache for m in runner.moe_layers]
+    assert all(isinstance(c.copy, Exp12Copy) for c in caches)
+    assert all(t.is_meta for c in caches for t in c.store.tensors.values())
+    assert [c.stats()["misses"] for c in caches] == \
+        [m.expert_cache.stats()["misses"] for m in plain.moe_layers]
+
+
+def test_engine_option_refusals_name_the_reason(tiny_model_factory):
+    from vllm.config import MoECacheConfig
+    with pytest.raises(ValueError, match="must be one of"):
+        MoECacheConfig(cache_size=2, link_compression="zstd")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        MoECacheConfig(cache_size=2, link_compression="exp12", cpu_compute="auto")
+    with pytest.raises(ValueError, match="exp12 copy kernel"):       # the CPU platform
+        _generate(tiny_model_factory("Qwen3MoeForCausalLM"), moe_expert_cache_size=2,
+                  moe_expert_link_compression="exp12")
+
+
+@pytest.mark.gpu
+def test_engine_option_on_cuda_gives_the_same_tokens(tiny_model_factory):
+    """The compiled decode-gather on pinned planes, inside the decode graphs: the tokens of
+    the uncompressed cache, at 1 and 3 slots."""
+    from vllm import LLM, SamplingParams
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [250, 7], [11] * 9)]
+    for n in (1, 3):
+        runs = []
+        for mode in ("off", "exp12"):
+            llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=4,
+                      moe_expert_cache_size=n, moe_expert_link_compression=mode)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+            runs.append([o.outputs[0].token_ids for o in outs])
+            assert llm.llm_engine.runner.decode_graphs.refused is None
+            del llm
+        assert runs[0] == runs[1], n

@@ -5,10 +5,10 @@ read. Tensors exp12 cannot hold (not bf16, a size not a multiple of 128) go thro
 platform's plain gather. The slots, and so the expert kernels and every output, are unchanged:
 the decode is exact.
 
-Used by ``CachedWeightProvider.enable_link_compression`` (the offload benchmark's
-``ours+exp12`` design). The bf16 store stays beside the planes (the CPU-compute path and the
-counters read it), so host memory grows by three quarters; an engine option would keep the
-planes only. Not yet run on a GPU.
+Used by ``CachedWeightProvider.enable_link_compression``: the engine's
+``moe_expert_link_compression="exp12"`` releases the encoded bf16 tensors (``release``), so host
+memory holds the planes only (a quarter less); the offload benchmark's ``ours+exp12`` keeps
+the store, which its other designs share. Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -61,6 +61,13 @@ class Exp12Copy:
         """What one expert's copy reads over the link, all its tensors."""
         return sum(c.bytes_per_expert for c in self.planes.values()) + \
             sum(t[0].numel() * t.element_size() for t in self.plain.values())
+
+    def release(self, store: HostStore) -> None:
+        """The store's encoded tensors become meta tensors (shape and dtype kept, memory freed:
+        the planes hold those experts now); nothing may read their data after (CPU compute)."""
+        for name in self.planes:
+            t = store.tensors[name]
+            store.tensors[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
 
     def __call__(self, slots: dict[str, torch.Tensor], plan: LoadPlan) -> None:
         for name, c in self.planes.items():

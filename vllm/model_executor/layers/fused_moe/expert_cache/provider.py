@@ -266,6 +266,9 @@ class CachedWeightProvider(WeightProvider):
         """Compute misses on the CPU from the host store (``host_compute.py``); mode "auto"
         measures its cost model here unless given one. ValueError where the backend's layout
         cannot be computed on the CPU."""
+        if any(t.is_meta for t in self.store.tensors.values()):
+            raise ValueError("moe_expert_cpu_compute reads the bf16 store, which link "
+                             "compression released")
         experts = host_experts(quant_method, self.device)
         if mode == "auto" and cost is None:
             if bool((self.residency.expert_of_slot >= 0).any()):
@@ -280,17 +283,22 @@ class CachedWeightProvider(WeightProvider):
                                             else ")"))
         self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
 
-    def enable_link_compression(self, copy: Exp12Copy | None = None) -> None:
-        """Misses move as exp12 planes, decoded exactly into the slots (``compressed_copy.py``):
-        a quarter fewer bytes over the link for bf16 experts. ``copy``: one already built over
-        this layer's store (layers sharing a store share its planes). ValueError where the
-        platform or the tensors cannot; call before the first step."""
+    def enable_link_compression(self, copy: Exp12Copy | None = None,
+                                release_store: bool = False) -> None:
+        """Misses move as exp12 planes, decoded exactly into the slots (``compressed_copy.py``).
+        ``copy``: one built over this layer's store (shared planes); ``release_store``: free the
+        encoded bf16 tensors (``Exp12Copy.release``). ValueError where it cannot."""
+        if self.host_compute is not None:
+            raise ValueError("link compression with moe_expert_cpu_compute: the CPU reads the "
+                             "bf16 store")
         if copy is None:
             platform = platform_for(self.device)
             empty = partial(platform.empty_pinned, device=self.device) if self.store.pinned \
                 else torch.empty
             copy = Exp12Copy(self.store, self.device, empty)
         self.copy = copy
+        if release_store:
+            copy.release(self.store)
 
     @property
     def reads_on_host(self) -> bool:
@@ -379,6 +387,12 @@ def make_weight_provider(weights: dict[str, torch.Tensor], quant_method, config:
     if cache_enabled(config, num_experts):
         provider = CachedWeightProvider.from_experts(weights, quant_method.prepare_expert,
                                                      config, device, name=name)
+        if config.link_compression != "off":
+            try:
+                provider.enable_link_compression(release_store=True)
+            except ValueError as e:
+                raise ValueError(f"{name}: moe_expert_link_compression="
+                                 f"{config.link_compression!r}: {e}") from None
         if config.cpu_compute != "off":
             try:
                 provider.enable_host_compute(config.cpu_compute, quant_method, hidden_size,
