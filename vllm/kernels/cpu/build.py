@@ -67,6 +67,7 @@ SIGNATURES = {
               *[_I64] * 6, _INT],
     "qgemv_bf16_chain": [],
     "gemv16": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "exp12_encode": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR],
 }
 
 

@@ -7,6 +7,7 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import (decode, encode,
                                                                           refusal)
+from vllm.platforms import native_kernels
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -25,11 +26,18 @@ def _specials(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _native_or_skip(native: bool) -> None:
+    if native and not native_kernels(torch.float32, torch.device("cpu")):
+        pytest.skip("the CPU kernels are not built here (no C compiler?)")
+
+
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("shape", [(3, 4, 128), (3, 96, 64), (5, 8, 16, 32)])
-def test_round_trip_is_bit_exact(shape):
+def test_round_trip_is_bit_exact(shape, native):
+    _native_or_skip(native)
     g = torch.Generator().manual_seed(1)
     t = _specials(torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16))
-    c = encode(t)
+    c = encode(t, native=native)
     assert torch.equal(_bits(decode(c)), _bits(t))
     rows = torch.tensor([2, 0, 2])
     assert torch.equal(_bits(decode(c, rows)), _bits(t[rows]))

@@ -29,6 +29,9 @@ from typing import Callable
 
 import torch
 
+from vllm.kernels.cpu.exp12 import exp12_encode_expert
+from vllm.platforms import native_kernels
+
 BLOCK = 128
 ZERO_CODE, ESCAPE = 14, 15
 _NAMES = ("lo", "codes", "base", "esc_index", "esc_bits")
@@ -65,20 +68,26 @@ def refusal(t: torch.Tensor) -> str | None:
     return None
 
 
-def encode(t: torch.Tensor, empty: Callable[..., torch.Tensor] = torch.empty) -> Exp12:
+def encode(t: torch.Tensor, empty: Callable[..., torch.Tensor] = torch.empty,
+           native: bool | None = None) -> Exp12:
     """[E, ...] bf16 (on the host) -> its exp12 layout, one expert at a time (the working memory
     is a few times one expert's). ``empty(shape, dtype)`` allocates the planes (e.g. pinned).
-    ValueError where ``refusal`` says so."""
+    ``native``: the C encoder (``kernels/cpu/exp12.c``); None = where the CPU kernels are
+    built, else the torch version (``_encode_expert``, the same planes). ValueError where
+    ``refusal`` says so."""
     why = refusal(t)
     if why is not None:
         raise ValueError(why)
+    if native is None:
+        native = native_kernels(torch.float32, torch.device("cpu"))
+    one = exp12_encode_expert if native else _encode_expert
     E, n = t.shape[0], t[0].numel()
     lo = empty((E, n), dtype=torch.uint8)
     codes = empty((E, n // 2), dtype=torch.uint8)
     base = empty((E, n // BLOCK), dtype=torch.uint8)
     escapes = []
     for e in range(E):
-        escapes.append(_encode_expert(t[e], lo[e], codes[e], base[e]))
+        escapes.append(one(t[e].reshape(-1).contiguous(), lo[e], codes[e], base[e]))
     X = max(1, max(len(i) for i, _ in escapes))
     esc_index = empty((E, X), dtype=torch.int32)
     esc_bits = empty((E, X), dtype=torch.int16)
@@ -93,17 +102,20 @@ def encode(t: torch.Tensor, empty: Callable[..., torch.Tensor] = torch.empty) ->
 def _encode_expert(w: torch.Tensor, lo: torch.Tensor, codes: torch.Tensor, base: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's weights into its rows of the planes; returns (escape positions int32,
-    their bits int16), ascending."""
-    bits = w.detach().reshape(-1).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    exp = (bits >> 7) & 0xFF                                        # [n]
+    their bits int16), ascending. In int16 and uint8 throughout (a quarter of int32's traffic:
+    this runs over every expert at load)."""
+    bits = w.detach().reshape(-1).contiguous().view(torch.int16)    # [n]
+    exp = (bits >> 7) & 0xFF                                        # sign-extended, masked
     top = exp.view(-1, BLOCK).amax(dim=1)                           # [n / 128]
     below = (top.view(-1, 1) - exp.view(-1, BLOCK)).view(-1)        # >= 0
-    code = torch.where(exp == 0, ZERO_CODE, torch.where(below < ZERO_CODE, below, ESCAPE))
-    lo.copy_(((bits >> 8) & 0x80) | (bits & 0x7F))
+    below.masked_fill_(below > ZERO_CODE - 1, ESCAPE)
+    below.masked_fill_(exp == 0, ZERO_CODE)
+    code = below.to(torch.uint8)
+    lo.copy_((((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8))
     codes.copy_(code[0::2] | (code[1::2] << 4))
     base.copy_(top)
     idx = (code == ESCAPE).nonzero().view(-1)
-    return idx.to(torch.int32), _int16(bits[idx])
+    return idx.to(torch.int32), bits[idx]
 
 
 def decode(c: Exp12, experts: torch.Tensor | None = None) -> torch.Tensor:
