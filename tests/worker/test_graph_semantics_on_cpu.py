@@ -62,15 +62,19 @@ def _stats(runner):
     ("Qwen3MoeForCausalLM", dict(moe_expert_cache_size=2, moe_expert_overlap=True)),
     ("MixtralForCausalLM", dict(moe_expert_cache_size=1, moe_expert_cache_policy="lfu")),
     ("GptOssForCausalLM", dict(moe_expert_cache_size=2)),
-    ("DeepseekV3ForCausalLM", dict(moe_expert_cache_size=3, moe_expert_prefetch="next-layer"))])
+    ("DeepseekV3ForCausalLM", dict(moe_expert_cache_size=3, moe_expert_prefetch="next-layer")),
+    ("Qwen3MoeForCausalLM", dict(dtype="bfloat16", moe_expert_cache_size=2,
+                                 moe_expert_link_compression="exp12",
+                                 moe_expert_prefetch="next-layer", moe_expert_overlap=True))])
 def test_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, monkeypatch, arch,
                                                 kw):
     """Tokens and every cache counter equal enforce_eager's when replays run only what the
     capture recorded."""
     hand_out_side_streams(monkeypatch, RehearsalPlatform)
     path = tiny_model_factory(arch)
-    eager, eager_runner = _run(path, enforce_eager=True, dtype="float32", **kw)
-    got, runner = _run(path, dtype="float32", **kw)
+    kw = {"dtype": "float32", **kw}
+    eager, eager_runner = _run(path, enforce_eager=True, **kw)
+    got, runner = _run(path, **kw)
     assert runner.decode_graphs.refused is None, runner.decode_graphs.refused
     assert recorded.replays > 0 and recorded.breaks == 0
     assert got == eager
