@@ -49,8 +49,10 @@ Designs (``DESIGNS``):
   ours+exp12     ours, and misses move as exp12 planes, decoded exactly into the slots
                  (``expert_cache/link_codec.py``, ``compressed_copy.py``): 12 bits per bf16
                  weight over the link instead of 16, the same outputs. Its link bytes (and so
-                 its bound) count the planes. Needs CUDA with triton (or the CUDA path
-                 rehearsed on CPU, in the tests); elsewhere its rows say why not.
+                 its bound) count the planes; the header times its copy on a full plan
+                 (``exp12_copy_gbps`` in slot bytes, ``exp12_link_gbps`` in the planes'). Needs
+                 CUDA with triton (or the CUDA path rehearsed on CPU, in the tests); elsewhere
+                 its rows say why not.
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
@@ -90,7 +92,8 @@ from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
                             measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
 from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, design_refusal,
-                             make_providers, model_wait_seconds, run_layers, upload_steps)
+                             exp12_copy_speed, make_providers, model_wait_seconds, run_layers,
+                             upload_steps)
 from offload_graphs import graph_fields, make_step_graphs
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
@@ -280,6 +283,8 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
                    measure_copy_engine_by_entries(setup.store, setup.device))
     if setup.cpu_cost is not None:
         head["cpu_cost_given"] = dataclasses.asdict(setup.cpu_cost)
+    if "ours+exp12" in designs and design_refusal(setup, "ours+exp12") is None:
+        head.update(exp12_copy_speed(setup))
     for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
         run_design(setup, design, c, batch, args.policy, max_steps=2, use_graphs=args.graphs)
     rows: dict = {}

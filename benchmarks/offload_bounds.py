@@ -70,18 +70,20 @@ def entries_plans(num_experts: int, k: int, length: int,
 
 
 def measure_copy_engine(store: HostStore, device: torch.device, min_seconds: float = 0.3,
-                        entries: int | None = None) -> tuple[float, str]:
+                        entries: int | None = None, engine=None) -> tuple[float, str]:
     """(bytes per second, its name) of the provider's copy engine (``select_copy``: on CUDA a
     gather kernel reading the pinned store over UVA, on CPU the C memcpy kernel), one untimed
     call first (a kernel's first compile). ``entries`` None (or E): the full plan, experts
     0..E-1 into slots 0..E-1; k < E: plans of max(k, min(E, ``DECODE_PLAN_LENGTH``)) entries,
     the first k valid (``entries_plans``). Bytes per second = the valid entries' bytes / seconds;
-    the device is synchronised after each pass over the plans (ceil(E / k) calls)."""
+    the device is synchronised after each pass over the plans (ceil(E / k) calls). ``engine``:
+    another copy engine to time (e.g. ``Exp12Copy``); its bytes are still the slots'."""
     n = store.num_experts
     k = n if entries is None else entries
     plans = entries_plans(n, k, max(k, min(n, DECODE_PLAN_LENGTH)), device)
     slots = allocate_slots(store, len(plans[0].valid), device)
-    engine, sync = select_copy(store, device), device_sync(device)
+    engine = engine if engine is not None else select_copy(store, device)
+    sync = device_sync(device)
     fn = getattr(engine, "fn", None)
     name = type(engine).__name__ + (f"({fn.__name__})" if fn is not None else "")
     engine(slots, plans[0])

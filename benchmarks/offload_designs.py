@@ -16,10 +16,11 @@ and its bound is not a bound for it: the CPU's work moves no bytes over the link
 from __future__ import annotations
 
 import torch
+from offload_bounds import measure_copy_engine
 
 from vllm.model_executor.layers.fused_moe.expert_cache.baseline import SyncLFRUProvider
 from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import (
-    link_compression_refusal)
+    Exp12Copy, link_compression_refusal)
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWeightProvider,
                                                                         IdentityProvider,
@@ -67,17 +68,30 @@ def make_providers(s, design: str, capacity: int | None, policy: str) -> list:
     for p in out[:1] if design == "ours+prefetch" else ():
         p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
     if design == "ours+exp12":
-        if s.exp12 is None:                   # encoded once per run: every layer shares the store
-            out[0].enable_link_compression()
-            s.exp12 = out[0].copy
-        for p in out:
-            p.enable_link_compression(s.exp12)
+        for p in out:                         # encoded once per run: the layers share the store
+            p.enable_link_compression(exp12_copy(s))
     if design == "ours+cpu":
         # Measures the cost model unless the run gives one (--cpu-cost).
         out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=s.cpu_cost)
         for p in out[1:]:
             p.enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=out[0].host_compute.cost)
     return out
+
+
+def exp12_copy(s) -> Exp12Copy:
+    """The run's exp12 copy engine (``s.exp12``), its planes encoded on first use."""
+    if s.exp12 is None:
+        s.exp12 = Exp12Copy.for_store(s.store, s.device)
+    return s.exp12
+
+
+def exp12_copy_speed(s) -> dict[str, float]:
+    """The exp12 copy on a full plan: slot bytes per second (``exp12_copy_gbps``) and the
+    planes' bytes, what crosses the link, per second (``exp12_link_gbps``: beside the DMA
+    bandwidth, whether the decode keeps up with the link)."""
+    gbps = measure_copy_engine(s.store, s.device, engine=exp12_copy(s))[0] / 1e9
+    return {"exp12_copy_gbps": gbps,
+            "exp12_link_gbps": gbps * s.exp12.bytes_per_expert / s.store.bytes_per_expert}
 
 
 def upload_steps(setup, steps: list[torch.Tensor], pred: torch.Tensor | None

@@ -180,3 +180,17 @@ def test_exp12_on_cuda_equals_ours_eager_and_replayed(trace_path):
         for a, b in zip(row["_outputs"], ours["_outputs"], strict=True):
             assert torch.equal(a, b)
     assert graphed["graphs"], graphed["graph_refusal"]
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+def test_the_header_times_the_exp12_copy(trace_path, monkeypatch):
+    """With ours+exp12 asked for, the header has the exp12 copy's speed in slot bytes and in
+    the planes' bytes (their ratio the row's exp12_ratio)."""
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    argv = ["--trace", trace_path, "--shape", "tiny", "--dtype", "bfloat16", "--capacity", "2",
+            "--batch", "1", "--max-tokens", "4", "--designs", "ours+exp12"]
+    out = bench.run(bench.parse_args(argv))
+    row = out["rows"][0]
+    assert out["exp12_copy_gbps"] > 0
+    assert out["exp12_link_gbps"] == pytest.approx(out["exp12_copy_gbps"] * row["exp12_ratio"])

@@ -12,6 +12,7 @@ the store, which its other designs share. Not yet run on a GPU.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -55,6 +56,15 @@ class Exp12Copy:
         if self.plain and self.plain_kernel is None:
             raise ValueError(f"exp12 link compression: tensors {list(self.plain)} need the "
                              "plain gather, which this platform lacks")
+
+    @classmethod
+    def for_store(cls, store: HostStore, device: torch.device) -> "Exp12Copy":
+        """Planes in pinned memory where the store is pinned (the kernel reads them in place
+        over the link), else pageable."""
+        device = torch.device(device)
+        empty = partial(platform_for(device).empty_pinned, device=device) if store.pinned \
+            else torch.empty
+        return cls(store, device, empty)
 
     @property
     def bytes_per_expert(self) -> int:

@@ -291,12 +291,7 @@ class CachedWeightProvider(WeightProvider):
         if self.host_compute is not None:
             raise ValueError("link compression with moe_expert_cpu_compute: the CPU reads the "
                              "bf16 store")
-        if copy is None:
-            platform = platform_for(self.device)
-            empty = partial(platform.empty_pinned, device=self.device) if self.store.pinned \
-                else torch.empty
-            copy = Exp12Copy(self.store, self.device, empty)
-        self.copy = copy
+        self.copy = copy = copy or Exp12Copy.for_store(self.store, self.device)
         if release_store:
             copy.release(self.store)
 
