@@ -13,8 +13,9 @@ the escaped weights; program (chunks, y) writes the escaped weights' bits. The t
 writes are disjoint, so no program waits on another. No host read; the grid depends on shapes
 only, so a launch can be captured in a CUDA graph.
 
-Compiled for SM90 and SM120 (``tests/build/test_triton_compile_exp12_gather.py``: 64 registers,
-no spills; the planes load as 16- and 8-byte vectors, the weights store as predicated 2-byte
+Compiled for SM90 and SM120 under Triton 3.9 and 3.6, the GPU image's
+(``tests/build/test_triton_compile_exp12_gather.py``; 3.6 with ``PYTHONPATH`` on a
+``pip install --target`` of it): 64 registers, no spills; the planes load as 16- and 8-byte vectors, the weights store as predicated 2-byte
 stores, since the escape mask varies per weight: a decode launch followed by a patch launch
 would store unmasked vectors, at one more launch per tensor). Checked under Triton's
 interpreter against the original bf16 tensor (``tests/kernels/triton/test_exp12_gather.py``);
