@@ -57,7 +57,8 @@ def make_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[lis
 
 def _cache_counts(llm) -> dict | None:
     s = llm.get_moe_cache_stats()
-    keys = ("hits", "misses", "bytes_copied", "cpu_pairs")   # cpu_pairs: with CPU compute on
+    # cpu_pairs: with CPU compute on; link_bytes_copied < bytes_copied with link compression
+    keys = ("hits", "misses", "bytes_copied", "link_bytes_copied", "cpu_pairs")
     return None if s is None else {k: s[k] for k in keys if k in s}
 
 
@@ -109,8 +110,10 @@ def _row(n: int, batch: int, r: dict) -> dict:
     if "hits" in r:
         lookups = r["hits"] + r["misses"]
         row.update(hits=r["hits"], misses=r["misses"], bytes_copied=r["bytes_copied"],
+                   link_bytes_copied=r["link_bytes_copied"],
                    hit_rate=r["hits"] / lookups if lookups else None,
-                   copy_gbps=r["bytes_copied"] / max(r["decode_seconds"], 1e-9) / 1e9)
+                   copy_gbps=r["bytes_copied"] / max(r["decode_seconds"], 1e-9) / 1e9,
+                   link_gbps=r["link_bytes_copied"] / max(r["decode_seconds"], 1e-9) / 1e9)
         if "cpu_pairs" in r:
             row["cpu_pairs"] = r["cpu_pairs"]
     return row

@@ -9,7 +9,9 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-_FIELDS = ("hits", "misses", "evictions", "bytes_copied")
+_FIELDS = ("hits", "misses", "evictions", "bytes_copied", "link_bytes_copied")
+"""``link_bytes_copied``: what the copies read over the host link (less than ``bytes_copied``,
+the slots' bytes, with ``moe_expert_link_compression``)."""
 _PREFETCH_FIELDS = ("prefetch_predicted", "prefetch_loads", "prefetch_used", "prefetch_wasted",
                     "prefetch_recalled", "prefetch_needed", "prefetch_bytes",
                     "prefetch_wasted_bytes")

@@ -17,13 +17,15 @@ def _render(moe: dict | None) -> str:
 
 def _moe(**extra) -> dict:
     per_layer = {"hits": [5, 6], "misses": [1, 2], "evictions": [0, 1],
-                 "bytes_copied": [10, 20], "hit_rate": [5 / 6, 0.75], **extra}
+                 "bytes_copied": [10, 20], "link_bytes_copied": [8, 15],
+                 "hit_rate": [5 / 6, 0.75], **extra}
     return {"per_layer": per_layer}
 
 
 def test_cpu_compute_counters_only_when_the_engine_has_them():
     plain = _render(_moe())
     assert 'vllm:moe_expert_cache_hits_total{layer="1",model_name="m"} 6.0' in plain
+    assert 'vllm:moe_expert_cache_link_bytes_copied_total{layer="1",model_name="m"} 15.0' in plain
     assert "cpu_pairs" not in plain
     text = _render(_moe(cpu_pairs=[7, 0], cpu_expert_calls=[3, 0]))
     assert 'vllm:moe_expert_cache_cpu_pairs_total{layer="0",model_name="m"} 7.0' in text

@@ -20,7 +20,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _CACHE_COUNTERS = (("hits", "expert lookups served from a device slot"),
                    ("misses", "expert lookups that needed a host-to-device copy"),
                    ("evictions", "resident experts replaced by another"),
-                   ("bytes_copied", "bytes of expert weights copied host-to-device"))
+                   ("bytes_copied", "bytes of expert weights copied host-to-device"),
+                   ("link_bytes_copied", "bytes those copies read over the host link (fewer "
+                    "with moe_expert_link_compression)"))
 _CPU_COUNTERS = (("cpu_pairs", "(token, expert) pairs of missing experts computed on the CPU "
                   "(moe_expert_cpu_compute)"),
                  ("cpu_expert_calls", "(step, expert) calls computed on the CPU instead of a "

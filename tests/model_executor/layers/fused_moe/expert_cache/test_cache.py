@@ -191,12 +191,13 @@ def test_stats_are_consistent():
     cached = build(3, w, 2)
     assert cached.expert_cache.stats() == {"hits": 0, "misses": 0, "evictions": 0,
                                            "experts_copied": 0, "bytes_copied": 0,
-                                           "hit_rate": 0.0, "waves": 0}
+                                           "link_bytes_copied": 0, "hit_rate": 0.0,
+                                           "waves": 0}
     for step in range(6):
         cached(*routing(5, step, torch.bfloat16))
     st = cached.expert_cache.stats()
     per_expert = (w[0][0].numel() + w[1][0].numel()) * 2                 # bf16: 2 bytes
-    assert st["bytes_copied"] == st["misses"] * per_expert
+    assert st["bytes_copied"] == st["link_bytes_copied"] == st["misses"] * per_expert
     assert st["hit_rate"] == pytest.approx(st["hits"] / (st["hits"] + st["misses"]))
     assert st["evictions"] == st["misses"] - 3                          # slots fill, then evict
     assert all(isinstance(v, (int, float)) for v in st.values())

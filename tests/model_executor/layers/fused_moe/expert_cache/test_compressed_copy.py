@@ -22,11 +22,13 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 E, H, I, K, N = 8, 32, 16, 2, 3
 
 
-def _store(extra: bool = False) -> HostStore:
+def _store(extra: bool = False, inf: bool = False) -> HostStore:
     g = torch.Generator().manual_seed(0)
     t = {"w13_weight": torch.randn(E, 2 * I, H, generator=g).mul_(0.1).to(torch.bfloat16),
          "w2_weight": torch.randn(E, H, I, generator=g).mul_(0.1).to(torch.bfloat16)}
-    t["w13_weight"][2, 0, :3] = torch.tensor([1e-30, 0.0, float("inf")], dtype=torch.bfloat16)
+    t["w13_weight"][2, 0, :2] = torch.tensor([1e-30, 0.0], dtype=torch.bfloat16)  # escape, zero
+    if inf:                                     # its whole block of 128 escapes
+        t["w13_weight"][2, 0, 2] = float("inf")
     if extra:                                   # not exp12-shaped: the plain gather moves it
         t["w2_bias"] = torch.randn(E, H, generator=g)
     return HostStore(t, pinned=False)
@@ -145,3 +147,26 @@ def test_engine_option_on_cuda_gives_the_same_tokens(tiny_model_factory):
             assert llm.llm_engine.runner.decode_graphs.refused is None
             del llm
         assert runs[0] == runs[1], n
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+def test_link_bytes_count_the_planes(monkeypatch):
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    store = _store()
+    p = _provider(store)
+    p.enable_link_compression()
+    _step(p, torch.tensor([[0, 1], [2, 0]]))          # 3 distinct experts, 3 slots
+    st = p.stats()
+    assert st["misses"] == 3 and st["bytes_copied"] == 3 * store.bytes_per_expert
+    assert st["link_bytes_copied"] == 3 * p.copy.bytes_per_expert < st["bytes_copied"]
+
+
+def test_a_tensor_whose_planes_would_not_be_smaller_moves_as_it_is(monkeypatch):
+    """An infinity makes its block of 128 escape: at 1,024 weights an expert, the padded
+    escape rows of w13 outgrow bf16, so w13 stays plain and w2 is encoded."""
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    store = _store(inf=True)
+    copy = Exp12Copy(store, torch.device("cpu"))
+    assert set(copy.planes) == {"w2_weight"} and set(copy.plain) == {"w13_weight"}
+    assert copy.bytes_per_expert < store.bytes_per_expert

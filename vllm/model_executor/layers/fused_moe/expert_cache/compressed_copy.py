@@ -50,8 +50,13 @@ class Exp12Copy:
         platform = platform_for(device)
         self.kernel = platform.exp12_copy_kernel()
         self.plain_kernel = platform.expert_copy_kernel()
-        self.planes: dict[str, Exp12] = {n: encode(t, empty)
-                                         for n, t in store.tensors.items() if refusal(t) is None}
+        self.planes: dict[str, Exp12] = {}
+        for n, t in store.tensors.items():
+            c = encode(t, empty) if refusal(t) is None else None
+            # Escape rows are padded to the largest count: an expert full of outliers can make
+            # the planes bigger than bf16, and then the tensor moves as it is.
+            if c is not None and c.bytes_per_expert < t[0].numel() * t.element_size():
+                self.planes[n] = c
         self.plain = {n: t for n, t in store.tensors.items() if n not in self.planes}
         if self.plain and self.plain_kernel is None:
             raise ValueError(f"exp12 link compression: tensors {list(self.plain)} need the "

@@ -357,6 +357,9 @@ class CachedWeightProvider(WeightProvider):
         return {"hits": hits, "misses": misses, "evictions": evictions,
                 "experts_copied": copied,
                 "bytes_copied": copied * self.store.bytes_per_expert,
+                # Over the host link: fewer with link compression (the copy's planes).
+                "link_bytes_copied": copied * getattr(self.copy, "bytes_per_expert",
+                                                      self.store.bytes_per_expert),
                 "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                 "waves": waves, **pf,
                 **(self.host_compute.stats() if self.host_compute is not None else {})}
