@@ -87,7 +87,7 @@ from functools import partial
 
 import numpy as np
 import torch
-from bench_io import write_json
+from bench_io import with_threads, write_json
 from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
                             measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
@@ -385,12 +385,7 @@ def _print_table(out: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        out = run(args)
-    finally:
-        torch.set_num_threads(threads)
+    out = with_threads(args.threads, run, args)
     write_json(args.out, out)
     print(json.dumps(out)) if args.json else _print_table(out)
     return out

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_io import write_json
+from bench_io import with_threads, write_json
 from safetensors import safe_open
 
 from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import encode, refusal
@@ -99,12 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads {args.threads} is invalid: must be >= 1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        out = run(args)
-    finally:
-        torch.set_num_threads(threads)
+    out = with_threads(args.threads, run, args)
     write_json(args.out, out)
     if args.json:
         print(json.dumps(out))
