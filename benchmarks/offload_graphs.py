@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
-from vllm.worker.graph_capture import CudaGraphCapturer, GraphCapturer
+from vllm.worker.graph_capture import CudaGraphCapturer, GraphCapturer, capture_error
 
 Forward = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
 """(ids [b, L, K], predictions [b, L, K] or None, layer-0 input [b, H]) -> last layer's h."""
@@ -94,7 +94,7 @@ class StepGraphs:
             self.replays[b] = self.capturer.capture(
                 lambda: self.out[:b].copy_(self.forward(*args)))
         except Exception as err:                 # noqa: BLE001 - any failure: go on eagerly
-            self.refusal = f"capturing batch {b} failed: {type(err).__name__}: {err}"
+            self.refusal = f"capturing batch {b} failed: {capture_error(err)}"
             self.capturer.after_failure()
             for p in self.providers:             # its recorded work never ran
                 forget = getattr(p, "forget_capture", None)

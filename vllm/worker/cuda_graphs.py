@@ -77,7 +77,8 @@ from vllm.model_executor.forward_context import (PAD_SLOT_ID, AttentionMetadata,
                                                  set_forward_context)
 from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
 from vllm.platforms import platform_for
-from vllm.worker.graph_capture import GraphCapturer, Replay, default_capturer
+from vllm.worker.graph_capture import (GraphCapturer, Replay, capture_error,
+                                        default_capturer)
 
 logger = init_logger(__name__)
 
@@ -261,7 +262,7 @@ class CudaDecodeGraphs:
 
     def _refuse(self, P: int, err: Exception) -> None:
         """A capture raised: every later decode step runs eagerly."""
-        self.refused = _with_cause(err)
+        self.refused = capture_error(err)
         self._entries.clear()
         self._out = None
         self.capturer.after_failure()
@@ -274,14 +275,3 @@ class CudaDecodeGraphs:
         logger.warning("decode steps run eagerly from now on (capturing a CUDA graph of batch "
                        "size %d failed): %s", P, self.refused)
         logger.debug("the failed capture's traceback", exc_info=err)
-
-
-def _with_cause(err: BaseException) -> str:
-    """``err`` and the error it masks: ``capture_end`` raising in the capturer's ``finally``
-    (e.g. the capture invalidated) hides the forward's own error, the root cause, in
-    ``__context__``."""
-    text = f"{type(err).__name__}: {err}"
-    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    if cause is not None:
-        text += f" (root cause: {type(cause).__name__}: {cause})"
-    return text

@@ -132,3 +132,15 @@ class EagerCapturer(GraphCapturer):
 
 def default_capturer(device: torch.device) -> GraphCapturer:
     return CudaGraphCapturer(device) if device.type == "cuda" else EagerCapturer()
+
+
+def capture_error(err: BaseException) -> str:
+    """A failed capture's error and the error it masks: ``capture_end`` raising in the
+    capturer's ``finally`` (e.g. the capture invalidated) hides the forward's own error, the
+    root cause, in ``__context__``. The engine's decode graphs and the offload benchmark's
+    report it."""
+    text = f"{type(err).__name__}: {err}"
+    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    if cause is not None:
+        text += f" (root cause: {type(cause).__name__}: {cause})"
+    return text
