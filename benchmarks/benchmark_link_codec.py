@@ -47,10 +47,15 @@ def expert_groups(files: list[Path]) -> dict[str, list[tuple[Path, str]]]:
 
 
 def _load(entries: list[tuple[Path, str]]) -> torch.Tensor:
-    parts = []
+    """The group's experts stacked (each file opened once, not once per expert)."""
+    by_file: dict[Path, list[str]] = collections.defaultdict(list)
     for f, name in entries:
+        by_file[f].append(name)
+    tensors = {}
+    for f, names in by_file.items():
         with safe_open(str(f), "pt") as st:
-            parts.append(st.get_tensor(name))
+            tensors.update({(f, n): st.get_tensor(n) for n in names})
+    parts = [tensors[e] for e in entries]
     return parts[0] if len(parts) == 1 else torch.stack(parts)
 
 
