@@ -53,6 +53,9 @@ Designs (``DESIGNS``):
                  (``exp12_copy_gbps`` in slot bytes, ``exp12_link_gbps`` in the planes'). Needs
                  CUDA with triton (or the CUDA path rehearsed on CPU, in the tests); elsewhere
                  its rows say why not.
+  ours+A+B       ours with several of the above, in ``FEATURES`` order; ``all`` adds
+                 ours+prefetch+exp12 and ours+cpu+exp12 (the CPU reads the bf16 store, kept
+                 beside the planes; its cost model times the exp12 copy).
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound
@@ -91,9 +94,9 @@ from bench_io import with_threads, write_json
 from offload_bounds import (DECODE_PLAN_LENGTH, device_sync, measure_bandwidth,
                             measure_copy_engine, measure_copy_engine_by_entries, settle_rows,
                             uva_link_bytes)
-from offload_designs import (CACHED, DESIGNS, cache_stats, count_copies, design_refusal,
-                             exp12_copy_speed, make_providers, model_wait_seconds, run_layers,
-                             upload_steps)
+from offload_designs import (DESIGNS, FEATURES, cache_stats, cached, count_copies, design_arg,
+                             design_refusal, exp12_copy_speed, features, make_providers,
+                             model_wait_seconds, run_layers, upload_steps)
 from offload_graphs import graph_fields, make_step_graphs
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
@@ -197,10 +200,10 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
         return {"design": design, "capacity": None, "batch": batch, "status": refusal}
     providers = make_providers(s, design, capacity, policy)
     counted = count_copies(providers, s.store.bytes_per_expert) \
-        if count and design in CACHED else None
+        if count and cached(design) else None
     modelled = model_wait_seconds(providers, s.cpu_cost) \
-        if design == "ours+cpu" and s.cpu_cost is not None else None
-    pred = s.affinity_pred if design == "ours+prefetch" else None
+        if "cpu" in features(design) and s.cpu_cost is not None else None
+    pred = s.affinity_pred if "prefetch" in features(design) else None
     steps = s.steps(batch)[:max_steps]
     step_ids, step_pred, host_ids = upload_steps(s, steps, pred)
     forward = partial(run_layers, providers, s.qm, s.topk_weights)
@@ -225,11 +228,11 @@ def run_design(setup: Setup, design: str, capacity: int | None, batch: int, poli
     if use_graphs:
         row.update(graph_fields(graphs, graph_refusal))
     row.update(cache_stats(providers, design))
-    if design == "ours+cpu":            # the cost model its choices rest on (given or measured)
+    if "cpu" in features(design):       # the cost model its choices rest on (given or measured)
         row["cpu_cost"] = dataclasses.asdict(providers[0].host_compute.cost)
     row["link_bytes"] = row["bytes_copied"] if design != "uva" else uva_link_bytes(
         host_ids, s.trace.num_experts, s.store.bytes_per_expert)
-    if design == "ours+exp12":          # the planes' bytes per expert copied, not bf16's
+    if "exp12" in features(design):     # the planes' bytes per expert copied, not bf16's
         row["link_bytes"] = row["bytes_copied"] // s.store.bytes_per_expert * \
             s.exp12.bytes_per_expert
         row["exp12_ratio"] = s.exp12.bytes_per_expert / s.store.bytes_per_expert
@@ -271,19 +274,20 @@ def run(args: argparse.Namespace, keep_outputs: bool = False, count: bool = Fals
         if not 1 <= c <= trace.num_experts:
             raise ValueError(f"--capacity {c} is invalid: must be in [1, {trace.num_experts}]")
     setup = Setup(trace, args.shape, _DTYPES[args.dtype], args.device, max(args.batch))
-    if "ours+prefetch" in designs:
+    if any("prefetch" in features(d) for d in designs):
         setup.affinity_pred = predict_next(trace, fit_affinity(fit))
     if args.cpu_cost is not None:
         copy, fixed, per_token = (ms / 1e3 for ms in args.cpu_cost)
         setup.cpu_cost = HostCostModel(copy, fixed, per_token, concurrent=True)
     jobs = [(batch, design, c) for batch in args.batch for design in designs
-            for c in (args.capacity if design in CACHED else [None])]
+            for c in (args.capacity if cached(design) else [None])]
     bandwidth = measure_bandwidth(setup.store, setup.device)
     head = _header(args, setup, bandwidth, measure_copy_engine(setup.store, setup.device),
                    measure_copy_engine_by_entries(setup.store, setup.device))
     if setup.cpu_cost is not None:
         head["cpu_cost_given"] = dataclasses.asdict(setup.cpu_cost)
-    if "ours+exp12" in designs and design_refusal(setup, "ours+exp12") is None:
+    if any("exp12" in features(d) for d in designs) and \
+            design_refusal(setup, "ours+exp12") is None:
         head.update(exp12_copy_speed(setup))
     for batch, design, c in jobs:    # warm-up: every path's kernels compile outside the timing
         run_design(setup, design, c, batch, args.policy, max_steps=2, use_graphs=args.graphs)
@@ -312,7 +316,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--capacity", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--designs", nargs="+", default=["all"], choices=["all", *DESIGNS])
+    ap.add_argument("--designs", nargs="+", default=["all"], type=design_arg,
+                    help=f"all (= {' '.join(DESIGNS)}), or any of those; ours may add any of "
+                    f"{'+'.join(FEATURES)} in that order (ours+prefetch+cpu+exp12)")
     ap.add_argument("--policy", default="auto", help="ours' eviction policy")
     ap.add_argument("--layers", type=int, default=None, help="only the first L MoE layers")
     ap.add_argument("--max-tokens", type=int, default=None)

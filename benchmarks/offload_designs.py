@@ -15,6 +15,8 @@ and its bound is not a bound for it: the CPU's work moves no bytes over the link
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 from offload_bounds import measure_copy_engine
 
@@ -28,18 +30,50 @@ from vllm.model_executor.layers.fused_moe.expert_cache.provider import (CachedWe
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
 from vllm.model_executor.layers.fused_moe.expert_cache.slots import allocate_slots
 
+FEATURES = ("overlap", "prefetch", "cpu", "exp12")
+"""What ``ours`` can add, in the order a design's name lists them: ``ours+prefetch+exp12``."""
 DESIGNS = ("resident", "sync-lfru", "uva", "ours", "ours+overlap", "ours+prefetch", "ours+cpu",
-           "ours+exp12")
-CACHED = ("sync-lfru", "ours", "ours+overlap", "ours+prefetch", "ours+cpu", "ours+exp12")
+           "ours+exp12", "ours+prefetch+exp12", "ours+cpu+exp12")
+"""``--designs all``; any other combination of ``ours`` and ``FEATURES`` runs when named."""
 _PREFETCH_FIELDS = ("prefetch_loads", "prefetch_used", "prefetch_wasted", "prefetch_recalled",
                     "prefetch_needed", "prefetch_bytes", "prefetch_wasted_bytes")
+
+
+def features(design: str) -> frozenset[str]:
+    """What ``design`` adds to ours (``FEATURES``); empty for ours and the other designs."""
+    return frozenset(design.split("+")[1:]) if design.startswith("ours") else frozenset()
+
+
+def cached(design: str) -> bool:
+    """Whether ``design`` has slots (its rows run at each ``--capacity``)."""
+    return design == "sync-lfru" or design.startswith("ours")
+
+
+def design_name(name: str) -> str:
+    """``name`` checked (argparse's ``type``): one of ``DESIGNS``, or ours with features joined
+    by "+" in ``FEATURES`` order, each at most once."""
+    parts = name.split("+")
+    if name in DESIGNS or (parts[0] == "ours" and len(set(parts[1:])) == len(parts) - 1 and
+                           parts[1:] == [f for f in FEATURES if f in parts[1:]]):
+        return name
+    raise ValueError(f"design {name!r} is invalid: must be one of {list(DESIGNS)}, or 'ours' "
+                     f"followed by any of {list(FEATURES)}, each once, in that order, joined "
+                     "by '+'")
+
+
+def design_arg(name: str) -> str:
+    """``--designs``' argparse ``type``: "all" or a ``design_name``."""
+    try:
+        return name if name == "all" else design_name(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def design_refusal(s, design: str) -> str | None:
     """Why ``design`` cannot run on this setup (a ``Setup``), or None. uva on CUDA needs the
     Triton MoE backend (which reads pinned host weights in place) and a pinned store;
     ours+exp12 a platform with an exp12 copy kernel (CUDA with triton)."""
-    if design == "ours+exp12":
+    if "exp12" in features(design):
         return link_compression_refusal(s.store, s.device)
     if design != "uva" or s.device.type != "cuda":
         return None
@@ -60,17 +94,17 @@ def make_providers(s, design: str, capacity: int | None, policy: str) -> list:
     if design == "sync-lfru":
         return [SyncLFRUProvider(s.store, allocate_slots(s.store, capacity, s.device))
                 for _ in range(L)]
-    name = resolve_policy_name(policy)
+    name, f = resolve_policy_name(policy), features(design)
     out = [CachedWeightProvider(s.store, allocate_slots(s.store, capacity, s.device),
                                 Residency(s.trace.num_experts, capacity, get_policy(name),
-                                          s.device), name, overlap=design == "ours+overlap")
+                                          s.device), name, overlap="overlap" in f)
            for _ in range(L)]
-    for p in out[:1] if design == "ours+prefetch" else ():
+    for p in out[:1] if "prefetch" in f else ():
         p.enable_prefetch()        # layer 0 (nothing predicts it) reports its zeros too
-    if design == "ours+exp12":
+    if "exp12" in f:              # before cpu: its cost model times the exp12 copy
         for p in out:                         # encoded once per run: the layers share the store
             p.enable_link_compression(exp12_copy(s))
-    if design == "ours+cpu":
+    if "cpu" in f:
         # Measures the cost model unless the run gives one (--cpu-cost).
         out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=s.cpu_cost)
         for p in out[1:]:
@@ -109,7 +143,7 @@ def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
     """One layer: h + experts(h) for routing ids [b, K] and weights w [b, K], as the engine's
     FusedMoE runs it (CPU-computed pairs split off first where the provider has them)."""
     host_pairs = None
-    if getattr(provider, "host_compute", None) is not None:                    # ours+cpu only
+    if getattr(provider, "host_compute", None) is not None:                    # +cpu designs
         ids, host_pairs = provider.host_step(ids, h, w)
     waves = provider.prepare(ids)
     return h + qm.apply(provider.slot_weights(), h, w, waves, host_pairs=host_pairs)
@@ -118,7 +152,7 @@ def layer_step(provider, qm, h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
 def run_layers(providers: list, qm, w_row: torch.Tensor, ids: torch.Tensor,
                pred: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor:
     """One step through every layer: routing ids [b, L, K], next-layer predictions [b, L, K]
-    (ours+prefetch: layer l + 1's are prefetched before layer l runs) or None, layer 0's input
+    (+prefetch designs: layer l + 1's are prefetched before layer l runs) or None, layer 0's input
     h [b, H], one row of top-k weights w_row [K] -> the last layer's h [b, H]."""
     w = w_row.expand(ids.shape[0], -1)
     L = len(providers)
@@ -182,16 +216,16 @@ def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
 
 def cache_stats(providers: list, design: str) -> dict:
     """The row's cache counters, summed over the layers (prefetch and CPU ones where on)."""
-    if design not in CACHED:
+    if not cached(design):
         return {"hit_rate": 1.0, "hits": None, "misses": 0, "bytes_copied": 0}
     stats = [p.stats() for p in providers]
     tot = {k: sum(st[k] for st in stats) for k in ("hits", "misses", "bytes_copied")}
     out = {**tot, "hit_rate": tot["hits"] / max(1, tot["hits"] + tot["misses"])}
-    if design == "ours+prefetch":
+    if "prefetch" in features(design):
         pf = {k: sum(st[k] for st in stats) for k in _PREFETCH_FIELDS}
         pf["prefetch_recall"] = pf["prefetch_recalled"] / max(1, pf["prefetch_needed"])
         pf["per_layer_recall"] = [st["prefetch_recall"] for st in stats]
         out["prefetch"] = pf
-    if design == "ours+cpu":
+    if "cpu" in features(design):
         out.update({k: sum(st[k] for st in stats) for k in ("cpu_pairs", "cpu_expert_calls")})
     return out

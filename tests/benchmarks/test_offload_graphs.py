@@ -22,7 +22,7 @@ from vllm.worker.graph_capture import EagerCapturer
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import benchmark_expert_offload as bench  # noqa: E402
 import offload_graphs  # noqa: E402
-from offload_designs import CACHED  # noqa: E402
+from offload_designs import cached  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
@@ -56,7 +56,7 @@ def _rows(path: str, designs: list[str], graphs: bool, device: str = "cpu",
     setup = bench.Setup(trace, "tiny", dtype, device, BATCH)
     setup.affinity_pred = bench.predict_next(trace, bench.fit_affinity(fit))
     setup.cpu_cost = HostCostModel(1e-3, 3e-4, 1e-4, concurrent=True)   # fixed choices
-    return {d: bench.run_design(setup, d, 2 if d in CACHED else None, BATCH, "auto",
+    return {d: bench.run_design(setup, d, 2 if cached(d) else None, BATCH, "auto",
                                 keep_outputs=True, use_graphs=graphs) for d in designs}
 
 
@@ -111,6 +111,42 @@ def test_exp12_design_equals_ours_and_counts_its_planes(trace_path, monkeypatch)
                                                         strict=True))
         assert row["bytes_copied"] == ours["bytes_copied"] == ours["link_bytes"]
         assert 0.70 < row["link_bytes"] / ours["link_bytes"] < 0.85
+
+
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("base", ["ours+prefetch", "ours+cpu"])
+def test_exp12_added_to_a_design_changes_only_its_link_bytes(trace_path, monkeypatch, base):
+    """ours+prefetch+exp12 and ours+cpu+exp12 (bf16) give their base design's outputs bit for
+    bit and its counters (prefetch loads, CPU pairs), eagerly and replayed; only what crosses
+    the link shrinks, to the planes' bytes."""
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    both = base + "+exp12"
+    eager = _rows(trace_path, [base, both], False, dtype=torch.bfloat16)
+    capturer = RecordingCapturer()
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: capturer)
+    graphed = _rows(trace_path, [both], True, dtype=torch.bfloat16)[both]
+    ref = eager[base]
+    assert graphed["graphs"] and capturer.replays > 0, graphed["graph_refusal"]
+    assert ref["bytes_copied"] > 0 and (ref.get("cpu_pairs") or ref["prefetch"]["prefetch_loads"])
+    for row in (eager[both], graphed):
+        assert row["status"] == "ok"
+        assert all(torch.equal(a, b) for a, b in zip(row["_outputs"], ref["_outputs"],
+                                                        strict=True))
+        for k in COUNTERS:
+            assert row.get(k) == ref.get(k), k
+        assert 0.70 < row["link_bytes"] / ref["link_bytes"] < 0.85
+
+
+def test_design_names_combine_features_in_order():
+    from offload_designs import design_name, features
+    assert design_name("ours+prefetch+cpu+exp12") == "ours+prefetch+cpu+exp12"
+    assert features("ours+cpu+exp12") == {"cpu", "exp12"} and features("uva") == set()
+    for bad in ("ours+exp12+cpu", "ours+cpu+cpu", "uva+exp12", "ours+zstd", "theirs"):
+        with pytest.raises(ValueError, match="is invalid"):
+            design_name(bad)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trace", "t.npz", "--designs", "ours+exp12+cpu"])
 
 
 def test_sync_lfru_runs_eagerly_and_says_why(trace_path, monkeypatch):
@@ -180,6 +216,21 @@ def test_exp12_on_cuda_equals_ours_eager_and_replayed(trace_path):
         for a, b in zip(row["_outputs"], ours["_outputs"], strict=True):
             assert torch.equal(a, b)
     assert graphed["graphs"], graphed["graph_refusal"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("base", ["ours+prefetch", "ours+cpu"])
+def test_exp12_added_on_cuda_changes_only_the_link_bytes(trace_path, base):
+    both = base + "+exp12"
+    eager = _rows(trace_path, [base, both], False, "cuda", torch.bfloat16)
+    graphed = _rows(trace_path, [both], True, "cuda", torch.bfloat16)[both]
+    assert graphed["graphs"], graphed["graph_refusal"]
+    for row in (eager[both], graphed):
+        for a, b in zip(row["_outputs"], eager[base]["_outputs"], strict=True):
+            assert torch.equal(a, b)
+        for k in COUNTERS:
+            assert row.get(k) == eager[base].get(k), k
+        assert row["link_bytes"] < eager[base]["link_bytes"]
 
 
 @pytest.mark.triton

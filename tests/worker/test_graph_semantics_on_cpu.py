@@ -81,17 +81,19 @@ def test_replays_that_run_no_python_equal_eager(tiny_model_factory, recorded, mo
     assert _stats(runner) == _stats(eager_runner)
 
 
-@pytest.mark.parametrize("mode,prefetch,whole", [("always", "off", False), ("auto", "off", False),
-                                                 ("auto", "next-layer", False),
-                                                 ("auto", "off", True)])
+@pytest.mark.parametrize("mode,prefetch,whole,exp12", [
+    ("always", "off", False, False), ("auto", "off", False, False),
+    ("auto", "next-layer", False, False), ("auto", "off", True, False),
+    ("auto", "next-layer", False, True)])
 def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, monkeypatch, mode,
-                                               prefetch, whole):
+                                               prefetch, whole, exp12):
     """``moe_expert_cpu_compute`` reads each step's routing on the host: a decode graph runs
     each MoE layer's split and CPU pairs eagerly between its pieces and captures the device's
     waves between them (two breaks per MoE layer and capture), or, where the waves cannot be
     captured (``whole``: the provider's ``capture_refusal`` says why), the whole layer (one).
     Tokens and every counter (CPU pairs included: graph padding rows stay off the CPU) equal
-    enforce_eager's, batches 3 and 1 padded to 4 and 1, with next-layer prefetch too. "auto"
+    enforce_eager's, batches 3 and 1 padded to 4 and 1, with next-layer prefetch too, and with
+    exp12 link compression (bf16) beside it. "auto"
     gets a fixed cost model (a measured one differs between the two runs): an expert is
     rented twice, then bought."""
     from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
@@ -103,8 +105,9 @@ def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, mon
     monkeypatch.setattr(host_compute, "_COST_MODELS", {})
     monkeypatch.setattr(host_compute, "measure_cost_model", lambda *a, **k: cost)
     path = tiny_model_factory("Qwen3MoeForCausalLM")
-    kw = dict(dtype="float32", moe_expert_cache_size=2, moe_expert_cpu_compute=mode,
-              moe_expert_prefetch=prefetch)
+    kw = dict(dtype="bfloat16" if exp12 else "float32", moe_expert_cache_size=2,
+              moe_expert_cpu_compute=mode, moe_expert_prefetch=prefetch,
+              moe_expert_link_compression="exp12" if exp12 else "off")
     eager, eager_runner = _run(path, enforce_eager=True, **kw)
     got, runner = _run(path, **kw)
     graphs = runner.decode_graphs
@@ -115,8 +118,11 @@ def test_cpu_compute_runs_between_graph_pieces(tiny_model_factory, recorded, mon
     assert got == eager
     stats = _stats(runner)
     assert stats == _stats(eager_runner)
-    if mode == "always":
+    if mode == "always" or exp12:
         assert sum(s["cpu_pairs"] for s in stats) > 0
+    if exp12:
+        assert 0 < sum(s["link_bytes_copied"] for s in stats) < sum(s["bytes_copied"]
+                                                                    for s in stats)
 
 
 @QUANT_SCHEMES

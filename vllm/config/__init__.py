@@ -166,13 +166,15 @@ class MoECacheConfig:
     copying it until the CPU has spent one copy's time on it (ski rental, over a cost model
     measured at load; for slow links), and, where the copies run beside the CPU (a GPU), the
     least used of the other misses while that shortens the step; "always": every miss on the
-    CPU. Not loaded, not counted as a miss; eager steps only; outputs may differ by rounding
+    CPU. Not loaded, not counted as a miss; a decode graph runs it between its pieces
+    (``model_executor/graph_break.py``); outputs may differ by rounding
     (``expert_cache/host_compute.py``)."""
     link_compression: str = "off"
     """"off", or "exp12": bf16 experts are held in host memory as exp12 planes (12 bits per
     weight, lossless) and each miss is decoded exactly into its slot on the device
     (``expert_cache/link_codec.py``): a quarter fewer bytes over the link and in host memory,
-    outputs unchanged. CUDA with triton."""
+    outputs unchanged. CUDA with triton. With ``cpu_compute`` the bf16 store stays too (the CPU
+    computes from it): host memory holds both, 1.75x the bf16 experts."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:
@@ -187,11 +189,6 @@ class MoECacheConfig:
         if self.link_compression not in MOE_LINK_COMPRESSION_MODES:
             raise ValueError(f"moe_expert_link_compression={self.link_compression!r} is invalid: "
                              f"must be one of {list(MOE_LINK_COMPRESSION_MODES)}")
-        if self.link_compression != "off" and self.cpu_compute != "off":
-            raise ValueError(f"moe_expert_link_compression={self.link_compression!r} and "
-                             f"moe_expert_cpu_compute={self.cpu_compute!r} cannot be combined: "
-                             "the CPU computes misses from the bf16 store, which link "
-                             "compression replaces")
         if self.prefetch not in MOE_PREFETCH_MODES:
             raise ValueError(f"moe_expert_prefetch={self.prefetch!r} is invalid: must be one of "
                              f"{list(MOE_PREFETCH_MODES)}")

@@ -69,11 +69,13 @@ class EngineArgs:
     until the CPU has spent one copy's time on it, then copy it: ski rental over a cost model
     measured at load; for slow links such as PCIe x4 or WSL; on a GPU also the least used
     misses while the CPU beside the copies shortens the step); always (every miss on the CPU).
-    Eager steps only; outputs may differ by rounding; see docs/expert-cache.md."""
+    Decode graphs run it between their pieces; outputs may differ by rounding; see
+    docs/expert-cache.md."""
     moe_expert_link_compression: str = "off"
     """Expert cache: off; exp12 (bf16 experts held in host memory in 12 bits per weight,
     losslessly, and decoded into their slots on the GPU: a quarter fewer bytes per miss, outputs
-    unchanged; CUDA with triton; not with moe_expert_cpu_compute; see docs/expert-cache.md)."""
+    unchanged; CUDA with triton; with moe_expert_cpu_compute the bf16 experts stay in host memory
+    too, for the CPU; see docs/expert-cache.md)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""
     tensor_parallel_size: int = 1

@@ -119,12 +119,38 @@ def test_engine_option_gives_the_same_tokens_and_frees_the_bf16_store(tiny_model
         [m.expert_cache.stats()["misses"] for m in plain.moe_layers]
 
 
+@pytest.mark.triton
+@pytest.mark.usefixtures("triton_interpreter")
+def test_engine_option_with_cpu_compute_keeps_the_bf16_store_for_the_cpu(tiny_model_factory,
+                                                                          monkeypatch):
+    """With moe_expert_cpu_compute "auto" (a fixed cost model: an expert runs on the CPU twice,
+    then is copied), exp12 changes only what the copies read over the link: the tokens, CPU
+    pairs and misses of the same run without it; the bf16 store stays for the CPU."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    cost = host_compute.HostCostModel(copy_seconds=1.0, cpu_fixed=0.4, cpu_per_token=0.0,
+                                      concurrent=True)
+    monkeypatch.setattr(host_compute, "_COST_MODELS", {})
+    monkeypatch.setattr(host_compute, "measure_cost_model", lambda *a, **k: cost)
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    kw = dict(moe_expert_cache_size=2, moe_expert_cpu_compute="auto")
+    want, plain = _generate(path, **kw)
+    got, runner = _generate(path, moe_expert_link_compression="exp12", **kw)
+    assert got == want
+    caches = [m.expert_cache for m in runner.moe_layers]
+    assert all(isinstance(c.copy, Exp12Copy) for c in caches)
+    assert not any(t.is_meta for c in caches for t in c.store.tensors.values())
+    stats, before = [c.stats() for c in caches], [m.expert_cache.stats() for m in plain.moe_layers]
+    for field in ("misses", "hits", "cpu_pairs", "bytes_copied"):
+        assert [s[field] for s in stats] == [s[field] for s in before], field
+    assert sum(s["cpu_pairs"] for s in stats) > 0 and sum(s["misses"] for s in stats) > 0
+    assert sum(s["link_bytes_copied"] for s in stats) < sum(s["bytes_copied"] for s in stats)
+
+
 def test_engine_option_refusals_name_the_reason(tiny_model_factory):
     from vllm.config import MoECacheConfig
     with pytest.raises(ValueError, match="must be one of"):
         MoECacheConfig(cache_size=2, link_compression="zstd")
-    with pytest.raises(ValueError, match="cannot be combined"):
-        MoECacheConfig(cache_size=2, link_compression="exp12", cpu_compute="auto")
     with pytest.raises(ValueError, match="exp12 copy kernel"):       # the CPU platform
         _generate(tiny_model_factory("Qwen3MoeForCausalLM"), moe_expert_cache_size=2,
                   moe_expert_link_compression="exp12")

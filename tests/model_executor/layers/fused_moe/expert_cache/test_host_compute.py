@@ -261,6 +261,15 @@ def test_layers_of_one_layout_share_one_measurement(monkeypatch):
     assert calls == [torch.float32] and len(costs) == 1
     build(2, torch.bfloat16, cpu_compute="auto")
     assert calls == [torch.float32, torch.bfloat16]
+    # Another copy engine (exp12's moves fewer bytes) is measured again, not given the other's.
+    cache = build(2).expert_cache
+
+    class OtherCopy:
+        def __call__(self, slots, plan):
+            cache.copy(slots, plan)
+    host_compute.cost_model_for(cache.store.tensors, cache.slots, layers[0].quant_method.kernel,
+                                H, torch.float32, copy=OtherCopy())
+    assert calls == [torch.float32, torch.bfloat16, torch.float32]
 
 
 def test_auto_measures_its_cost_model_only_while_the_slots_are_empty():

@@ -287,10 +287,10 @@ class CachedWeightProvider(WeightProvider):
                                 release_store: bool = False) -> None:
         """Misses move as exp12 planes, decoded exactly into the slots (``compressed_copy.py``).
         ``copy``: one built over this layer's store (shared planes); ``release_store``: free the
-        encoded bf16 tensors (``Exp12Copy.release``). ValueError where it cannot."""
-        if self.host_compute is not None:
-            raise ValueError("link compression with moe_expert_cpu_compute: the CPU reads the "
-                             "bf16 store")
+        encoded bf16 tensors (``Exp12Copy.release``; not with CPU compute, which reads them).
+        ValueError where it cannot."""
+        if release_store and self.host_compute is not None:
+            raise ValueError("the bf16 store cannot be released: moe_expert_cpu_compute reads it")
         self.copy = copy = copy or Exp12Copy.for_store(self.store, self.device)
         if release_store:
             copy.release(self.store)
@@ -387,7 +387,8 @@ def make_weight_provider(weights: dict[str, torch.Tensor], quant_method, config:
                                                      config, device, name=name)
         if config.link_compression != "off":
             try:
-                provider.enable_link_compression(release_store=True)
+                # CPU compute reads the bf16 store: it stays beside the planes.
+                provider.enable_link_compression(release_store=config.cpu_compute == "off")
             except ValueError as e:
                 raise ValueError(f"{name}: moe_expert_link_compression="
                                  f"{config.link_compression!r}: {e}") from None
