@@ -182,9 +182,11 @@ first)
     # least used ones beside the copies while that shortens the step.
     # --graphs: each design's steps replay CUDA graphs as the engine's do (sync-lfru cannot:
     # eager); the 2026-11-26 figures were eager, each layer's ~20 launches from Python.
-    # ours+exp12: misses move as 12-bit planes, decoded exactly into the slots (3/4 the bytes).
+    # ours+exp12: misses move as 12-bit planes, decoded exactly into the slots (3/4 the bytes);
+    # +prefetch+exp12 and +cpu+exp12 add it to the designs that hide or avoid copies.
     offload 90 --capacity 16 --batch 1 --layers 8 --max-tokens 100 --threads 16 --graphs \
-        --designs resident sync-lfru uva ours ours+exp12 ours+prefetch ours+cpu ours+overlap
+        --designs resident sync-lfru uva ours ours+exp12 ours+prefetch+exp12 ours+cpu+exp12 \
+        ours+prefetch ours+cpu ours+overlap
     quant_steps 70 50
     step 40 decode-eager "${DECODE[@]}" --batch 1 --moe-expert-cache-size 0 --output-len 16 \
         --enforce-eager --profile-steps 2 --out "$OUT/decode-eager.json"
