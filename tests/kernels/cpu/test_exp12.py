@@ -43,3 +43,35 @@ def test_the_c_encoder_refuses_bad_planes_by_name():
         exp12_encode_expert(w.float(), u8, u8[:128], u8[:2])
 
 
+
+
+def _rows(c, e: int, shape: tuple[int, int]):
+    from vllm.kernels.cpu.exp12 import Exp12Rows
+    return Exp12Rows(c.lo[e], c.codes[e], c.base[e], c.esc_index[e], c.esc_bits[e], shape)
+
+
+@pytest.mark.parametrize("R,C", [(64, 256), (37, 384), (6, 64), (2, 192), (600, 2048)])
+def test_the_c_decode_gives_the_original_bits(R, C):
+    """exp12_decode (one expert's planes -> bf16) returns the encoded weights bit for bit:
+    escapes (subnormals, an infinity's block), zeros of both signs and NaN included; shapes
+    whose rows do not start on a block of 128 too. The escape list is padded with -1 past an
+    expert's count (expert 1 has fewer escapes than expert 0)."""
+    from vllm.kernels.cpu.exp12 import exp12_decode
+    g = torch.Generator().manual_seed(3)
+    t = _specials(torch.randn(3, R, C, generator=g).mul_(0.05).to(torch.bfloat16))
+    t.view(3, -1)[1, -1] = 1e-35
+    c = encode(t)
+    assert int((c.esc_index[1] >= 0).sum()) < c.esc_index.shape[1]
+    for e in range(3):
+        assert torch.equal(exp12_decode(_rows(c, e, (R, C))).view(torch.int16),
+                           t[e].view(torch.int16)), e
+
+
+def test_exp12_rows_refuse_a_bad_layout_by_name():
+    from vllm.kernels.cpu.exp12 import exp12_decode
+    c = encode(torch.zeros(2, 4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"exp12 planes of a \[4, 32\] weight"):
+        exp12_decode(_rows(c, 0, (4, 32)))            # lo has 256 bytes, not 128
+    bad = _rows(c, 0, (4, 64))
+    with pytest.raises(ValueError, match="must be contiguous 1-D CPU tensors"):
+        exp12_decode(type(bad)(c.lo, bad.codes, bad.base, bad.esc_index, bad.esc_bits, (4, 64)))

@@ -68,6 +68,8 @@ SIGNATURES = {
     "qgemv_bf16_chain": [],
     "gemv16": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "exp12_encode": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR],
+    "exp12_decode": [*[_PTR] * 5, _I64, _I64, _PTR],
+    "gemv16_exp12": [*[_PTR] * 5, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
 }
 
 

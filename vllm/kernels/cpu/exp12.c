@@ -1,5 +1,6 @@
 /* exp12's encoder (expert_cache/link_codec.py has the layout): one expert's bf16 weights into
- * its planes, at load, for every expert of every cached layer with link compression on. The
+ * its planes, at load, for every expert of every cached layer with link compression on; and its
+ * whole-expert decode (exp12.h), for the CPU's misses of more tokens than gemv16 takes. The
  * torch version moves each weight through about a dozen whole-tensor passes (0.3 GB/s of bf16
  * on the 2-core dev machine); this is one pass per block of 128, split by OpenMP, then a
  * second over the blocks that have escapes.
@@ -10,6 +11,8 @@
  *   escapes than cap (*count says how many). */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "exp12.h"
 
 #define BLK 128
 #define ZERO_CODE 14
@@ -65,5 +68,19 @@ int exp12_encode(const uint16_t *w, int64_t n, uint8_t *lo, uint8_t *codes, uint
         }
     }
     free(start);
+    return 0;
+}
+
+/* One expert's planes (exp12_planes, nesc escapes) -> out [n] bf16 bits. Returns 0; 1 for n not
+ * a multiple of 128. */
+int exp12_decode(const uint8_t *lo, const uint8_t *codes, const uint8_t *base,
+                 const int32_t *esc_idx, const uint16_t *esc_bits, int64_t nesc, int64_t n,
+                 uint16_t *out) {
+    if (n % BLK) return 1;
+    const exp12_planes p = {lo, codes, base, esc_idx, esc_bits, nesc};
+    const int64_t nb = n / BLK, step = 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t b0 = 0; b0 < nb; b0 += step)
+        exp12_decode_blocks(&p, b0, b0 + step < nb ? b0 + step : nb, out + b0 * BLK);
     return 0;
 }

@@ -15,8 +15,10 @@
  * are qgemv.c's, written out: an always-inline helper shared by both compiled to other address
  * arithmetic and ran slower (the 2026-11-27 session note has the timing and its script). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "exp12.h"
 #include "vec.h"
 
 #define TOK 4
@@ -66,13 +68,13 @@ INLINE float widen1(const uint16_t *row, int64_t c, int f16) {
     return f16 ? f16_to_f32(row[c]) : bf16_to_f32(row[c]);
 }
 
-/* Rows [r0, r0 + NR) x tokens [t0, t0 + NT); NR, NT and PAIRS (the bf16 pair chain) constant
- * in each instantiation. */
-INLINE void rows_tokens(const gemv16_args *a, int NR, int NT, int PAIRS, int64_t r0,
-                        int64_t t0) {
+/* Rows [r0, r0 + NR) x tokens [t0, t0 + NT), row r0's weights at w0 (the next at w0 + ldw);
+ * NR, NT and PAIRS (the bf16 pair chain) constant in each instantiation. */
+INLINE void rows_tokens(const gemv16_args *a, const uint16_t *w0, int NR, int NT, int PAIRS,
+                        int64_t r0, int64_t t0) {
     vf acc[2][TOK];
     float tail[2][TOK] = {{0}};
-    const uint16_t *rows[2] = {a->w + r0 * a->ldw, a->w + (r0 + NR - 1) * a->ldw};
+    const uint16_t *rows[2] = {w0, w0 + (NR - 1) * a->ldw};
     for (int i = 0; i < NR; i++)
         for (int t = 0; t < NT; t++) acc[i][t] = splat(0.0f);
     int64_t c = 0;
@@ -114,18 +116,30 @@ INLINE void rows_tokens(const gemv16_args *a, int NR, int NT, int PAIRS, int64_t
 
 #define NT_CASES(NR, PAIRS)                                                                  \
     switch (nt) {                                                                            \
-    case 1: rows_tokens(a, NR, 1, PAIRS, r0, t0); break;                                     \
-    case 2: rows_tokens(a, NR, 2, PAIRS, r0, t0); break;                                     \
-    case 3: rows_tokens(a, NR, 3, PAIRS, r0, t0); break;                                     \
-    default: rows_tokens(a, NR, 4, PAIRS, r0, t0); break;                                    \
+    case 1: rows_tokens(a, w0, NR, 1, PAIRS, r0, t0); break;                                 \
+    case 2: rows_tokens(a, w0, NR, 2, PAIRS, r0, t0); break;                                 \
+    case 3: rows_tokens(a, w0, NR, 3, PAIRS, r0, t0); break;                                 \
+    default: rows_tokens(a, w0, NR, 4, PAIRS, r0, t0); break;                                \
     }
 
-static void block_widen(const gemv16_args *a, int nr, int nt, int64_t r0, int64_t t0) {
+static void block_widen(const gemv16_args *a, const uint16_t *w0, int nr, int nt, int64_t r0,
+                        int64_t t0) {
     if (nr == 2) { NT_CASES(2, 0) } else { NT_CASES(1, 0) }
 }
 
-static void block_pairs(const gemv16_args *a, int nr, int nt, int64_t r0, int64_t t0) {
+static void block_pairs(const gemv16_args *a, const uint16_t *w0, int nr, int nt, int64_t r0,
+                        int64_t t0) {
     if (nr == 2) { NT_CASES(2, 1) } else { NT_CASES(1, 1) }
+}
+
+/* Every token chunk of rows [r0, r0 + nr) (nr 1 or 2), row r0 at w0. */
+static void pairs_all_tokens(const gemv16_args *a, int pairs_chain, const uint16_t *w0, int nr,
+                             int64_t r0) {
+    for (int64_t t0 = 0; t0 < a->T; t0 += TOK) {
+        const int nt = a->T - t0 < TOK ? (int)(a->T - t0) : TOK;
+        if (pairs_chain) block_pairs(a, w0, nr, nt, r0, t0);
+        else block_widen(a, w0, nr, nt, r0, t0);
+    }
 }
 
 /* Returns 0, or -1 for an unknown weight type. wtype: 0 bf16, 1 f16. x: [T, C] f32 (always:
@@ -137,14 +151,41 @@ int gemv16(int wtype, const void *w, int64_t ldw, const float *x, const bf16_t *
     const gemv16_args a = {w, x, xb, y, T, R, C, ldw, wtype == 1};
     const int pairs_chain = wtype == 0 && xb != NULL;
     const int64_t pairs = (R + 1) / 2;
-    for (int64_t t0 = 0; t0 < T; t0 += TOK) {
-        const int nt = T - t0 < TOK ? (int)(T - t0) : TOK;
-        #pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            const int nr = 2 * p + 1 < R ? 2 : 1;
-            if (pairs_chain) block_pairs(&a, nr, nt, 2 * p, t0);
-            else block_widen(&a, nr, nt, 2 * p, t0);
-        }
-    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; p++)
+        pairs_all_tokens(&a, pairs_chain, a.w + 2 * p * ldw, 2 * p + 1 < R ? 2 : 1, 2 * p);
     return 0;
+}
+
+/* gemv16 on a bf16 W [R, C] held as one expert's exp12 planes (exp12.h; nesc escapes), read
+ * once: each thread decodes EXP12_ROWS rows at a time (rounded out to whole blocks of 128) into
+ * a buffer that stays in its cache, then runs gemv16's row pairs on it, so y has gemv16's bits
+ * on the decoded W. Returns 0, or -2 out of memory. */
+#define EXP12_WEIGHTS 16384                       /* weights decoded at a time: 32 KB of bf16 */
+int gemv16_exp12(const uint8_t *lo, const uint8_t *codes, const uint8_t *base,
+                 const int32_t *esc_idx, const uint16_t *esc_bits, int64_t nesc,
+                 const float *x, const bf16_t *xb, float *y, int64_t T, int64_t R, int64_t C) {
+    const exp12_planes p = {lo, codes, base, esc_idx, esc_bits, nesc};
+    const gemv16_args a = {NULL, x, xb, y, T, R, C, C, 0};
+    int64_t rows = EXP12_WEIGHTS / (C > 0 ? C : 1);
+    rows = rows < 2 ? 2 : rows & ~(int64_t)1;          /* even: gemv16's pairs */
+    const int64_t chunks = (R + rows - 1) / rows, cap = rows * C + 2 * EXP12_BLK;
+    int failed = 0;
+    #pragma omp parallel reduction(|: failed)
+    {
+        uint16_t *buf = malloc((size_t)cap * sizeof(uint16_t));
+        failed = buf == NULL;
+        #pragma omp for schedule(static)
+        for (int64_t k = 0; k < chunks; k++) {
+            if (!buf) continue;
+            const int64_t r0 = k * rows, r1 = r0 + rows < R ? r0 + rows : R;
+            const int64_t b0 = r0 * C / EXP12_BLK, b1 = (r1 * C + EXP12_BLK - 1) / EXP12_BLK;
+            exp12_decode_blocks(&p, b0, b1, buf);
+            const uint16_t *w = buf + (r0 * C - b0 * EXP12_BLK);
+            for (int64_t r = r0; r < r1; r += 2)
+                pairs_all_tokens(&a, xb != NULL, w + (r - r0) * C, r + 1 < r1 ? 2 : 1, r);
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels.cpu.exp12 import Exp12Rows
 from vllm.kernels.cpu.graph import launch
 
 WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -36,4 +37,26 @@ def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                 x32.data_ptr(), None if xb is None else xb.data_ptr(), y.data_ptr(), T, R, C)
     if rc:
         raise RuntimeError(f"gemv16 failed (code {rc})")
+    return y
+
+
+def gemv16_exp12(x: torch.Tensor, w: Exp12Rows) -> torch.Tensor:
+    """``gemv16`` on the bf16 W that ``w``'s exp12 planes hold, read as planes (12 bits a weight
+    from memory instead of 16) and decoded a few rows at a time in the core's cache: the same
+    bits as ``gemv16(x, exp12_decode(w))``. Needs the CPU kernels."""
+    w.check("gemv16_exp12")
+    R, C = w.shape
+    if x.dim() != 2 or x.shape[1] != C or x.device.type != "cpu" or not x.is_floating_point():
+        raise ValueError(f"gemv16_exp12: x {tuple(x.shape)} {x.dtype} on {x.device} must be a "
+                         f"float [T, {C}] tensor on the CPU")
+    xb = x.contiguous() if x.dtype == torch.bfloat16 else None
+    x32 = x.to(torch.float32).contiguous()
+    T = x.shape[0]
+    y = torch.empty(T, R, dtype=torch.float32)
+    if T == 0 or R == 0:
+        return y
+    rc = launch("gemv16_exp12", *w.pointers(), x32.data_ptr(),
+                None if xb is None else xb.data_ptr(), y.data_ptr(), T, R, C)
+    if rc:
+        raise RuntimeError(f"gemv16_exp12 failed (code {rc}: -2 is out of memory)")
     return y
