@@ -121,13 +121,20 @@ def test_engine_option_gives_the_same_tokens_and_frees_the_bf16_store(tiny_model
 
 @pytest.mark.triton
 @pytest.mark.usefixtures("triton_interpreter")
-def test_engine_option_with_cpu_compute_keeps_the_bf16_store_for_the_cpu(tiny_model_factory,
-                                                                          monkeypatch):
+def test_engine_option_with_cpu_compute_reads_the_planes_on_the_cpu(tiny_model_factory,
+                                                                     monkeypatch):
     """With moe_expert_cpu_compute "auto" (a fixed cost model: an expert runs on the CPU twice,
-    then is copied), exp12 changes only what the copies read over the link: the tokens, CPU
-    pairs and misses of the same run without it; the bf16 store stays for the CPU."""
-    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute
+    then is copied), exp12 frees the bf16 store and the CPU computes its misses from the planes
+    (gemv16_exp12): the tokens, CPU pairs and misses of the run without exp12, whose CPU reads
+    the bf16 store through gemv16 (``HostExperts`` in both, as on a GPU: on a CPU device the
+    plain run would use the layer's own backend), and the copies read only the planes."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_compute, provider
+    from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Experts
+    from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import HostExperts
     monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    real = provider.host_experts
+    monkeypatch.setattr(provider, "host_experts", lambda qm, device, planes=False:
+                        real(qm, device, planes=True))
     cost = host_compute.HostCostModel(copy_seconds=1.0, cpu_fixed=0.4, cpu_per_token=0.0,
                                       concurrent=True)
     monkeypatch.setattr(host_compute, "_COST_MODELS", {})
@@ -139,7 +146,10 @@ def test_engine_option_with_cpu_compute_keeps_the_bf16_store_for_the_cpu(tiny_mo
     assert got == want
     caches = [m.expert_cache for m in runner.moe_layers]
     assert all(isinstance(c.copy, Exp12Copy) for c in caches)
-    assert not any(t.is_meta for c in caches for t in c.store.tensors.values())
+    assert all(c.store.tensors[n].is_meta for c in caches for n in c.copy.planes)
+    assert all(isinstance(c.host_compute.experts, HostExperts) and
+               isinstance(c.host_compute.store_tensors["w13_weight"], Exp12Experts)
+               for c in caches)
     stats, before = [c.stats() for c in caches], [m.expert_cache.stats() for m in plain.moe_layers]
     for field in ("misses", "hits", "cpu_pairs", "bytes_copied"):
         assert [s[field] for s in stats] == [s[field] for s in before], field

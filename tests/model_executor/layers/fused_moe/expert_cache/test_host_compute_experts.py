@@ -71,6 +71,39 @@ def test_host_expert_mlp_is_the_expert(monkeypatch, dtype, gemv, act, tokens):
                                    atol=tol["atol"] + 1e-3 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("gemv", [True, False])
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+def test_an_expert_as_exp12_planes_gives_the_bf16_experts_bits(gemv, tokens, xdtype):
+    """With link compression the CPU reads the planes (``Exp12Rows``): up to 4 tokens through
+    gemv16_exp12 where the kernels are built, else (more tokens, or no kernels) decoded first
+    (in C, or by the torch reference). Each way, the bits of the same expert given as its bf16
+    tensors; a w13 that stayed a tensor beside planes of w2 too."""
+    from vllm.kernels.cpu.exp12 import Exp12Rows
+    from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import encode
+    from vllm.platforms import native_kernels
+    if gemv and not native_kernels(torch.float32, torch.device("cpu")):
+        pytest.skip("the CPU kernels are not built")
+    if xdtype == torch.float32 and (not gemv or tokens > 4):
+        pytest.skip("only gemv16 takes f32 tokens with bf16 weights (torch wants one dtype)")
+    g = torch.Generator().manual_seed(7)
+    n, k = 64, 128
+    w13 = torch.randn(1, 2 * n, k, generator=g).mul_(0.1).bfloat16()
+    w2 = torch.randn(1, k, n, generator=g).mul_(0.1).bfloat16()
+    w13[0, 0, :2] = torch.tensor([1e-30, -1e-31])                      # escapes
+    x = torch.randn(tokens, k, generator=g).to(xdtype)
+    act = MoEActivation.of("silu")
+
+    def rows(t):
+        c = encode(t)
+        return Exp12Rows(c.lo[0], c.codes[0], c.base[0], c.esc_index[0], c.esc_bits[0],
+                         tuple(t.shape[1:]))
+    want = host_expert_mlp(x, w13[0], w2[0], act, gemv=gemv)
+    for a, b in ((rows(w13), rows(w2)), (w13[0], rows(w2))):
+        got = host_expert_mlp(x, a, b, act, gemv=gemv)
+        assert got.dtype == xdtype and torch.equal(got, want)
+
+
 def _cuda_outputs(path, **kw):
     """Decode steps replay CUDA graphs, a layer with CPU compute between their pieces
     (``graph_break``): a capture that failed (the steps then run eagerly) fails the test."""

@@ -7,8 +7,9 @@ the decode is exact.
 
 Used by ``CachedWeightProvider.enable_link_compression``: the engine's
 ``moe_expert_link_compression="exp12"`` releases the encoded bf16 tensors (``release``), so host
-memory holds the planes only (a quarter less); the offload benchmark's ``ours+exp12`` keeps
-the store, which its other designs share. Not yet run on a GPU.
+memory holds the planes only (a quarter less), and misses computed on the CPU read the planes
+(``host_weights``); the offload benchmark's exp12 designs keep the store, which its other
+designs share. Not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Callable
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12, encode, refusal
+from vllm.kernels.cpu.exp12 import Exp12Rows
+from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import (Exp12, decode, encode,
+                                                                          refusal)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.store import HostStore
 from vllm.platforms import platform_for
@@ -77,6 +80,20 @@ class Exp12Copy:
         return sum(c.bytes_per_expert for c in self.planes.values()) + \
             sum(t[0].numel() * t.element_size() for t in self.plain.values())
 
+    def host_weights(self, store: HostStore) -> dict[str, "torch.Tensor | Exp12Experts"]:
+        """What the CPU computes misses from (``moe_expert_cpu_compute``): the store's tensors,
+        except those ``release`` freed: the expert weights as their planes (``Exp12Experts``:
+        ``gemv16_exp12`` reads them in place), any other tensor (a bias) decoded once."""
+        out: dict = {}
+        for name, t in store.tensors.items():
+            if not t.is_meta:
+                out[name] = t
+            elif name in ("w13_weight", "w2_weight") and len(t.shape) == 3:
+                out[name] = Exp12Experts(self.planes[name])
+            else:
+                out[name] = decode(self.planes[name])
+        return out
+
     def release(self, store: HostStore) -> None:
         """The store's encoded tensors become meta tensors (shape and dtype kept, memory freed:
         the planes hold those experts now); nothing may read their data after (CPU compute)."""
@@ -89,3 +106,17 @@ class Exp12Copy:
             self.kernel(c.planes, slots[name], plan.experts, plan.slots, plan.valid)
         for name, src in self.plain.items():
             self.plain_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
+
+
+class Exp12Experts:
+    """An exp12 weight [E, R, C] as the CPU's misses index it (``TorchExperts``: ``w[e]``,
+    ``shape``, ``dtype``): expert e is its planes' rows (``Exp12Rows``), decoded by
+    ``host_experts.host_expert_mlp``."""
+
+    def __init__(self, c: Exp12):
+        self.c, self.shape, self.dtype = c, torch.Size(c.shape), torch.bfloat16
+
+    def __getitem__(self, e: int) -> Exp12Rows:
+        c = self.c
+        return Exp12Rows(c.lo[e], c.codes[e], c.base[e], c.esc_index[e], c.esc_bits[e],
+                         tuple(c.shape[1:]))

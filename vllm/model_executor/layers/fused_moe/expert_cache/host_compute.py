@@ -171,12 +171,14 @@ dtype)."""
 def cost_model_for(store_tensors: dict[str, torch.Tensor], slots: dict[str, torch.Tensor],
                    experts: MoEExperts, hidden_size: int, dtype: torch.dtype,
                    copy: CopyMisses | None = None) -> HostCostModel:
-    """``measure_cost_model`` once per process for each device, store layout (names, per-expert
-    shapes and dtypes), CPU kernel, copy engine, hidden size and dtype: a model's cached layers
-    share one measurement (taken by the first, while its slots are empty), so loading does not
-    repeat it per layer and their decisions rest on the same numbers."""
+    """``measure_cost_model`` once per process for each device, store layout (names, kinds:
+    tensors or exp12 planes, per-expert shapes and dtypes), CPU kernel, copy engine, hidden
+    size and dtype: a model's cached layers share one measurement (taken by the first, while
+    its slots are empty), so loading does not repeat it per layer and their decisions rest on
+    the same numbers."""
     device = next(iter(slots.values())).device
-    key = (str(device), tuple((n, tuple(t.shape[1:]), t.dtype) for n, t in store_tensors.items()),
+    key = (str(device), tuple((n, type(t), tuple(t.shape[1:]), t.dtype)
+                              for n, t in store_tensors.items()),
            type(experts), type(copy), hidden_size, dtype)
     if key not in _COST_MODELS:
         _COST_MODELS[key] = measure_cost_model(store_tensors, slots, experts, hidden_size, dtype,

@@ -12,7 +12,8 @@ from functools import partial
 
 import torch
 
-from vllm.kernels.cpu.gemv16 import WEIGHT_TYPES, gemv16
+from vllm.kernels.cpu.exp12 import Exp12Rows, exp12_decode
+from vllm.kernels.cpu.gemv16 import WEIGHT_TYPES, gemv16, gemv16_exp12
 from vllm.kernels.cpu.qgemv import QuantRows, qgemv
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation, MoEExperts
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
@@ -48,17 +49,38 @@ def _projections(x: torch.Tensor, w13, w2, activation: MoEActivation, b13, b2,
     return y if b2 is None else y + b2
 
 
-def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor | QuantRows,
-                    w2: torch.Tensor | QuantRows, activation: MoEActivation,
+def _gemv16_any(x: torch.Tensor, w: torch.Tensor | Exp12Rows) -> torch.Tensor:
+    return gemv16_exp12(x, w) if isinstance(w, Exp12Rows) else gemv16(x, w)
+
+
+def _decoded(w: torch.Tensor | Exp12Rows, native: bool) -> torch.Tensor:
+    """A projection as a bf16 tensor: exp12 planes decoded (in C where built, else the torch
+    reference), any tensor as it is."""
+    if not isinstance(w, Exp12Rows):
+        return w
+    if native:
+        return exp12_decode(w)
+    from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12, decode
+    return decode(Exp12(*(p[None] for p in (w.lo, w.codes, w.base, w.esc_index, w.esc_bits)),
+                        (1, *w.shape)))[0]
+
+
+def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor | QuantRows | Exp12Rows,
+                    w2: torch.Tensor | QuantRows | Exp12Rows, activation: MoEActivation,
                     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                     gemv: bool = False) -> torch.Tensor:
     """``expert_mlp`` for the CPU's pairs, x [P, K] -> [P, K]. Quantized projections
     (``QuantRows``) run ``qgemv``; with ``gemv`` (the CPU kernels are built) bf16 / f16
     experts with at most ``GEMV16_MAX_TOKENS`` tokens run ``gemv16`` (both: f32 sums, each
-    projection rounded once to x's dtype); else one token as two matrix-vector products and
-    more tokens as ``expert_mlp``."""
+    projection rounded once to x's dtype), exp12 planes (``Exp12Rows``, link compression)
+    ``gemv16_exp12`` with gemv16's bits; else planes are decoded first, and one token runs as
+    two matrix-vector products and more tokens as ``expert_mlp``."""
     if isinstance(w13, QuantRows):
         return _projections(x, w13, w2, activation, b13, b2, qgemv)
+    if gemv and x.shape[0] <= GEMV16_MAX_TOKENS and (isinstance(w13, Exp12Rows) or
+                                                     isinstance(w2, Exp12Rows)):
+        return _projections(x, w13, w2, activation, b13, b2, _gemv16_any)
+    w13, w2 = _decoded(w13, gemv), _decoded(w2, gemv)
     if gemv and x.shape[0] <= GEMV16_MAX_TOKENS and w13.dtype in WEIGHT_TYPES and \
             w2.dtype in WEIGHT_TYPES:
         return _projections(x, w13, w2, activation, b13, b2, gemv16)
@@ -99,13 +121,14 @@ class HostExperts(TorchExperts):
                           weights.get("w13_bias"), weights.get("w2_bias"), mlp=self.mlp)
 
 
-def host_experts(quant_method, device: torch.device) -> MoEExperts:
+def host_experts(quant_method, device: torch.device, planes: bool = False) -> MoEExperts:
     """What computes a layer's pairs on the CPU, from the host store (the layout of the layer's
-    device backend): on a CPU device the layer's own backend; elsewhere ``HostExperts``, which
-    reads the scheme's layout, so only behind a backend that keeps it (no ``pack`` of its
-    own). ValueError with the reason."""
+    device backend): on a CPU device the layer's own backend; elsewhere, or where the store is
+    exp12 ``planes`` (which only ``HostExperts`` reads), ``HostExperts``, which reads the
+    scheme's layout, so only behind a backend that keeps it (no ``pack`` of its own).
+    ValueError with the reason."""
     kernel = quant_method.kernel
-    if device.type == "cpu":
+    if device.type == "cpu" and not planes:
         return kernel
     if type(kernel).pack is not MoEExperts.pack:
         raise ValueError(f"moe_expert_cpu_compute: the {kernel.name!r} MoE backend keeps the "

@@ -46,7 +46,8 @@ import torch
 
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
-from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Copy
+from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import (Exp12Copy,
+                                                                               Exp12Experts)
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.expert_plan import ExpertPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
@@ -266,31 +267,33 @@ class CachedWeightProvider(WeightProvider):
         """Compute misses on the CPU from the host store (``host_compute.py``); mode "auto"
         measures its cost model here unless given one. ValueError where the backend's layout
         cannot be computed on the CPU."""
-        if any(t.is_meta for t in self.store.tensors.values()):
-            raise ValueError("moe_expert_cpu_compute reads the bf16 store, which link "
-                             "compression released")
-        experts = host_experts(quant_method, self.device)
+        # Where link compression released the bf16 store, the CPU reads the exp12 planes.
+        tensors = self.copy.host_weights(self.store) if isinstance(self.copy, Exp12Copy) \
+            else self.store.tensors
+        experts = host_experts(quant_method, self.device,
+                               planes=any(isinstance(t, Exp12Experts) for t in tensors.values()))
         if mode == "auto" and cost is None:
             if bool((self.residency.expert_of_slot >= 0).any()):
                 raise ValueError("moe_expert_cpu_compute='auto' measures its cost model in an "
                                  "empty slot: enable it before the first step")
-            cost = cost_model_for(self.store.tensors, self.slots, experts, hidden_size, dtype,
+            cost = cost_model_for(tensors, self.slots, experts, hidden_size, dtype,
                                   copy=self.copy)
             log_once(logger, logging.INFO, f"moe_expert_cpu_compute='auto': {cost} (a missing "
                      "expert runs on the CPU until the CPU has spent one copy's time on it, "
                      "then it is copied" + ("; and the least used misses while the CPU beside "
                                             "the copies shortens the step)" if cost.concurrent
                                             else ")"))
-        self.host_compute = HostMissCompute(mode, experts, self.store.tensors, cost)
+        self.host_compute = HostMissCompute(mode, experts, tensors, cost)
 
     def enable_link_compression(self, copy: Exp12Copy | None = None,
                                 release_store: bool = False) -> None:
         """Misses move as exp12 planes, decoded exactly into the slots (``compressed_copy.py``).
         ``copy``: one built over this layer's store (shared planes); ``release_store``: free the
-        encoded bf16 tensors (``Exp12Copy.release``; not with CPU compute, which reads them).
-        ValueError where it cannot."""
+        encoded bf16 tensors (``Exp12Copy.release``; CPU compute enabled after this reads the
+        planes). ValueError where it cannot."""
         if release_store and self.host_compute is not None:
-            raise ValueError("the bf16 store cannot be released: moe_expert_cpu_compute reads it")
+            raise ValueError("the bf16 store cannot be released: moe_expert_cpu_compute, "
+                             "enabled before link compression, reads it")
         self.copy = copy = copy or Exp12Copy.for_store(self.store, self.device)
         if release_store:
             copy.release(self.store)
@@ -387,8 +390,7 @@ def make_weight_provider(weights: dict[str, torch.Tensor], quant_method, config:
                                                      config, device, name=name)
         if config.link_compression != "off":
             try:
-                # CPU compute reads the bf16 store: it stays beside the planes.
-                provider.enable_link_compression(release_store=config.cpu_compute == "off")
+                provider.enable_link_compression(release_store=True)
             except ValueError as e:
                 raise ValueError(f"{name}: moe_expert_link_compression="
                                  f"{config.link_compression!r}: {e}") from None
