@@ -33,13 +33,17 @@ import json
 import statistics
 import time
 
+from functools import partial
+
 import torch
 from benchmark_decode import PRESETS
 
+from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Experts
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (HostCostModel,
                                                                          HostMissCompute,
                                                                          measure_cost_model)
 from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import HostExperts
+from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import encode
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation
 from vllm.model_executor.layers.quantization.base import MoEShape
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
@@ -73,12 +77,13 @@ def time_decision(experts: int, top_k: int, concurrent: bool, steps: int = 2000)
     return best / steps * 1e6
 
 
-SCHEMES = ("bf16", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq", "w4a16-gptq-act",
-           "nvfp4", "mxfp4")
-"""Expert formats of ``--scheme``: bf16, or the layer layouts of FP8 (128 x 128 blocks), GPTQ
-INT4 (group 128, zero points; ``-act``: act order, each projection's g_idx a random
-permutation of its groups), NVFP4 and MXFP4, as a GPU backend that reads them keeps the host
-store."""
+SCHEMES = ("bf16", "bf16-exp12", "fp8-tensor", "fp8-channel", "fp8-block", "w4a16-gptq",
+           "w4a16-gptq-act", "nvfp4", "mxfp4")
+"""Expert formats of ``--scheme``: bf16; bf16 held as exp12 planes (``bf16-exp12``: link
+compression's host store, read by ``gemv16_exp12``; its copy is a RAM copy of the planes); or the
+layer layouts of FP8 (128 x 128 blocks), GPTQ INT4 (group 128, zero points; ``-act``: act
+order, each projection's g_idx a random permutation of its groups), NVFP4 and MXFP4, as a GPU
+backend that reads them keeps the host store."""
 
 
 def measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str = "bf16",
@@ -126,6 +131,9 @@ def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
     asks for the path without the C kernel."""
     g = torch.Generator().manual_seed(0)
     act = MoEActivation.of("silu")
+    if scheme == "bf16-exp12":               # the same experts as bf16's, as their planes
+        store, host, _ = _store("bf16", hidden, inter, experts, "qgemv")
+        return {n: Exp12Experts(encode(t)) for n, t in store.items()}, host, "gemv16_exp12"
     if scheme == "bf16":
         store = {"w13_weight": (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
                                 ).to(torch.bfloat16),
@@ -148,10 +156,17 @@ def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
 def _measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str, path: str,
              experts: int) -> dict:
     store, host, path = _store(scheme, hidden, inter, experts, path)
-    slots = {n: torch.empty_like(t[:2]) for n, t in store.items()}
-    runs = [measure_cost_model(store, slots, host, hidden, torch.bfloat16)
+    if scheme == "bf16-exp12":
+        slots = {n: torch.empty(2, t.c.bytes_per_expert, dtype=torch.uint8)
+                 for n, t in store.items()}
+        copy = partial(_copy_planes, store)
+        expert_bytes = sum(t.c.bytes_per_expert for t in store.values())
+    else:
+        slots = {n: torch.empty_like(t[:2]) for n, t in store.items()}
+        copy = None
+        expert_bytes = sum(t[0].numel() * t.element_size() for t in store.values())
+    runs = [measure_cost_model(store, slots, host, hidden, torch.bfloat16, copy=copy)
             for _ in range(repeats)]
-    expert_bytes = sum(t[0].numel() * t.element_size() for t in store.values())
     cpu_1 = statistics.median(r.cpu_fixed + r.cpu_per_token for r in runs)
     return {"hidden": hidden, "moe_intermediate": inter, "threads": threads,
             "scheme": scheme, "path": path,
@@ -160,6 +175,17 @@ def _measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str, p
             "cpu_per_token_ms": statistics.median(r.cpu_per_token for r in runs) * 1e3,
             "ram_copy_ms": statistics.median(r.copy_seconds for r in runs) * 1e3,
             "break_even_gbps": expert_bytes / cpu_1 / 1e9}
+
+
+def _copy_planes(store: dict, slots: dict, plan) -> None:
+    """bf16-exp12's "copy": an expert's planes into a byte row of its slot (RAM to RAM)."""
+    e = int(plan.experts[0])
+    for n, t in store.items():
+        out, at = slots[n][0], 0
+        for p in t.c.planes:
+            row = p[e].view(torch.uint8)
+            out[at:at + row.numel()].copy_(row)
+            at += row.numel()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -180,7 +206,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     paths = ["qgemv", "dequantize"] if args.dequantize_too else ["qgemv"]
     rows = [{"shape": s, **measure(*SHAPES[s], t, args.repeats, scheme, path)}
             for s in args.shape for t in args.threads for scheme in args.scheme
-            for path in paths]
+            for path in (paths if scheme != "bf16-exp12" else ["qgemv"])]
     for s in args.shape:
         decision = {"decision_us": time_decision(*ROUTING[s], False),
                     "decision_balance_us": time_decision(*ROUTING[s], True)}

@@ -85,3 +85,28 @@ def test_rows_with_and_without_the_c_kernels(capsys):
                                                  nvfp4, nvfp4, mxfp4, mxfp4, gptq, gptq]
     for r in rows:
         assert r["cpu_1_token_ms"] > 0 and r["decision_us"] > 0
+
+
+def test_the_exp12_row_reads_the_planes(capsys, monkeypatch):
+    """bf16-exp12: the bf16 experts as exp12 planes through gemv16_exp12 (one row, with or
+    without --dequantize-too); its bytes are the planes' (less than bf16's, more than 0.7 of
+    them on random weights), and its CPU time was spent in gemv16_exp12."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import host_experts
+    from vllm.platforms import native_kernels
+    if not native_kernels(torch.float32, torch.device("cpu")):
+        pytest.skip("the CPU kernels are not built")
+    calls = []
+    real = host_experts.gemv16_exp12
+    monkeypatch.setattr(host_experts, "gemv16_exp12", lambda x, w: calls.append(w.shape) or
+                        real(x, w))
+    threads = torch.get_num_threads()
+    try:
+        rows = bench.main(["--shape", "tiny", "--scheme", "bf16", "bf16-exp12",
+                           "--dequantize-too", "--repeats", "1", "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r["scheme"], r["path"]) for r in rows] == [
+        ("bf16", "gemv16"), ("bf16", "torch"), ("bf16-exp12", "gemv16_exp12")]
+    assert 0.7 < rows[2]["expert_bytes"] / rows[0]["expert_bytes"] < 1
+    assert (64, 64) in calls and (64, 32) in calls       # w13 [2N, H], w2 [H, N]
+    assert rows[2]["cpu_1_token_ms"] > 0 and rows[2]["ram_copy_ms"] > 0
