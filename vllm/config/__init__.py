@@ -173,8 +173,8 @@ class MoECacheConfig:
     """"off", or "exp12": bf16 experts are held in host memory as exp12 planes (12 bits per
     weight, lossless) and each miss is decoded exactly into its slot on the device
     (``expert_cache/link_codec.py``): a quarter fewer bytes over the link and in host memory,
-    outputs unchanged. CUDA with triton. With ``cpu_compute`` the bf16 store stays too (the CPU
-    computes from it): host memory holds both, 1.75x the bf16 experts."""
+    outputs unchanged. CUDA with triton. With ``cpu_compute`` the CPU computes its misses from
+    the planes (``kernels/cpu/gemv16.c``'s ``gemv16_exp12``)."""
 
     def __post_init__(self) -> None:
         if self.cache_size is None:

@@ -74,8 +74,8 @@ class EngineArgs:
     moe_expert_link_compression: str = "off"
     """Expert cache: off; exp12 (bf16 experts held in host memory in 12 bits per weight,
     losslessly, and decoded into their slots on the GPU: a quarter fewer bytes per miss, outputs
-    unchanged; CUDA with triton; with moe_expert_cpu_compute the bf16 experts stay in host memory
-    too, for the CPU; see docs/expert-cache.md)."""
+    unchanged; CUDA with triton; moe_expert_cpu_compute then reads the planes; see
+    docs/expert-cache.md)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the step's token budget across steps."""
     tensor_parallel_size: int = 1
