@@ -185,6 +185,26 @@ def test_engine_option_on_cuda_gives_the_same_tokens(tiny_model_factory):
         assert runs[0] == runs[1], n
 
 
+@pytest.mark.gpu
+def test_engine_option_with_cpu_compute_on_cuda_gives_the_same_tokens(tiny_model_factory):
+    """Every miss on the CPU ("always"), from the planes with exp12 and from the bf16 store
+    without it (both through HostExperts), decode graphs in pieces: the same tokens."""
+    from vllm import LLM, SamplingParams
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [250, 7], [11] * 9)]
+    runs = []
+    for mode in ("off", "exp12"):
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=4,
+                  moe_expert_cache_size=2, moe_expert_cpu_compute="always",
+                  moe_expert_link_compression=mode)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+        runs.append([o.outputs[0].token_ids for o in outs])
+        assert llm.llm_engine.runner.decode_graphs.refused is None
+        assert llm.get_moe_cache_stats()["cpu_pairs"] > 0
+        del llm
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.triton
 @pytest.mark.usefixtures("triton_interpreter")
 def test_link_bytes_count_the_planes(monkeypatch):
