@@ -15,6 +15,7 @@ import torch
 from vllm.kernels.cpu.exp12 import Exp12Rows, exp12_decode
 from vllm.kernels.cpu.gemv16 import WEIGHT_TYPES, gemv16, gemv16_exp12
 from vllm.kernels.cpu.qgemv import QuantRows, qgemv
+from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12, decode
 from vllm.model_executor.layers.fused_moe.modular_kernel import MoEActivation, MoEExperts
 from vllm.model_executor.layers.fused_moe.registry import TorchExperts
 from vllm.model_executor.layers.fused_moe.torch_ref import expert_mlp, expert_pairs_loop
@@ -60,7 +61,6 @@ def _decoded(w: torch.Tensor | Exp12Rows, native: bool) -> torch.Tensor:
         return w
     if native:
         return exp12_decode(w)
-    from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12, decode
     return decode(Exp12(*(p[None] for p in (w.lo, w.codes, w.base, w.esc_index, w.esc_bits)),
                         (1, *w.shape)))[0]
 
