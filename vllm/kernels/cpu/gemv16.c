@@ -158,10 +158,12 @@ int gemv16(int wtype, const void *w, int64_t ldw, const float *x, const bf16_t *
 }
 
 /* gemv16 on a bf16 W [R, C] held as one expert's exp12 planes (exp12.h; nesc escapes), read
- * once: each thread decodes EXP12_ROWS rows at a time (rounded out to whole blocks of 128) into
- * a buffer that stays in its cache, then runs gemv16's row pairs on it, so y has gemv16's bits
- * on the decoded W. Returns 0, or -2 out of memory. */
-#define EXP12_WEIGHTS 16384                       /* weights decoded at a time: 32 KB of bf16 */
+ * once: each thread decodes an even number of rows, about EXP12_WEIGHTS weights and at least
+ * two rows (rounded out to whole blocks of 128), into a buffer that stays in its L1 cache, then
+ * runs gemv16's row pairs on it, so y has gemv16's bits on the decoded W. 4096 read the probe's
+ * experts from RAM 1.13-1.17x faster than 16384 (docs/benchmarks.md). Returns 0, or -2 out of
+ * memory. */
+#define EXP12_WEIGHTS 4096                        /* weights decoded at a time: 8 KB of bf16 */
 int gemv16_exp12(const uint8_t *lo, const uint8_t *codes, const uint8_t *base,
                  const int32_t *esc_idx, const uint16_t *esc_bits, int64_t nesc,
                  const float *x, const bf16_t *xb, float *y, int64_t T, int64_t R, int64_t C) {
