@@ -54,8 +54,8 @@ Designs (``DESIGNS``):
                  CUDA with triton (or the CUDA path rehearsed on CPU, in the tests); elsewhere
                  its rows say why not.
   ours+A+B       ours with several of the above, in ``FEATURES`` order; ``all`` adds
-                 ours+prefetch+exp12 and ours+cpu+exp12 (the CPU reads the bf16 store, kept
-                 beside the planes; its cost model times the exp12 copy).
+                 ours+prefetch+exp12 and ours+cpu+exp12 (the CPU reads the planes, as in the
+                 engine; its cost model times the exp12 copy and the CPU on the planes).
 Reported per (design, capacity, batch): tok/s (trace tokens / wall seconds of the whole cold
 run; with ``--repeat R`` the median of R cold runs, interleaved across rows), hit rate, misses,
 bytes copied and copy GB/s (bytes copied / wall seconds), link bytes and link GB/s, and the bound

@@ -105,10 +105,13 @@ def make_providers(s, design: str, capacity: int | None, policy: str) -> list:
         for p in out:                         # encoded once per run: the layers share the store
             p.enable_link_compression(exp12_copy(s))
     if "cpu" in f:
-        # Measures the cost model unless the run gives one (--cpu-cost).
-        out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=s.cpu_cost)
+        # Measures the cost model unless the run gives one (--cpu-cost). With exp12 the CPU
+        # reads the planes, as the engine's does (the store stays: the designs share it).
+        out[0].enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=s.cpu_cost,
+                                   planes="exp12" in f)
         for p in out[1:]:
-            p.enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=out[0].host_compute.cost)
+            p.enable_host_compute("auto", s.qm, s.hidden, s.dtype, cost=out[0].host_compute.cost,
+                                  planes="exp12" in f)
     return out
 
 

@@ -119,8 +119,22 @@ def test_exp12_design_equals_ours_and_counts_its_planes(trace_path, monkeypatch)
 def test_exp12_added_to_a_design_changes_only_its_link_bytes(trace_path, monkeypatch, base):
     """ours+prefetch+exp12 and ours+cpu+exp12 (bf16) give their base design's outputs bit for
     bit and its counters (prefetch loads, CPU pairs), eagerly and replayed; only what crosses
-    the link shrinks, to the planes' bytes."""
+    the link shrinks, to the planes' bytes. The CPU's pairs: ``HostExperts`` in both, from the
+    bf16 store and from the planes (as on a GPU; on a CPU device the base design would use the
+    layer's own backend)."""
+    from vllm.model_executor.layers.fused_moe.expert_cache import provider
+    from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Experts
     monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
+    real = provider.host_experts
+    monkeypatch.setattr(provider, "host_experts", lambda qm, device, planes=False:
+                        real(qm, device, planes=True))
+    read = []
+    real_init = provider.HostMissCompute.__init__
+
+    def init(self, mode, experts, tensors, cost):
+        read.append(type(tensors["w13_weight"]))
+        real_init(self, mode, experts, tensors, cost)
+    monkeypatch.setattr(provider.HostMissCompute, "__init__", init)
     both = base + "+exp12"
     eager = _rows(trace_path, [base, both], False, dtype=torch.bfloat16)
     capturer = RecordingCapturer()
@@ -136,6 +150,9 @@ def test_exp12_added_to_a_design_changes_only_its_link_bytes(trace_path, monkeyp
         for k in COUNTERS:
             assert row.get(k) == ref.get(k), k
         assert 0.70 < row["link_bytes"] / ref["link_bytes"] < 0.85
+    if base == "ours+cpu":                   # the base's layers read bf16, the others planes
+        assert read[:LAYERS] == [torch.Tensor] * LAYERS and \
+            set(read[LAYERS:]) == {Exp12Experts}
 
 
 def test_design_names_combine_features_in_order():

@@ -80,15 +80,19 @@ class Exp12Copy:
         return sum(c.bytes_per_expert for c in self.planes.values()) + \
             sum(t[0].numel() * t.element_size() for t in self.plain.values())
 
-    def host_weights(self, store: HostStore) -> dict[str, "torch.Tensor | Exp12Experts"]:
+    def host_weights(self, store: HostStore, planes: bool = False
+                     ) -> dict[str, "torch.Tensor | Exp12Experts"]:
         """What the CPU computes misses from (``moe_expert_cpu_compute``): the store's tensors,
         except those ``release`` freed: the expert weights as their planes (``Exp12Experts``:
-        ``gemv16_exp12`` reads them in place), any other tensor (a bias) decoded once."""
+        ``gemv16_exp12`` reads them in place), any other tensor (a bias) decoded once.
+        ``planes``: the encoded expert weights as planes even where the store keeps them (the
+        offload benchmark, whose designs share the store, reads as the engine does)."""
         out: dict = {}
         for name, t in store.tensors.items():
-            if not t.is_meta:
+            weight = name in ("w13_weight", "w2_weight") and len(t.shape) == 3
+            if not t.is_meta and not (planes and weight and name in self.planes):
                 out[name] = t
-            elif name in ("w13_weight", "w2_weight") and len(t.shape) == 3:
+            elif weight:
                 out[name] = Exp12Experts(self.planes[name])
             else:
                 out[name] = decode(self.planes[name])

@@ -263,13 +263,14 @@ class CachedWeightProvider(WeightProvider):
                                                                self.num_slots))
 
     def enable_host_compute(self, mode: str, quant_method, hidden_size: int, dtype: torch.dtype,
-                            cost: HostCostModel | None = None) -> None:
+                            cost: HostCostModel | None = None, planes: bool = False) -> None:
         """Compute misses on the CPU from the host store (``host_compute.py``); mode "auto"
-        measures its cost model here unless given one. ValueError where the backend's layout
-        cannot be computed on the CPU."""
-        # Where link compression released the bf16 store, the CPU reads the exp12 planes.
-        tensors = self.copy.host_weights(self.store) if isinstance(self.copy, Exp12Copy) \
-            else self.store.tensors
+        measures its cost model here unless given one. With link compression the CPU reads the
+        exp12 planes where the bf16 store was released, or wherever ``planes``
+        (``Exp12Copy.host_weights``). ValueError where the backend's layout cannot be computed
+        on the CPU."""
+        tensors = self.copy.host_weights(self.store, planes) \
+            if isinstance(self.copy, Exp12Copy) else self.store.tensors
         experts = host_experts(quant_method, self.device,
                                planes=any(isinstance(t, Exp12Experts) for t in tensors.values()))
         if mode == "auto" and cost is None:
