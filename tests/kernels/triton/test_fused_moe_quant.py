@@ -10,10 +10,9 @@ bf16 is checked by the ``gpu`` test on CUDA.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_kernels import triton_module
 from test_fused_moe import (ALPHA, LIMIT, act_ref, check_skipped_pairs_and_waves, close_1e4,
                             subset_slot_ids)
 
@@ -28,10 +27,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 @pytest.fixture(scope="module")
 def qm():
     """The kernel module, compiled on a GPU, else interpreted."""
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not 1: the kernels cannot run here")
-    from vllm.kernels.triton import fused_moe_quant
-    return fused_moe_quant
+    return triton_module("fused_moe_quant")
 
 
 # ---- the layer layouts, from their definitions -----------------------------------------------

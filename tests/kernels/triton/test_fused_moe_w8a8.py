@@ -11,10 +11,9 @@ its e4m3 ``tl.dot`` is exact there, so bf16 models are checked too (both operand
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_kernels import triton_module
 from test_fused_moe import (ALPHA, LIMIT, act_ref, check_skipped_pairs_and_waves,
                             subset_slot_ids)
 from test_fused_moe_quant import fp8_projection
@@ -29,10 +28,7 @@ E4M3_MAX = 448.0
 
 @pytest.fixture(scope="module")
 def wm():
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not 1: the kernels cannot run here")
-    from vllm.kernels.triton import fused_moe_w8a8
-    return fused_moe_w8a8
+    return triton_module("fused_moe_w8a8")
 
 
 # ---- references ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_kernels import triton_module
 
 from residency_cases import (POLICIES, random_steps, saturate_predictor, step_all_waves,
                              step_both)
@@ -29,13 +30,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def triton_step():
-    """The kernel, compiled on a GPU, else interpreted (tests/conftest.py sets TRITON_INTERPRET
-    before triton is first imported)."""
-    import os
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not 1: the kernel cannot run here")
-    from vllm.kernels.triton.residency_step import residency_step
-    return KernelStep(residency_step, "triton", on_host=False)
+    """The kernel, compiled on a GPU, else interpreted."""
+    return KernelStep(triton_module("residency_step").residency_step, "triton", on_host=False)
 
 
 def _run(step, E, K, N, policy, num_steps, seed, device=DEVICE, compare=step_both):
