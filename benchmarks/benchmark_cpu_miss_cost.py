@@ -38,7 +38,6 @@ from functools import partial
 import torch
 from benchmark_decode import PRESETS
 
-from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Experts
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (HostCostModel,
                                                                          HostMissCompute,
                                                                          measure_cost_model)
@@ -133,7 +132,7 @@ def _store(scheme: str, hidden: int, inter: int, experts: int, path: str):
     act = MoEActivation.of("silu")
     if scheme == "bf16-exp12":               # the same experts as bf16's, as their planes
         store, host, _ = _store("bf16", hidden, inter, experts, "qgemv")
-        return {n: Exp12Experts(encode(t)) for n, t in store.items()}, host, "gemv16_exp12"
+        return {n: encode(t) for n, t in store.items()}, host, "gemv16_exp12"
     if scheme == "bf16":
         store = {"w13_weight": (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02
                                 ).to(torch.bfloat16),
@@ -157,10 +156,10 @@ def _measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str, p
              experts: int) -> dict:
     store, host, path = _store(scheme, hidden, inter, experts, path)
     if scheme == "bf16-exp12":
-        slots = {n: torch.empty(2, t.c.bytes_per_expert, dtype=torch.uint8)
+        slots = {n: torch.empty(2, t.bytes_per_expert, dtype=torch.uint8)
                  for n, t in store.items()}
         copy = partial(_copy_planes, store)
-        expert_bytes = sum(t.c.bytes_per_expert for t in store.values())
+        expert_bytes = sum(t.bytes_per_expert for t in store.values())
     else:
         slots = {n: torch.empty_like(t[:2]) for n, t in store.items()}
         copy = None
@@ -182,7 +181,7 @@ def _copy_planes(store: dict, slots: dict, plan) -> None:
     e = int(plan.experts[0])
     for n, t in store.items():
         out, at = slots[n][0], 0
-        for p in t.c.planes:
+        for p in t.planes:
             row = p[e].view(torch.uint8)
             out[at:at + row.numel()].copy_(row)
             at += row.numel()

@@ -123,7 +123,7 @@ def test_exp12_added_to_a_design_changes_only_its_link_bytes(trace_path, monkeyp
     bf16 store and from the planes (as on a GPU; on a CPU device the base design would use the
     layer's own backend)."""
     from vllm.model_executor.layers.fused_moe.expert_cache import provider
-    from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Experts
+    from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12
     monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
     real = provider.host_experts
     monkeypatch.setattr(provider, "host_experts", lambda qm, device, planes=False:
@@ -152,7 +152,7 @@ def test_exp12_added_to_a_design_changes_only_its_link_bytes(trace_path, monkeyp
         assert 0.70 < row["link_bytes"] / ref["link_bytes"] < 0.85
     if base == "ours+cpu":                   # the base's layers read bf16, the others planes
         assert read[:LAYERS] == [torch.Tensor] * LAYERS and \
-            set(read[LAYERS:]) == {Exp12Experts}
+            set(read[LAYERS:]) == {Exp12}
 
 
 def test_design_names_combine_features_in_order():

@@ -129,7 +129,7 @@ def test_engine_option_with_cpu_compute_reads_the_planes_on_the_cpu(tiny_model_f
     the bf16 store through gemv16 (``HostExperts`` in both, as on a GPU: on a CPU device the
     plain run would use the layer's own backend), and the copies read only the planes."""
     from vllm.model_executor.layers.fused_moe.expert_cache import host_compute, provider
-    from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Experts
+    from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12
     from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import HostExperts
     monkeypatch.setitem(_PLATFORMS, "cpu", RehearsalPlatform())
     real = provider.host_experts
@@ -148,7 +148,7 @@ def test_engine_option_with_cpu_compute_reads_the_planes_on_the_cpu(tiny_model_f
     assert all(isinstance(c.copy, Exp12Copy) for c in caches)
     assert all(c.store.tensors[n].is_meta for c in caches for n in c.copy.planes)
     assert all(isinstance(c.host_compute.experts, HostExperts) and
-               isinstance(c.host_compute.store_tensors["w13_weight"], Exp12Experts)
+               isinstance(c.host_compute.store_tensors["w13_weight"], Exp12)
                for c in caches)
     stats, before = [c.stats() for c in caches], [m.expert_cache.stats() for m in plain.moe_layers]
     for field in ("misses", "hits", "cpu_pairs", "bytes_copied"):

@@ -18,7 +18,6 @@ from typing import Callable
 
 import torch
 
-from vllm.kernels.cpu.exp12 import Exp12Rows
 from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import (Exp12, decode, encode,
                                                                           refusal)
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import LoadPlan
@@ -81,10 +80,10 @@ class Exp12Copy:
             sum(t[0].numel() * t.element_size() for t in self.plain.values())
 
     def host_weights(self, store: HostStore, planes: bool = False
-                     ) -> dict[str, "torch.Tensor | Exp12Experts"]:
+                     ) -> dict[str, torch.Tensor | Exp12]:
         """What the CPU computes misses from (``moe_expert_cpu_compute``): the store's tensors,
-        except those ``release`` freed: the expert weights as their planes (``Exp12Experts``:
-        ``gemv16_exp12`` reads them in place), any other tensor (a bias) decoded once.
+        except those ``release`` freed: the expert weights as their planes (``Exp12``, whose
+        experts ``gemv16_exp12`` reads in place), any other tensor (a bias) decoded once.
         ``planes``: the encoded expert weights as planes even where the store keeps them (the
         offload benchmark, whose designs share the store, reads as the engine does)."""
         out: dict = {}
@@ -93,7 +92,7 @@ class Exp12Copy:
             if not t.is_meta and not (planes and weight and name in self.planes):
                 out[name] = t
             elif weight:
-                out[name] = Exp12Experts(self.planes[name])
+                out[name] = self.planes[name]
             else:
                 out[name] = decode(self.planes[name])
         return out
@@ -111,16 +110,3 @@ class Exp12Copy:
         for name, src in self.plain.items():
             self.plain_kernel(src, slots[name], plan.experts, plan.slots, plan.valid)
 
-
-class Exp12Experts:
-    """An exp12 weight [E, R, C] as the CPU's misses index it (``TorchExperts``: ``w[e]``,
-    ``shape``, ``dtype``): expert e is its planes' rows (``Exp12Rows``), decoded by
-    ``host_experts.host_expert_mlp``."""
-
-    def __init__(self, c: Exp12):
-        self.c, self.shape, self.dtype = c, torch.Size(c.shape), torch.bfloat16
-
-    def __getitem__(self, e: int) -> Exp12Rows:
-        c = self.c
-        return Exp12Rows(c.lo[e], c.codes[e], c.base[e], c.esc_index[e], c.esc_bits[e],
-                         tuple(c.shape[1:]))

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from vllm.kernels.cpu.exp12 import exp12_encode_expert
+from vllm.kernels.cpu.exp12 import Exp12Rows, exp12_encode_expert
 from vllm.platforms import native_kernels
 
 BLOCK = 128
@@ -39,7 +39,9 @@ _NAMES = ("lo", "codes", "base", "esc_index", "esc_bits")
 
 @dataclass
 class Exp12:
-    """One expert-indexed tensor in the exp12 layout (module docstring)."""
+    """One expert-indexed tensor in the exp12 layout (module docstring). A weight [E, R, C]
+    indexes as the CPU's misses read it (``TorchExperts``: ``w[e]``, ``shape``, ``dtype``):
+    expert e is its planes' rows (``Exp12Rows``), which ``host_experts`` decodes."""
     lo: torch.Tensor
     codes: torch.Tensor
     base: torch.Tensor
@@ -56,6 +58,13 @@ class Exp12:
     def bytes_per_expert(self) -> int:
         """What one expert's copy reads over the link (its escape rows padded to X)."""
         return sum(p[0].numel() * p.element_size() for p in self.planes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def __getitem__(self, e: int) -> Exp12Rows:
+        return Exp12Rows(*(p[e] for p in self.planes), tuple(self.shape[1:]))
 
 
 def refusal(t: torch.Tensor) -> str | None:

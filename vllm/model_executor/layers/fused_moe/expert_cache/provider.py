@@ -46,13 +46,13 @@ import torch
 
 from vllm.config import MoECacheConfig
 from vllm.logger import init_logger, log_once
-from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import (Exp12Copy,
-                                                                               Exp12Experts)
+from vllm.model_executor.layers.fused_moe.expert_cache.compressed_copy import Exp12Copy
 from vllm.model_executor.layers.fused_moe.expert_cache.copy import select_copy
 from vllm.model_executor.layers.fused_moe.expert_cache.expert_plan import ExpertPlan
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (
     HostCostModel, HostMissCompute, cost_model_for)
 from vllm.model_executor.layers.fused_moe.expert_cache.host_experts import host_experts
+from vllm.model_executor.layers.fused_moe.expert_cache.link_codec import Exp12
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import DEFAULT_POLICY, get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.prefetch import (PrefetchState,
                                                                         wanted_experts)
@@ -272,7 +272,7 @@ class CachedWeightProvider(WeightProvider):
         tensors = self.copy.host_weights(self.store, planes) \
             if isinstance(self.copy, Exp12Copy) else self.store.tensors
         experts = host_experts(quant_method, self.device,
-                               planes=any(isinstance(t, Exp12Experts) for t in tensors.values()))
+                               planes=any(isinstance(t, Exp12) for t in tensors.values()))
         if mode == "auto" and cost is None:
             if bool((self.residency.expert_of_slot >= 0).any()):
                 raise ValueError("moe_expert_cpu_compute='auto' measures its cost model in an "
