@@ -31,8 +31,8 @@ def link_compression_refusal(store: HostStore, device: torch.device) -> str | No
     if platform_for(device).exp12_copy_kernel() is None:
         return (f"the {device.type} platform has no exp12 copy kernel (CUDA with the 'triton' "
                 "package has one)")
-    if not any(refusal(t) is None for t in store.tensors.values()):
-        reasons = {refusal(t) for t in store.tensors.values()}
+    reasons = {refusal(t) for t in store.tensors.values()}
+    if None not in reasons:
         return f"no expert tensor can be stored as exp12 ({'; '.join(sorted(reasons))})"
     return None
 
