@@ -2,13 +2,13 @@
 three quarters of its bytes and the slot still receives the exact bf16 values.
 
 Why it pays: a bf16 weight is 1 sign, 8 exponent and 7 mantissa bits, and trained weights use
-few exponents: within 128 consecutive weights nearly all lie within 13 of the largest. Measured
-on the shipped default model's experts and on the offload benchmark's random experts: 1e-4 of
-the weights fall outside (escapes), the exponent's entropy is 2.5-2.6 bits, and this format
-takes 12.06 bits per weight (0.754 of bf16). DFloat11 (Zhang et al., 2025) reports the same
-exponent entropy for large LLMs; an entropy code would reach about 11 bits, at the price of a
-sequential decode, where this one is a fixed-width code that a GPU decodes in parallel at the
-link's speed.
+few exponents: within 128 consecutive weights nearly all lie within 13 of the largest. This
+format takes 12.08 bits per weight on the shipped default model's experts (0.755 of bf16; 1.9e-4
+of the weights escape) and 12.07 on the offload benchmark's random experts (docs/expert-cache.md
+has the commands). DFloat11 (Zhang et al., 2025) reports an exponent entropy of about 2.6 bits
+for large LLMs; an entropy code would reach about 11 bits, at the price of a sequential
+decode, where this one is a fixed-width code that a GPU decodes in parallel at the link's
+speed.
 
 Layout of one expert-indexed tensor [E, ...] (n = elements per expert, a multiple of
 ``BLOCK`` = 128), every array [E, ...] so an expert is a row of each:
