@@ -36,6 +36,7 @@ import time
 from functools import partial
 
 import torch
+from bench_io import with_threads
 from benchmark_decode import PRESETS
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import (HostCostModel,
@@ -88,12 +89,8 @@ backend that reads them keeps the host store."""
 def measure(hidden: int, inter: int, threads: int, repeats: int, scheme: str = "bf16",
             path: str = "qgemv", experts: int = 8) -> dict:
     """One row at ``threads`` intra-op threads (the process's count is restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _measure(hidden, inter, threads, repeats, scheme, path, experts)
-    finally:
-        torch.set_num_threads(before)
+    return with_threads(threads, _measure, hidden, inter, threads, repeats, scheme, path,
+                        experts)
 
 
 def quantized_store(method, hidden: int, inter: int, experts: int, g: torch.Generator
