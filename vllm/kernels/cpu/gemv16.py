@@ -12,6 +12,17 @@ WEIGHT_TYPES = {torch.bfloat16: 0, torch.float16: 1}
 """Weight dtypes ``gemv16`` reads, and the C side's code for each."""
 
 
+def _tokens(who: str, x: torch.Tensor, R: int, C: int, bf16_weights: bool
+            ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """x [T, C] checked -> (x as bf16 for the pair chain, bf16 tokens with bf16 weights only,
+    else None; x as f32 (the column tail and the widening chain read it); y [T, R] f32)."""
+    if x.dim() != 2 or x.shape[1] != C or x.device.type != "cpu" or not x.is_floating_point():
+        raise ValueError(f"{who}: x {tuple(x.shape)} {x.dtype} on {x.device} must be a float "
+                         f"[T, {C}] tensor on the CPU")
+    xb = x.contiguous() if x.dtype == torch.bfloat16 and bf16_weights else None
+    return xb, x.to(torch.float32).contiguous(), torch.empty(x.shape[0], R, dtype=torch.float32)
+
+
 def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, C] (a float dtype, on the CPU) -> float32 [T, R] = x @ w^T, w [R, C] bf16 or f16
     on the CPU with unit column stride (rows may be apart: a view of a store's rows): f32
@@ -24,17 +35,12 @@ def gemv16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                          f"{tuple(w.stride())} must be a 2-D bf16 or float16 CPU tensor with "
                          "unit column stride")
     R, C = w.shape
-    if x.dim() != 2 or x.shape[1] != C or x.device.type != "cpu" or not x.is_floating_point():
-        raise ValueError(f"gemv16: x {tuple(x.shape)} {x.dtype} on {x.device} must be a float "
-                         f"[T, {C}] tensor on the CPU")
-    xb = x.contiguous() if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 else None
-    x32 = x.to(torch.float32).contiguous()
-    T = x.shape[0]
-    y = torch.empty(T, R, dtype=torch.float32)
-    if T == 0 or R == 0:
+    xb, x32, y = _tokens("gemv16", x, R, C, w.dtype == torch.bfloat16)
+    if not y.numel():
         return y
     rc = launch("gemv16", WEIGHT_TYPES[w.dtype], w.data_ptr(), w.stride(0) if R > 1 else C,
-                x32.data_ptr(), None if xb is None else xb.data_ptr(), y.data_ptr(), T, R, C)
+                x32.data_ptr(), None if xb is None else xb.data_ptr(), y.data_ptr(), x.shape[0],
+                R, C)
     if rc:
         raise RuntimeError(f"gemv16 failed (code {rc})")
     return y
@@ -46,17 +52,11 @@ def gemv16_exp12(x: torch.Tensor, w: Exp12Rows) -> torch.Tensor:
     bits as ``gemv16(x, exp12_decode(w))``. Needs the CPU kernels."""
     w.check("gemv16_exp12")
     R, C = w.shape
-    if x.dim() != 2 or x.shape[1] != C or x.device.type != "cpu" or not x.is_floating_point():
-        raise ValueError(f"gemv16_exp12: x {tuple(x.shape)} {x.dtype} on {x.device} must be a "
-                         f"float [T, {C}] tensor on the CPU")
-    xb = x.contiguous() if x.dtype == torch.bfloat16 else None
-    x32 = x.to(torch.float32).contiguous()
-    T = x.shape[0]
-    y = torch.empty(T, R, dtype=torch.float32)
-    if T == 0 or R == 0:
+    xb, x32, y = _tokens("gemv16_exp12", x, R, C, True)
+    if not y.numel():
         return y
     rc = launch("gemv16_exp12", *w.pointers(), x32.data_ptr(),
-                None if xb is None else xb.data_ptr(), y.data_ptr(), T, R, C)
+                None if xb is None else xb.data_ptr(), y.data_ptr(), x.shape[0], R, C)
     if rc:
         raise RuntimeError(f"gemv16_exp12 failed (code {rc}: -2 is out of memory)")
     return y
