@@ -77,13 +77,10 @@ def host_expert_mlp(x: torch.Tensor, w13: torch.Tensor | QuantRows | Exp12Rows,
     two matrix-vector products and more tokens as ``expert_mlp``."""
     if isinstance(w13, QuantRows):
         return _projections(x, w13, w2, activation, b13, b2, qgemv)
-    if gemv and x.shape[0] <= GEMV16_MAX_TOKENS and (isinstance(w13, Exp12Rows) or
-                                                     isinstance(w2, Exp12Rows)):
+    if gemv and x.shape[0] <= GEMV16_MAX_TOKENS and w13.dtype in WEIGHT_TYPES and \
+            w2.dtype in WEIGHT_TYPES:                  # Exp12Rows are bf16
         return _projections(x, w13, w2, activation, b13, b2, _gemv16_any)
     w13, w2 = _decoded(w13, gemv), _decoded(w2, gemv)
-    if gemv and x.shape[0] <= GEMV16_MAX_TOKENS and w13.dtype in WEIGHT_TYPES and \
-            w2.dtype in WEIGHT_TYPES:
-        return _projections(x, w13, w2, activation, b13, b2, gemv16)
     if x.shape[0] != 1:
         return expert_mlp(x, w13, w2, activation, b13, b2)
     gate_up = torch.mv(w13, x[0])
