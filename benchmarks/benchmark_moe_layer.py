@@ -52,7 +52,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def build(args, cache_size: int, w13: torch.Tensor, w2: torch.Tensor) -> FusedMoE:
     cfg = VllmConfig(None, CacheConfig(), SchedulerConfig(), MoECacheConfig(cache_size=cache_size),
                      DeviceConfig(args.device), kernel_config=KernelConfig(args.moe_backend))
-    with set_current_vllm_config(cfg):
+    # Built on the device, as get_model builds a model: the uncached layer's provider keeps
+    # the loaded tensors where they are (on the H100 the layer was built on the CPU and its
+    # kernel refused CPU weights for CUDA inputs).
+    with set_current_vllm_config(cfg), torch.device(args.device):
         layer = FusedMoE(args.num_experts, args.top_k, args.hidden, args.inter,
                          params_dtype=w13.dtype)
         layer.load_expert_weight("w13_weight", w13, None, None)

@@ -85,18 +85,21 @@ BLOCK = 4 << 30
 
 def test_freed_memory_is_returned(ops):
     """4 GiB locked (every page touched) takes most of it out of MemAvailable; freed, it comes
-    back (to within half, for what other processes do meanwhile: the GPU session runs the gpu
-    tests in 8 workers), eight times running."""
+    back, eight times running. Each check compares readings taken around one allocation or one
+    free, not against the first reading: the GPU session runs the gpu tests in 8 workers, whose
+    own allocations moved MemAvailable by 3 GB between the first reading and the last (H100,
+    2026-11-27)."""
     if _mem_available() < 3 * BLOCK:
         pytest.skip(f"needs {3 * BLOCK >> 30} GiB of available host memory")
-    start = _mem_available()
     for _ in range(8):
+        before = _mem_available()
         t = ops.empty_pinned((BLOCK,), torch.uint8)
         t[:: 1 << 12].fill_(1)
         held = _mem_available()
         del t
-        assert start - held > BLOCK * 3 // 4, "the block was not taken from MemAvailable"
-        assert start - _mem_available() < BLOCK // 2, "the freed block did not come back"
+        after = _mem_available()
+        assert before - held > BLOCK * 3 // 4, "the block was not taken from MemAvailable"
+        assert after - held > BLOCK * 3 // 4, "the freed block did not come back"
 
 
 _FREE_ON_A_FRESH_THREAD = """if True:

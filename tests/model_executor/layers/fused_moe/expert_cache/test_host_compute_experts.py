@@ -157,10 +157,13 @@ def test_cpu_compute_on_cuda_matches_uncached(tiny_model_factory, monkeypatch, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["fp8-block", "w4a16-gptq", "nvfp4"])
 def test_quantized_cpu_compute_on_cuda_matches_uncached(tiny_model_factory, tmp_path, scheme):
-    """On a CUDA GPU (not yet run on one): quantized misses computed on the CPU from the host
-    store through ``qgemv`` (the triton backend keeps the scheme's layout there) give the
-    uncached greedy tokens, and logprobs within rounding (another kernel computes those pairs).
-    Tiny shapes: FP8 blocks of 16 x 32, GPTQ group 32."""
+    """On a CUDA GPU: quantized misses computed on the CPU from the host store through
+    ``qgemv`` (the triton backend keeps the scheme's layout there) give the uncached greedy
+    tokens, and logprobs within rounding (another kernel computes those pairs). Tiny shapes:
+    FP8 blocks of 16 x 32, GPTQ group 32. fp8-block's checkpoint declares fp8 activations
+    (1 x 32 groups): the GPU's kernel quantizes them (W8A8), the CPU's ``qgemv`` runs
+    weight-only, so those pairs differ by e4m3's rounding of the inputs (3 mantissa bits), not
+    the float32 sums' order: 4.0e-3 on an H100 (2026-11-27), beside 2e-3 for the others."""
     from tools.quantize_checkpoint import main as quantize_main
     args = {"fp8-block": ["--block-size", "16", "32"], "w4a16-gptq": ["--group-size", "32"],
             "nvfp4": []}[scheme]
@@ -171,7 +174,8 @@ def test_quantized_cpu_compute_on_cuda_matches_uncached(tiny_model_factory, tmp_
     ref, _ = _cuda_outputs(path)
     got, stats = _cuda_outputs(path, moe_expert_cache_size=2, moe_expert_cpu_compute="always")
     assert stats["cpu_pairs"] > 0 and stats["misses"] == 0, stats
+    tol = 2e-2 if scheme == "fp8-block" else 2e-3
     for (tokens, lps), (want_tokens, want_lps) in zip(got, ref):
         assert tokens == want_tokens
         for row, want_row in zip(lps, want_lps):
-            assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want_row], abs=2e-3)
+            assert [lp for _, lp in row] == pytest.approx([lp for _, lp in want_row], abs=tol)
