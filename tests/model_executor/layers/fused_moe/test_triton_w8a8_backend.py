@@ -162,3 +162,17 @@ def test_quantize_inputs_false_keeps_weight_only(fp8_matmul):
     for got, want in zip(outputs(layer), outputs(load("channel-token", "torch"))):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert layer.quant_method.kernel.quantizes_inputs(torch.device("cpu")) is False
+
+
+def test_quantizes_inputs_matches_a_device_without_an_index(fp8_matmul):
+    """The runner asks with its ``cuda``; the calls decided on ``cuda:0`` (their tensors'
+    device). Asked with the bare name, the H100 run (2026-11-27) labelled its W8A8 rows
+    weight-only. Here the decision is moved to a ``cuda:0`` key, as a GPU's calls store it."""
+    kernel = load("block16x32-group32", "triton").quant_method.kernel
+    assert kernel.quantizes_inputs(torch.device("cuda")) is None      # nothing decided yet
+    kernel._w8a8[torch.device("cuda", 0)] = ("w13", "w2")
+    assert kernel.quantizes_inputs(torch.device("cuda")) is True
+    assert kernel.quantizes_inputs(torch.device("cuda", 0)) is True
+    assert kernel.quantizes_inputs(torch.device("cuda", 1)) is None
+    kernel._w8a8[torch.device("cuda", 0)] = None                      # decided: weight-only
+    assert kernel.quantizes_inputs(torch.device("cuda")) is False

@@ -220,10 +220,15 @@ class TritonExperts(MoEExperts):
         return None
 
     def quantizes_inputs(self, device: torch.device) -> bool | None:
-        """Whether calls on ``device`` run W8A8; None before the first call decides."""
+        """Whether calls on ``device`` run W8A8; None before the first call decides. A device
+        without an index (the runner's ``cuda``) matches the calls' (``cuda:0``): asked with
+        ``cuda``, the H100 run's W8A8 rows were labelled weight-only."""
         if self._inputs is None:
             return False
-        return None if device not in self._w8a8 else self._w8a8[device] is not None
+        device = torch.device(device)
+        decided = [q for d, q in self._w8a8.items()
+                   if d == device or (device.index is None and d.type == device.type)]
+        return None if not decided else decided[0] is not None
 
     def _device_name(self, device: torch.device) -> str:
         """The name the block-size tables are keyed by (asked of the platform once)."""
