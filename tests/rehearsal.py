@@ -24,3 +24,9 @@ class RehearsalPlatform(CudaPlatform):
 
     def memory_info(self, device):
         return None
+
+    def side_stream(self, device):
+        # Forked work runs inline (CPU tensors run in issue order), as a CUDA stream's would
+        # after its fork; the residency step's account and overlap's copies take this path.
+        from side_streams import RecordingSideStream
+        return RecordingSideStream()

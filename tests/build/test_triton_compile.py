@@ -17,29 +17,41 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 # decode at batch 1 with 16 slots (wave 0: P = 8, N and w = 0 16-divisible) and with 63 slots
 # (the H100's all-hits figures), and 32 tokens with 63 slots, the second wave of a CUDA-graph
 # batch with padding rows (w = 1 a constexpr), and both of that batch's waves in one launch, as
-# the provider plans them (wave -1: ``KernelStep.waves``).
+# the provider plans them (wave -1: ``KernelStep.waves``); and a batch-1 decode step planned as
+# the CUDA provider plans it, its route, then its account for a side stream (wave -2: the
+# route's launch, -3: the account's).
 LAUNCHES = {"n16_decode": (16, 1, 0, False), "n63_decode": (63, 1, 0, False),
-            "n63_wave1": (63, 32, 1, True), "n63_b32_all_waves": (63, 32, -1, True)}
+            "n63_wave1": (63, 32, 1, True), "n63_b32_all_waves": (63, 32, -1, True),
+            "n63_decode_route": (63, 1, -2, False), "n63_decode_account": (63, 1, -3, False)}
 POLICIES = ("lru", "lfu", "lfru", "lrfu", "lrfu_next")      # kernel_code 0 to 4
 
 # The body of a script run by compile_in_subprocess (tests/triton_compile.py): the residency
 # step's launcher (KernelStep over triton residency_step) on meta tensors, its launch compiled.
 SCRIPT = r"""
+import contextlib
 import torch
 from vllm.kernels.triton import residency_step as m
 from vllm.model_executor.layers.fused_moe.expert_cache.policy import get_policy
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import Residency
 from vllm.model_executor.layers.fused_moe.expert_cache.residency_step import KernelStep
 
+class Side:
+    @contextlib.contextmanager
+    def fork(self, role):
+        yield
+
+    def join(self, role):
+        pass
+
 def launch(policy, N, T, wave, padded):
     res = Residency(64, N, get_policy(policy), device="meta")
     ids = torch.empty(T, 8, dtype=torch.int64, device="meta")
     rows = torch.empty(T, dtype=torch.int64, device="meta") if padded else None
-    step = KernelStep(m.residency_step, "triton", False)
-    run = (lambda: list(step.waves(res, ids, rows, 2))) if wave < 0 else \
+    step = KernelStep(m.residency_step, "triton", False, Side() if wave < -1 else None)
+    run = (lambda: list(step.waves(res, ids, rows, 2 if wave == -1 else 1))) if wave < 0 else \
         (lambda: step(res, ids, rows, wave))
-    (launched,) = capture_launches([(m, "_residency_step_kernel")], run)
-    return launched[1:]
+    launched = capture_launches([(m, "_residency_step_kernel")], run)
+    return launched[-wave - 2 if wave < -1 else 0][1:]
 
 for cc in (90, 120):
     for name, (N, T, wave, padded) in LAUNCHES.items():
@@ -65,9 +77,12 @@ def test_residency_step_compiles_without_contraction(compiled, cc, launch, polic
     # crf * p * w1 + r * w0; lrfu_next's lrfu + p * next_weight and err * lr / norm * 2**32
     assert "fma.rn.f64" not in ptx and "fma.rz.f64" not in ptx
     assert "rcp.approx" not in ptx and "div.approx" not in ptx
-    if policy in ("lfru", "lrfu", "lrfu_next"):         # their keep scores divide
+    # Their keep scores divide (the account ranks nothing, but lrfu_next's learning divides).
+    if policy == "lrfu_next" or (policy in ("lfru", "lrfu") and not launch.endswith("account")):
         assert "div.rn.f64" in ptx
-    if policy == "lrfu_next":   # round half to even as (x +- 2**52) -+ 2**52: not folded away
+    # lrfu_next's learning (not in the route) rounds half to even as (x +- 2**52) -+ 2**52:
+    # not folded away.
+    if policy == "lrfu_next" and not launch.endswith("route"):
         assert "0d4330000000000000" in ptx and "cvt.rni" not in ptx
 
 

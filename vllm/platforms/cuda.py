@@ -118,7 +118,7 @@ class CudaSideStream:
             torch.cuda.current_stream(self.device).wait_event(done)
 
 
-SIDE_STREAM_ROLES = ("misses", "prefetch")
+SIDE_STREAM_ROLES = ("misses", "prefetch", "account")
 
 
 @functools.cache
@@ -179,6 +179,10 @@ class CudaPlatform(Platform):
 
     def residency_step_kernel(self) -> Callable[..., None] | None:
         return _triton_residency_step()
+
+    def residency_step_parts(self) -> bool:
+        # The Triton step's route and account (kernels/triton/residency_step.py: PARTS).
+        return _triton_residency_step() is not None
 
     def exp12_copy_kernel(self) -> Callable[..., None] | None:
         try:

@@ -84,8 +84,9 @@ class SideStream(Protocol):
 
     def fork(self, role: str = "misses") -> AbstractContextManager:
         """Within the block, work is enqueued on the side stream of ``role`` ("misses": a wave's
-        miss copies; "prefetch": a prefetch's copies, which must not delay the misses), after
-        everything already enqueued on the current stream."""
+        miss copies; "prefetch": a prefetch's copies, which must not delay the misses;
+        "account": a residency step's policy bookkeeping), after everything already enqueued
+        on the current stream."""
 
     def join(self, role: str = "misses") -> None:
         """The current stream waits for everything enqueued in this handle's forks of ``role``
@@ -187,6 +188,12 @@ class Platform:
         (``vllm.kernels.cpu.moe_cache.residency_step``'s contract), or None: the cache then runs
         the tensor-op reference (``expert_cache/residency_step.py``)."""
         return None
+
+    def residency_step_parts(self) -> bool:
+        """Whether ``residency_step_kernel()`` plans a wave in two launches as well
+        (``part="route"``, then ``part="account"``: the policy's bookkeeping, which a side
+        stream runs beside the wave's experts)."""
+        return False
 
     def w4a16_moe_ops(self) -> W4A16MoEOps | None:
         """The compiled W4A16 grouped GEMM of the ``cutlass_w4a16`` MoE backend and its

@@ -61,6 +61,38 @@ def test_triton_one_launch_for_all_waves_equals_reference(triton_step, policy, E
     _run(triton_step, E, K, N, policy, num_steps, seed=E * 10 + N, compare=step_all_waves)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("E,K,N,num_steps", [(16, 4, 4, 24), (16, 4, 15, 24)])
+def test_triton_route_then_account_equals_reference(policy, E, K, N, num_steps):
+    """``KernelStep`` with a side stream: a step of one wave launches its route, forks its
+    account onto the side stream (role "account") and joins it once the wave was taken; steps
+    of several waves stay one launch. Against the reference wave by wave: every plan, the slot
+    ids and all state after each step (N = 4 of 16 at top-4 mixes one-wave and several-wave
+    steps; N = 15 has only one-wave steps)."""
+    from side_streams import RecordingSideStream
+    side = RecordingSideStream()
+    step = KernelStep(triton_module("residency_step").residency_step, "triton", on_host=False,
+                      side=side)
+    one_wave = []
+
+    def compare(*args):
+        one_wave.append(step_all_waves(*args) == 1)
+    _run(step, E, K, N, policy, num_steps, seed=E * 7 + N, compare=compare)
+    assert any(one_wave)
+    assert side.roles == [("fork", "account"), ("join", "account")] * sum(one_wave)
+
+
+def test_triton_parts_refuse_several_waves(triton_step):
+    res = Residency(16, 4, get_policy("lru"))
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    args = triton_step._arguments(res, ids, None, 0, 2)
+    with pytest.raises(ValueError, match="part='route' plans one wave"):
+        triton_step.kernel(*args, num_waves=2, part="route",
+                           evictions=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="part='half'; allowed"):
+        triton_step.kernel(*args, num_waves=2, part="half")
+
+
 @pytest.mark.parametrize("policy", ["lrfu", "lrfu_next"])
 def test_triton_step_equals_reference_with_padded_expert_lanes(triton_step, policy):
     """E = 40 (64 lanes: lrfu_next's unrolled weight tiles of 32 rows, the second one
@@ -167,3 +199,8 @@ def test_triton_step_equals_reference_on_cuda(policy):
         _run(step, E, K, N, policy, 80, seed=E + N, device="cuda")
     # One launch for all of a step's waves: its own compiled variants, so one shape only.
     _run(step, 64, 8, 32, policy, 40, seed=32, device="cuda", compare=step_all_waves)
+    # A one-wave step's route, then its account on the platform's side stream.
+    from vllm.platforms import platform_for
+    routed = KernelStep(residency_step, "triton", on_host=False,
+                        side=platform_for("cuda").side_stream(torch.device("cuda")))
+    _run(routed, 64, 8, 32, policy, 40, seed=33, device="cuda", compare=step_all_waves)

@@ -30,8 +30,17 @@ registers; a load waits only on what its address needs (a pair's slot and its wa
 the pair's id; lrfu_next's weight tiles, for E <= SMALL_E, on nothing: loaded unrolled, with
 the rows' selection applied in registers). lrfu_next runs on 8 warps (its float64 tiles; on 4,
 63 slots took 255 registers and spilled under Triton 3.6), the others on 4, or 8 for several
-waves (``num_warps``). Not yet timed on a GPU; the launch of several waves has not run on
-one. Differences from
+waves (``num_warps``), all compiled with ``maxnreg`` 255: ptxas otherwise capped some
+variants at 64 or 128 registers and spilled (Triton 3.6, SM120).
+
+Timed on an H100 (2026-11-27, probe shape, lrfu_next, batch 1, all hits at N = 63): 15.7 us a
+layer, the cache's whole all-hits cost at batch 1 but the 1.8 us copy; at N = 16, 12.0 us.
+Since then a one-wave launch can run in two parts (``PARTS``, ``part=``): "route" (the wave's
+assignment, miss list, victim ranking, placement and slot ids; an all-hits step branches past
+the ranking) and "account" (the policy state, lrfu_next's learning and the counters, from the
+route's wave_of_expert, plan_valid and eviction count), which ``KernelStep`` forks onto a side
+stream beside the wave's copy and expert kernels. The same state after both as after "all"
+(the interpreter tests). Not yet timed on a GPU. Differences from
 the C kernel: a valid pair with an id >= E routes nowhere (a launch cannot raise; the router
 never produces one), and its only scratch is the victim ranking's [BLOCK_N] keys, allocated
 per call (from the graph's pool inside a capture).
@@ -42,7 +51,8 @@ and float64 division lowers to IEEE round-to-nearest ``div.rn.f64`` (as torch's)
 predictor and learning step (``lrfu_next.py``) round as ``torch.round`` does with
 ``(x + 2**52) - 2**52`` (libdevice's rint has no interpreter version), and its sums are of
 integers (exact in any order). The ``gpu`` test checks those bits against the reference on
-CUDA (run on an H100, 2026-11-26, before the latency changes: passed for every policy).
+CUDA (passed for every policy on an H100, 2026-11-26 and, with the launch of several waves,
+2026-11-27).
 """
 from __future__ import annotations
 
@@ -59,7 +69,12 @@ from vllm.kernels.triton.residency_policy import _load_policy, _plan_slots, _upd
 CLOCK, HITS, MISSES, EVICTIONS, LAST_HITS, LAST_MISSES, WAVES, STEP_WAVES = (
     tl.constexpr(i) for i in range(8))
 PAD_SLOT_ID = tl.constexpr(-1)
-LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+ALL, ROUTE, ACCOUNT = (tl.constexpr(i) for i in range(3))
+PARTS = {"all": 0, "route": 1, "account": 2}
+"""A one-wave launch's parts (``residency_step(part=)``): the whole wave; its plan, maps and
+slot ids (what the copy and the expert kernels wait for); the policy state and counters it
+leaves (nothing of this step reads them: a side stream runs them beside the experts)."""
+LAUNCH_OPTIONS = {"enable_fp_fusion": False, "maxnreg": 255}
 """Compile options of every launch (no FMA contraction; tests/build compiles with these)."""
 BLOCK_P = 256       # pairs per chunk of the loops over topk_ids
 ROW_BLOCK = 32      # victim rows ranked per [ROW_BLOCK, BLOCK_N] comparison
@@ -124,96 +139,128 @@ def _bump(cnt_ptr, idx, old, value, any_used):
 def _wave_step(
         ids_ptr, rows_ptr, P, K, E, N, w, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
         freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
-        pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
+        pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
         FIRST_WAVE: tl.constexpr, SMALL_E: tl.constexpr, BLOCK_E: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, ROW_BLOCK: tl.constexpr,
-        ROWS_E: tl.constexpr):
+        ROWS_E: tl.constexpr, PART: tl.constexpr):
     """Wave w, from the state the waves before it left: its plan (ps, pe, pv [N]) and slot ids
-    (sid [P]) written, the state updated."""
+    (sid [P]) written, the state updated. PART (``PARTS``): all of it; ROUTE, the plan, the
+    maps and the slot ids, leaving the wave's eviction count at ev_ptr; ACCOUNT, the policy
+    state and the counters from what ROUTE left (the wave's experts in woe, its misses in pv,
+    its evictions at ev_ptr), so the same state as ALL's."""
     e = tl.arange(0, BLOCK_E)
     in_e = e < E
     # What nothing in this launch writes before reading it is loaded early, so each load's
     # latency overlaps the phases before its use instead of adding a round trip: here the
     # residency before placement, the policy state, lrfu_next's bias and prev; the counters
     # once the ranking is done (they wait in registers through the placement and learning).
-    soe = tl.load(soe_ptr + e, mask=in_e, other=-1)
+    if PART != ACCOUNT:
+        soe = tl.load(soe_ptr + e, mask=in_e, other=-1)
     clock = tl.load(cnt_ptr + CLOCK)
-    freq, decayed = _load_policy(e, in_e, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D, POLICY)
-    bias = tl.zeros_like(e).to(tl.float64)
-    prev = tl.zeros_like(e).to(tl.uint8)
-    if POLICY == 4:
-        bias = tl.load(b_ptr + e, mask=in_e, other=0.0)
-        prev = tl.load(prev_ptr + e, mask=in_e, other=0)
-    if FIRST_WAVE:
+    if PART != ROUTE:
+        freq, decayed = _load_policy(e, in_e, clock, freq_ptr, last_ptr, crf_ptr, pow_ptr, D,
+                                     POLICY)
+        bias = tl.zeros_like(e).to(tl.float64)
+        prev = tl.zeros_like(e).to(tl.uint8)
+        if POLICY == 4:
+            bias = tl.load(b_ptr + e, mask=in_e, other=0.0)
+            prev = tl.load(prev_ptr + e, mask=in_e, other=0)
+    if PART == ACCOUNT:
+        woe = tl.load(woe_ptr + e, mask=in_e, other=-1)
+    elif FIRST_WAVE:
         woe = _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe, woe_ptr, cnt_ptr, HAS_ROWS,
                             BLOCK_E, BLOCK_P)
     else:
         woe = tl.load(woe_ptr + e, mask=in_e, other=-1)
     in_wave = in_e & (woe == w)
-    miss = in_wave & (soe < 0)
-    hits = tl.sum((in_wave & ~miss).to(tl.int64), axis=0)
-    M = tl.sum(miss.to(tl.int64), axis=0)
-    miss_rank = tl.cumsum(miss.to(tl.int32), axis=0).to(tl.int64) - 1
-    tl.store(pe_ptr + miss_rank, e.to(tl.int64), mask=miss)                # misses by id
     i = tl.arange(0, BLOCK_N)
-    tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
-    tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
-    _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr,
-                par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, SMALL_E, BLOCK_E, BLOCK_N,
-                ROW_BLOCK, ROWS_E)
-    tl.debug_barrier()
-    old_hits, old_misses = tl.load(cnt_ptr + HITS), tl.load(cnt_ptr + MISSES)
-    old_evictions, old_waves = tl.load(cnt_ptr + EVICTIONS), tl.load(cnt_ptr + WAVES)
-    old_last_hits, old_last_misses = tl.load(cnt_ptr + LAST_HITS), tl.load(cnt_ptr + LAST_MISSES)
-    live = i < M
-    ps = tl.load(ps_ptr + i, mask=live, other=0)
-    pe = tl.load(pe_ptr + i, mask=live, other=0)
-    old = tl.load(eos_ptr + ps, mask=live, other=-1)
-    evicted = live & (old >= 0)
-    tl.store(soe_ptr + old, tl.full([BLOCK_N], -1, tl.int64), mask=evicted)
-    tl.debug_barrier()
-    tl.store(eos_ptr + ps, pe, mask=live)
-    tl.store(soe_ptr + pe, ps, mask=live)
-    _update_policy(e, in_wave, clock, freq, decayed, freq_ptr, last_ptr, crf_ptr, POLICY)
-    any_used = hits + M > 0
-    if POLICY == 4:
-        _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, bias, prev,
-                    SMALL_E, BLOCK_E, ROWS_E)
-    _bump(cnt_ptr, HITS, old_hits, hits, any_used)
-    _bump(cnt_ptr, MISSES, old_misses, M, any_used)
-    _bump(cnt_ptr, EVICTIONS, old_evictions, tl.sum(evicted.to(tl.int64), axis=0), any_used)
-    _bump(cnt_ptr, WAVES, old_waves, 1, any_used)
-    _bump(cnt_ptr, CLOCK, clock, 1, any_used)
-    tl.store(cnt_ptr + LAST_HITS, tl.where(any_used, hits, old_last_hits))
-    tl.store(cnt_ptr + LAST_MISSES, tl.where(any_used, M, old_last_misses))
-    tl.debug_barrier()
-    for start in range(0, P, BLOCK_P):
-        p = start + tl.arange(0, BLOCK_P)
-        ids, valid = _pair_ids(ids_ptr, rows_ptr, p, P, K, E, HAS_ROWS)
-        # Both reads wait on the ids only (the slot is dropped where the wave differs).
-        wave = tl.load(woe_ptr + ids, mask=valid, other=-1)
-        slot = tl.load(soe_ptr + ids, mask=valid, other=-1)
-        tl.store(sid_ptr + p, tl.where(valid & (wave == w), slot, -1), mask=p < P)
+    if PART == ACCOUNT:
+        M = tl.sum(tl.load(pv_ptr + i, mask=i < N, other=0).to(tl.int64), axis=0)
+        hits = tl.sum(in_wave.to(tl.int64), axis=0) - M
+        n_evicted = tl.load(ev_ptr)
+    else:
+        miss = in_wave & (soe < 0)
+        hits = tl.sum((in_wave & ~miss).to(tl.int64), axis=0)
+        M = tl.sum(miss.to(tl.int64), axis=0)
+        miss_rank = tl.cumsum(miss.to(tl.int32), axis=0).to(tl.int64) - 1
+        tl.store(pe_ptr + miss_rank, e.to(tl.int64), mask=miss)                # misses by id
+        tl.store(pe_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
+        tl.store(pv_ptr + i, (i < M).to(tl.uint8), mask=i < N)
+        if PART == ROUTE:
+            # A branch, not only masks (ALL's way): without the learning beside it the route
+            # compiles it without a spill (maxnreg 255), and an all-hits step then skips the
+            # victim ranking's [N, N] work, not only its loads. The plan's padding, which
+            # _plan_slots also writes, is written either way.
+            tl.store(ps_ptr + i, tl.full([BLOCK_N], -1, tl.int64), mask=(i >= M) & (i < N))
+            if M > 0:
+                _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr,
+                            wt_ptr, b_ptr, par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY,
+                            SMALL_E, BLOCK_E, BLOCK_N, ROW_BLOCK, ROWS_E)
+        else:
+            _plan_slots(w, N, M, E, eos_ptr, woe_ptr, clock, freq_ptr, last_ptr, crf_ptr, wt_ptr,
+                        b_ptr, par_ptr, pow_ptr, D, ps_ptr, ks_ptr, kx_ptr, POLICY, SMALL_E,
+                        BLOCK_E, BLOCK_N, ROW_BLOCK, ROWS_E)
+        tl.debug_barrier()
+    if PART != ROUTE:
+        old_hits, old_misses = tl.load(cnt_ptr + HITS), tl.load(cnt_ptr + MISSES)
+        old_evictions, old_waves = tl.load(cnt_ptr + EVICTIONS), tl.load(cnt_ptr + WAVES)
+        old_last_hits = tl.load(cnt_ptr + LAST_HITS)
+        old_last_misses = tl.load(cnt_ptr + LAST_MISSES)
+    if PART != ACCOUNT:
+        live = i < M
+        ps = tl.load(ps_ptr + i, mask=live, other=0)
+        pe = tl.load(pe_ptr + i, mask=live, other=0)
+        old = tl.load(eos_ptr + ps, mask=live, other=-1)
+        evicted = live & (old >= 0)
+        tl.store(soe_ptr + old, tl.full([BLOCK_N], -1, tl.int64), mask=evicted)
+        tl.debug_barrier()
+        tl.store(eos_ptr + ps, pe, mask=live)
+        tl.store(soe_ptr + pe, ps, mask=live)
+        n_evicted = tl.sum(evicted.to(tl.int64), axis=0)
+        if PART == ROUTE:
+            tl.store(ev_ptr, n_evicted)
+    if PART != ROUTE:
+        _update_policy(e, in_wave, clock, freq, decayed, freq_ptr, last_ptr, crf_ptr, POLICY)
+        any_used = hits + M > 0
+        if POLICY == 4:
+            _learn_next(e, in_wave, any_used, E, wt_ptr, b_ptr, prev_ptr, par_ptr, bias, prev,
+                        SMALL_E, BLOCK_E, ROWS_E)
+        _bump(cnt_ptr, HITS, old_hits, hits, any_used)
+        _bump(cnt_ptr, MISSES, old_misses, M, any_used)
+        _bump(cnt_ptr, EVICTIONS, old_evictions, n_evicted, any_used)
+        _bump(cnt_ptr, WAVES, old_waves, 1, any_used)
+        _bump(cnt_ptr, CLOCK, clock, 1, any_used)
+        tl.store(cnt_ptr + LAST_HITS, tl.where(any_used, hits, old_last_hits))
+        tl.store(cnt_ptr + LAST_MISSES, tl.where(any_used, M, old_last_misses))
+    if PART != ACCOUNT:
+        tl.debug_barrier()
+        for start in range(0, P, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            ids, valid = _pair_ids(ids_ptr, rows_ptr, p, P, K, E, HAS_ROWS)
+            # Both reads wait on the ids only (the slot is dropped where the wave differs).
+            wave = tl.load(woe_ptr + ids, mask=valid, other=-1)
+            slot = tl.load(soe_ptr + ids, mask=valid, other=-1)
+            tl.store(sid_ptr + p, tl.where(valid & (wave == w), slot, -1), mask=p < P)
 
 
 @triton.jit
 def _residency_step_kernel(
         ids_ptr, rows_ptr, P, K, E, N, w0, num_waves, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
         freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr, pe_ptr,
-        pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
+        pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY: tl.constexpr, HAS_ROWS: tl.constexpr,
         FIRST_WAVE: tl.constexpr, ONE_WAVE: tl.constexpr, SMALL_E: tl.constexpr,
         BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-        ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr):
+        ROW_BLOCK: tl.constexpr, ROWS_E: tl.constexpr, PART: tl.constexpr):
     """Waves [w0, w0 + num_waves), one after the other; wave i's plan at i * N, slot ids at
     i * P. ONE_WAVE (num_waves == 1: a step with min(E, T*K) <= N, as every batch-1 decode
-    step) is the wave's body alone, wave 0 handing its waves over in registers: the code of a
-    launch per wave. Otherwise wave 0's assignment runs first, then a loop runs the body once
-    per wave, the body compiled once."""
+    step) is the wave's body alone (or its PART), wave 0 handing its waves over in registers:
+    the code of a launch per wave. Otherwise wave 0's assignment runs first, then a loop runs
+    the body once per wave, the body compiled once (PART is ALL)."""
     if ONE_WAVE:
         _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
                    freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D,
-                   ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, POLICY, HAS_ROWS, FIRST_WAVE,
-                   SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E)
+                   ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY, HAS_ROWS,
+                   FIRST_WAVE, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, PART)
     else:
         if FIRST_WAVE:
             e = tl.arange(0, BLOCK_E)
@@ -226,8 +273,8 @@ def _residency_step_kernel(
             _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
                        cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr,
                        pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
-                       sid_ptr + i * P, ks_ptr, kx_ptr, POLICY, HAS_ROWS, False, SMALL_E,
-                       BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E)
+                       sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr, POLICY, HAS_ROWS, False,
+                       SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ALL)
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str, device: torch.device) -> None:
@@ -241,10 +288,14 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
                    wave_of_expert: torch.Tensor, counters: torch.Tensor, policy_code: int,
                    state: dict[str, torch.Tensor], params: torch.Tensor, decay_pow: torch.Tensor,
                    plan_slots: torch.Tensor, plan_experts: torch.Tensor, plan_valid: torch.Tensor,
-                   slot_ids: torch.Tensor, num_waves: int = 1) -> None:
+                   slot_ids: torch.Tensor, num_waves: int = 1, part: str = "all",
+                   evictions: torch.Tensor | None = None) -> None:
     """Waves [wave, wave + num_waves) of one layer, one launch: the signature of
     ``moe_cache.residency_step``. All tensors on the device of topk_ids [T, K] int64; state
-    updated in place; plans [num_waves, N] and slot_ids [num_waves, T, K] written."""
+    updated in place; plans [num_waves, N] and slot_ids [num_waves, T, K] written.
+    ``part`` (``PARTS``, one wave only): "route" then "account" with the same arguments and
+    ``evictions`` [1] int64 (the route's eviction count, for the account) leave what "all"
+    leaves; "account" reads the plan "route" wrote and writes nothing "route" wrote."""
     dev = topk_ids.device
     i64, f64 = torch.int64, torch.float64
     for t, dt, what in ((topk_ids, i64, "topk_ids"), (slot_of_expert, i64, "slot_of_expert"),
@@ -256,6 +307,13 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
         _check(t, dt, what, dev)
     if policy_code not in (0, 1, 2, 3, 4):
         raise ValueError(f"triton residency_step: policy_code={policy_code}; allowed 0-4")
+    if part not in PARTS:
+        raise ValueError(f"triton residency_step: part={part!r}; allowed {list(PARTS)}")
+    if part != "all":
+        if num_waves != 1 or evictions is None or evictions.numel() != 1:
+            raise ValueError(f"triton residency_step: part={part!r} plans one wave "
+                             f"(num_waves={num_waves}) with an evictions tensor of 1 element")
+        _check(evictions, i64, "evictions", dev)
     if row_slots is not None:
         _check(row_slots, i64, "row_slots", dev)
     for name, t in state.items():
@@ -274,16 +332,18 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     block_e, block_n = triton.next_power_of_2(E), triton.next_power_of_2(N)
     # The victim ranking's key scratch (_plan_slots): from the caching allocator, or the graph's
     # pool inside a capture; no host work.
-    key_score = torch.empty(block_n, dtype=f64, device=dev)
-    key_expert = torch.empty(block_n, dtype=i64, device=dev)
+    need_keys = part != "account"            # the account ranks nothing
+    key_score = torch.empty(block_n, dtype=f64, device=dev) if need_keys else params
+    key_expert = torch.empty(block_n, dtype=i64, device=dev) if need_keys else counters
     _residency_step_kernel[(1,)](
         topk_ids, row_slots if row_slots is not None else topk_ids, T * K, K, E, N, wave,
         num_waves, slot_of_expert, expert_of_slot, wave_of_expert, counters, freq, last_use,
         crf, weight, bias, prev, params, decay_pow, decay_pow.numel(), plan_slots, plan_experts,
-        plan_valid.view(torch.uint8), slot_ids, key_score, key_expert, POLICY=policy_code,
+        plan_valid.view(torch.uint8), slot_ids, key_score, key_expert,
+        evictions if evictions is not None else counters, POLICY=policy_code,
         HAS_ROWS=row_slots is not None, FIRST_WAVE=wave == 0, ONE_WAVE=num_waves == 1,
         SMALL_E=block_e <= SMALL_E, BLOCK_E=block_e, BLOCK_N=block_n, BLOCK_P=BLOCK_P,
-        ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e),
+        ROW_BLOCK=min(ROW_BLOCK, block_n), ROWS_E=rows_e(block_e), PART=PARTS[part],
         num_warps=num_warps(policy_code, num_waves), **LAUNCH_OPTIONS)
 
 

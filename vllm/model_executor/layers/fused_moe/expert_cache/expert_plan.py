@@ -53,6 +53,9 @@ class ExpertPlan:
                     break
             finished = True
         finally:
+            # A step's side-stream work (its account: KernelStep.side) is joined here at the
+            # latest, inside the forward that forked it (a capture must end joined).
+            planned.close()
             # Stopped part-way (a wave's kernels raised): a step that planned its waves ahead
             # marked later waves' experts resident without copying them. Forget every slot,
             # unless a capture runs (nothing recorded has run; the engine forgets after a

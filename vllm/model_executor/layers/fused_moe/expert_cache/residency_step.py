@@ -23,6 +23,8 @@ Implementations, each bit for bit the same decisions, plan, slot ids, policy sta
     CPU graphs, on CUDA one Triton launch (``vllm/kernels/triton/residency_step.py``), no host
     read, fixed grid (CUDA-graph capturable): one per layer and step. Plans [W, N] and slot ids
     [W, T, K] (W * T * K * 8 bytes: 4 MiB for a prefill of 8192 tokens, top-8, 8 waves).
+    With a side stream (CUDA) a one-wave step is two launches: the route before the wave's
+    copy and experts, the account (policy state, counters) beside them.
 ``select_residency_step`` picks one per layer: the platform's kernel when the policy has a
 ``kernel_code``, else the reference.
 """
@@ -36,6 +38,7 @@ import torch
 from vllm.model_executor.layers.fused_moe.expert_cache.residency import (LoadPlan, Residency,
                                                                          wave_index)
 from vllm.platforms import platform_for
+from vllm.platforms.interface import SideStream
 
 PAD_SLOT_ID = -1
 """forward_context.PAD_SLOT_ID (restated: the cache must not import the model executor)."""
@@ -98,32 +101,60 @@ def reference_step(res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tens
 
 class KernelStep(ResidencyStep):
     """A platform's fused kernel (the signature of ``vllm.kernels.cpu.moe_cache.residency_step``),
-    fed the residency's own tensors."""
+    fed the residency's own tensors. ``side``: where the kernel plans a wave in two launches
+    (``part`` "route", then "account": the Triton kernel), a step of one wave runs the account
+    (the policy state and counters) on this side stream, role "account", beside the wave's copy
+    and expert kernels, and joins it after them: only the route (plan, maps, slot ids) is on the
+    way to the experts. The same state after the step as one launch."""
     plans_ahead = True
 
-    def __init__(self, kernel: Callable[..., None], name: str, on_host: bool):
+    def __init__(self, kernel: Callable[..., None], name: str, on_host: bool,
+                 side: SideStream | None = None):
         self.kernel, self.name = kernel, name
         self.on_host = self.cpu_graph_node = on_host
+        self.side = side
 
     def __call__(self, res, topk_ids, row_slots, wave):
         (plan,), slot_ids = self._launch(res, topk_ids, row_slots, wave, 1)
         return plan, slot_ids[0]
 
     def waves(self, res, topk_ids, row_slots, num_waves):
-        """All the step's waves in one kernel call (issue 26: one residency step per layer). The
-        state then holds every wave's residency before the first wave's experts run, which is
-        safe because each wave's copy runs after the kernels of the wave before it. A step that
-        stops part-way leaves later waves marked resident but uncopied, so every slot is
-        forgotten (``CachedWeightProvider.invalidate``): by the plan when a wave raised, by the
-        engine after a failed step (model_runner) and after a refused CPU-graph capture
+        """All the step's waves in one kernel call (issue 26: one residency step per layer), or
+        a wave's route and account on two streams (``side``). The state then holds every wave's
+        residency before the first wave's experts run, which is safe because each wave's copy
+        runs after the kernels of the wave before it. A step that stops part-way leaves later
+        waves marked resident but uncopied, so every slot is forgotten
+        (``CachedWeightProvider.invalidate``): by the plan when a wave raised, by the engine
+        after a failed step (model_runner) and after a refused CPU-graph capture
         (cpu_graphs)."""
+        if self.side is not None and num_waves == 1:
+            yield from self._routed(res, topk_ids, row_slots)
+            return
         plans, slot_ids = self._launch(res, topk_ids, row_slots, 0, num_waves)
         # select, not unbind: a CPU graph records views it knows (kernels/cpu/graph.py).
         yield from ((plans[i], slot_ids[i]) for i in range(num_waves))
 
-    def _launch(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
-                wave: int, num_waves: int) -> tuple[list[LoadPlan], torch.Tensor]:
-        """Waves [wave, wave + num_waves): their plans and slot ids [num_waves, T, K]."""
+    def _routed(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None
+                ) -> Iterator[tuple[LoadPlan, torch.Tensor]]:
+        """One wave: the route on the current stream, the account forked after it (it reads
+        the route's plan and eviction count, and the policy state the route read), joined once
+        the caller has enqueued the wave's kernels (its next ``next``, or closing this)."""
+        evictions = torch.empty(1, dtype=torch.int64, device=topk_ids.device)
+        args = self._arguments(res, topk_ids, row_slots, 0, 1)
+        self.kernel(*args, num_waves=1, part="route", evictions=evictions)
+        try:
+            with self.side.fork("account"):
+                self.kernel(*args, num_waves=1, part="account", evictions=evictions)
+            yield LoadPlan(args[11][0], args[12][0], args[13][0]), args[14][0]
+        finally:
+            # Even when the caller stopped: a capture must not end with the side stream forked.
+            self.side.join("account")
+
+    def _arguments(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
+                   wave: int, num_waves: int) -> tuple:
+        """The kernel's positional arguments for waves [wave, wave + num_waves), with fresh
+        outputs: plan slots, experts, valid [num_waves, N] (11-13), slot ids [num_waves, T, K]
+        (14)."""
         N = res.num_slots
         dev = topk_ids.device
         ids = topk_ids if topk_ids.dtype == torch.int64 and topk_ids.is_contiguous() else \
@@ -133,9 +164,17 @@ class KernelStep(ResidencyStep):
                           for _ in range(2))
         valid = torch.empty(num_waves, N, dtype=torch.bool, device=dev)
         slot_ids = torch.empty((num_waves, *ids.shape), dtype=torch.int64, device=dev)
-        self.kernel(ids, row_slots, wave, res.slot_of_expert, res.expert_of_slot,
-                    res.wave_of_expert, res.counters, res.policy.kernel_code, res.policy_state,
-                    params, decay_pow, slots, experts, valid, slot_ids, num_waves=num_waves)
+        return (ids, row_slots, wave, res.slot_of_expert, res.expert_of_slot,
+                res.wave_of_expert, res.counters, res.policy.kernel_code, res.policy_state,
+                params, decay_pow, slots, experts, valid, slot_ids)
+
+    def _launch(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
+                wave: int, num_waves: int) -> tuple[list[LoadPlan], torch.Tensor]:
+        """Waves [wave, wave + num_waves) in one call: their plans and slot ids
+        [num_waves, T, K]."""
+        args = self._arguments(res, topk_ids, row_slots, wave, num_waves)
+        self.kernel(*args, num_waves=num_waves)
+        slots, experts, valid, slot_ids = args[11:]
         plans = [LoadPlan(slots[i], experts[i], valid[i]) for i in range(num_waves)]
         return plans, slot_ids
 
@@ -147,5 +186,6 @@ def select_residency_step(res: Residency, device: torch.device) -> ResidencyStep
     kernel = platform.residency_step_kernel()
     on_host = platform.device_type == "cpu"
     if kernel is not None and res.policy.kernel_code is not None:
-        return KernelStep(kernel, "cpu_kernel" if on_host else "triton", on_host)
+        side = platform.side_stream(device) if platform.residency_step_parts() else None
+        return KernelStep(kernel, "cpu_kernel" if on_host else "triton", on_host, side)
     return ReferenceStep(on_host)
