@@ -86,11 +86,17 @@ def test_w8a8_gemm_multiplies_e4m3_on_the_matrix_units(compiled, name):
 
 @pytest.mark.parametrize("cc", [90, 120])
 def test_quantizers_cast_with_the_hardware_rounding(compiled, cc):
-    """``quantize_rows`` and the fused activation quantizer (silu, 16 and 64 pair rows)."""
+    """``quantize_rows`` and the fused activation quantizer (silu, 16 and 64 pair rows); the
+    scale and the codes' quotients with IEEE division (``tl.div_rn``): a float32 ``/``
+    lowered to ``div.full.f32`` / ``div.approx`` put the H100's scales an ulp off (2026-11-27).
+    The activation quantizer keeps silu's ``div.full`` (``fused_moe.act_values``)."""
     keys = [k for k in compiled if k.startswith(("quant/", "act_quant/")) and
             k.endswith(f"/{cc}")]
     assert len(keys) == 6
     for key in keys:
         k = compiled[key]
         assert "cvt.rn.satfinite.e4m3x2.f32" in k["ptx"], key
+        assert "div.rn.f32" in k["ptx"] and "div.approx" not in k["ptx"], key
+        if key.startswith("quant/"):
+            assert "div.full" not in k["ptx"], key
         assert k["stack"] == 0, (key, k["registers"], k["stack"])

@@ -7,8 +7,12 @@ Activations are quantized as the checkpoint declares (``InputQuant``; parsed in
 ``group`` input columns (DeepSeek-V3's 1 x 128), or with the checkpoint's static per-tensor
 scale. A dynamic scale is amax / 448 (amax at least 1e-10) over the row's group, and a code is
 e4m3(clamp(x / scale, -448, 448)) with round-to-nearest: the same formula as vLLM's
-``per_token_group_quant_fp8``. Every scale is per row, so a row's result never depends on the
-other rows of the batch (CUDA-graph padding rows included).
+``per_token_group_quant_fp8``. Both divisions are IEEE (``tl.div_rn``): Triton lowers a float32
+``/`` to ``div.full.f32`` (up to 2 ulp off; amax / 448 even became amax times an approximate
+1 / 448), and a quotient one ulp off moves a code that lies on an e4m3 tie (x / scale = 184.0
+exactly: 192 at ties-to-even, 176 from 183.99998), which moves the product of every expert
+the row meets. Every scale is per row, so a row's result never depends on the other rows of
+the batch (CUDA-graph padding rows included).
 
 Five launches per call (weight-only takes four): the alignment, x quantized (``quantize_rows``),
 the gate-up GEMM, the activation quantized in the activation's own kernel (``activation_quant``:
@@ -27,7 +31,8 @@ decode entries of the tables) run Triton's MMA v2, which widens both operands to
 every e4m3 value is an f16) for an f16 MMA with fp32 accumulation, so the sums are the same.
 Tested under Triton's interpreter on CPU against a torch reference written in
 tests/kernels/triton/test_fused_moe_w8a8.py (the interpreter's e4m3 ``tl.dot`` is exact there).
-Not yet run on a GPU.
+On an H100 (Triton 3.6) the ``gpu`` tests failed with ``/`` in the quantizer (scales and codes
+off the formula's); not yet rerun there with ``tl.div_rn``.
 """
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 INPUT_KINDS = ("token", "group", "tensor")
 MIN_BLOCK_K = 32
 """The smallest K block of an e4m3 ``tl.dot`` (the k of one FP8 MMA instruction)."""
+_ACT_ROWS = tl.constexpr(16)
+"""Pair rows ``_act_quant_kernel`` quantizes at a time (the smallest BLOCK_M of a ``tl.dot``)."""
 
 
 @dataclass(frozen=True)
@@ -83,11 +90,13 @@ def _e4m3_grid(v):
     """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32:
     3 mantissa bits, so the step is 2^(exponent - 3), and 2^-9 below e4m3's smallest normal
     2^-6. Adding and subtracting 1.5 * 2^23 rounds |v| / step < 2^22 to an integer; the sign
-    is put back after, so what rounds to zero keeps it (-0.0, as the cast gives)."""
+    is put back after, so what rounds to zero keeps it (-0.0, as the cast gives). |v| / step
+    is exact (step is a power of two, the quotient normal); ``div_rn`` says so on any target
+    rather than trusting ``div.full`` with it."""
     a = tl.abs(v)
     exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((a / step + 12582912.0) - 12582912.0) * step
+    r = ((tl.div_rn(a, step) + 12582912.0) - 12582912.0) * step
     return tl.where(v < 0, -r, r)
 
 
@@ -121,12 +130,12 @@ def _quantize_tile_rows(src_rows, q_rows, s_ptrs, static_ptr, row_ok, start, sto
             ok = row_ok[:, None] & (cols < stop)[None, :]
             y = _tile_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.maximum(tl.max(amax, axis=1), _AMAX_FLOOR) / _FP8_MAX       # [ROWS]
+        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=1), _AMAX_FLOOR), _FP8_MAX)  # [ROWS]
     for c0 in range(start, stop, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         ok = row_ok[:, None] & (cols < stop)[None, :]
         y = _tile_values(src_rows + cols[None, :], ok, N, alpha, limit, ACT)
-        q = tl.clamp(y / scale[:, None], -_FP8_MAX, _FP8_MAX)
+        q = tl.clamp(tl.div_rn(y, scale[:, None]), -_FP8_MAX, _FP8_MAX)
         if ROUND_FIRST:
             q = _e4m3_grid(q)
         tl.store(q_rows + cols[None, :], q.to(q_rows.dtype.element_ty), mask=ok)
@@ -177,16 +186,22 @@ def _act_quant_kernel(in_ptr, q_ptr, s_ptr, static_ptr, sorted_ptr, num_padded_p
     """The activation of the sorted pair rows of one M block, rounded to the gate-up dtype as
     ``fused_moe._moe_act_kernel`` stores it, then quantized by the code ``_quant_rows_kernel``
     runs (scale column program_id(1) of ``width`` columns): the codes and scales that kernel
-    would make of the activation kernel's output, in one launch and without storing it."""
+    would make of the activation kernel's output, in one launch and without storing it.
+    ``_ACT_ROWS`` rows at a time (rows are independent): a [64, 128] tile with an IEEE
+    division (div.rn.f32, whose slow path is a call) per value spilled on SM90 (static scale,
+    silu: 128 registers, 12 B of spill stores per thread)."""
+    tl.static_assert(BLOCK_M % _ACT_ROWS.value == 0)
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M))
     j = tl.program_id(1)
-    _quantize_tile_rows(in_ptr + rows[:, None] * stride_in, q_ptr + rows[:, None] * stride_q,
-                        s_ptr + rows * stride_s + j, static_ptr, rows < P, j * width,
-                        tl.minimum(j * width + width, N), N, alpha, limit, ACT, STATIC,
-                        ROUND_FIRST, BLOCK_M, BLOCK_N)
+    for r0 in range(0, BLOCK_M, _ACT_ROWS):
+        rows = tl.load(sorted_ptr + pid_m.to(tl.int64) * BLOCK_M + r0 +
+                       tl.arange(0, _ACT_ROWS))
+        _quantize_tile_rows(in_ptr + rows[:, None] * stride_in,
+                            q_ptr + rows[:, None] * stride_q, s_ptr + rows * stride_s + j,
+                            static_ptr, rows < P, j * width, tl.minimum(j * width + width, N),
+                            N, alpha, limit, ACT, STATIC, ROUND_FIRST, _ACT_ROWS, BLOCK_N)
 
 
 def activation_quant(gate_up: torch.Tensor, align, activation: str, alpha: float,
