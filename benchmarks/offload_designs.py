@@ -16,6 +16,7 @@ and its bound is not a bound for it: the CPU's work moves no bytes over the link
 from __future__ import annotations
 
 import argparse
+import weakref
 
 import torch
 from offload_bounds import measure_copy_engine
@@ -171,13 +172,15 @@ def model_wait_seconds(providers: list, cost) -> list[float]:
     up, per layer and step, what ``balance`` minimises: max(experts copied x the copy's
     seconds, the CPU's seconds for the experts it computes), in the given cost model. Compute,
     the rows' transfers and the host read are left out: a model, not a timing (one more host
-    read per call). Returns the one-element total."""
+    read per call). Returns the one-element total. The wrappers hold their methods weakly
+    (``_wrap``): no reference cycle keeps a run's providers, and the pinned store they read,
+    alive after it (freed later by a garbage collection, that can fall in a later run's
+    CUDA graph capture)."""
     total = [0.0]
     for p in providers:
         hc = p.host_compute
-        inner = hc.host_pairs
 
-        def host_pairs(topk_ids, slot_of_expert, row_slots=None, inner=inner):
+        def host_pairs(_, inner, topk_ids, slot_of_expert, row_slots=None):
             ids, on_cpu = inner(topk_ids, slot_of_expert, row_slots)
             resident = slot_of_expert.cpu() >= 0
             E = resident.numel()
@@ -189,31 +192,42 @@ def model_wait_seconds(providers: list, cost) -> list[float]:
             cpu = float(cost.cpu_seconds(counts)[counts > 0].sum())
             total[0] += max(copied * cost.copy_seconds, cpu)
             return ids, on_cpu
-        hc.host_pairs = host_pairs
+        _wrap(hc, "host_pairs", host_pairs)
     return total
+
+
+def _wrap(obj, name: str, wrapper) -> None:
+    """``obj.name = wrapper(obj, what obj.name was, *args)``, ``obj`` held weakly (a bound
+    method of it re-bound per call): a strong hold in the closure set on ``obj`` would be a
+    reference cycle through ``obj``."""
+    inner, ref = getattr(obj, name), weakref.ref(obj)
+    func = inner.__func__ if getattr(inner, "__self__", None) is obj else None
+    if func is not None:
+        inner = None                            # the closure keeps no bound method of obj
+
+    def call(*args, **kwargs):
+        o = ref()
+        return wrapper(o, inner if func is None else func.__get__(o), *args, **kwargs)
+    setattr(obj, name, call)
 
 
 def count_copies(providers: list, bytes_per_expert: int) -> list[int]:
     """Wrap each provider's copy path to count the bytes it moves (one host read per wave: for
-    tests, not for timing). Returns the one-element counter."""
+    tests, not for timing). Returns the one-element counter. No cycle (``_wrap``)."""
     counted = [0]
     for p in providers:
         if isinstance(p, SyncLFRUProvider):
-            inner = p.copy_expert
-
-            def copy_expert(slot, e, inner=inner):
+            def copy_expert(_, inner, slot, e):
                 counted[0] += bytes_per_expert
                 inner(slot, e)
-            p.copy_expert = copy_expert
+            _wrap(p, "copy_expert", copy_expert)
         else:
-            inner = p.copy
-
-            def copy(slots, plan, inner=inner, p=p):
+            def copy(p, inner, slots, plan):
                 rows = int(plan.valid.sum())
                 counted[0] += rows * sum(t[0].numel() * t.element_size()
                                          for t in p.slots.values())
                 inner(slots, plan)
-            p.copy = copy
+            _wrap(p, "copy", copy)
     return counted
 
 

@@ -11,7 +11,9 @@ cache's state and counters are the eager run's), then its graph is captured, whi
 without executing; later steps of size b replay it. The captures happen inside the timed cold
 run, as the engine's do (``capture_seconds`` in the row says how long they took on the host).
 A capture goes through the engine's capturers (``graph_capture.py``), so a layer with
-``moe_expert_cpu_compute`` (``ours+cpu``) is captured in pieces around its host reads.
+``moe_expert_cpu_compute`` (``ours+cpu``) is captured in pieces around its host reads, with
+Python's garbage collector off (``no_gc``: a collection inside a capture that frees pinned
+memory invalidates it).
 
 Refused, with the reason in the row (the design then runs eagerly): sync-lfru (its bookkeeping
 reads each step's routing on the host and copies each miss synchronously: the upstream design
@@ -26,8 +28,11 @@ from typing import Callable
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.modular_kernel import capture_warm_up
 from vllm.worker.graph_capture import CudaGraphCapturer, GraphCapturer, capture_error
+
+logger = init_logger(__name__)
 
 Forward = Callable[[torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
 """(ids [b, L, K], predictions [b, L, K] or None, layer-0 input [b, H]) -> last layer's h."""
@@ -60,8 +65,9 @@ class StepGraphs:
 
     def __init__(self, forward: Forward, capturer: GraphCapturer, providers: list,
                  ids_shape: tuple[int, int, int], hidden: int, dtype: torch.dtype,
-                 device: torch.device, predicted: bool):
+                 device: torch.device, predicted: bool, design: str = ""):
         self.forward, self.capturer, self.providers = forward, capturer, providers
+        self.design = design
         B = ids_shape[0]
         with torch.inference_mode(False):       # written inside and outside inference mode
             self.ids = torch.zeros(ids_shape, dtype=torch.int64, device=device)
@@ -95,6 +101,9 @@ class StepGraphs:
                 lambda: self.out[:b].copy_(self.forward(*args)))
         except Exception as err:                 # noqa: BLE001 - any failure: go on eagerly
             self.refusal = f"capturing batch {b} failed: {capture_error(err)}"
+            logger.warning("%s: its steps run eagerly from now on (%s)", self.design or "?",
+                           self.refusal)
+            logger.debug("the failed capture's traceback", exc_info=err)
             self.capturer.after_failure()
             for p in self.providers:             # its recorded work never ran
                 forget = getattr(p, "forget_capture", None)
@@ -119,7 +128,7 @@ def make_step_graphs(design: str, providers: list, forward: Forward, kernel,
     if why is not None:
         return None, why
     return StepGraphs(forward, capturer_for(device), providers, ids_shape, hidden, dtype,
-                      device, predicted), None
+                      device, predicted, design), None
 
 
 def graph_fields(graphs: StepGraphs | None, refusal: str | None) -> dict:

@@ -4,20 +4,25 @@ path rehearsed on CPU with a capturer that keeps a graph's semantics (a capture 
 a replay runs only what was recorded); what cannot be captured says why and runs eagerly."""
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fake_cuda import FakeCuda
 from graph_recorder import RecordingCapturer
 from rehearsal import RehearsalPlatform
 from test_benchmark_expert_offload import _trace
 
 from vllm.model_executor.layers.fused_moe.expert_cache.host_compute import HostCostModel
 from vllm.model_executor.layers.fused_moe.expert_cache.trace import interleave, load_trace
+from vllm.model_executor.graph_break import break_graph
 from vllm.platforms import _PLATFORMS
-from vllm.worker.graph_capture import EagerCapturer
+from vllm.worker.graph_capture import (CudaGraphCapturer, EagerCapturer, capture_error,
+                                       no_gc)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import benchmark_expert_offload as bench  # noqa: E402
@@ -262,3 +267,129 @@ def test_the_header_times_the_exp12_copy(trace_path, monkeypatch):
     row = out["rows"][0]
     assert out["exp12_copy_gbps"] > 0
     assert out["exp12_link_gbps"] == pytest.approx(out["exp12_copy_gbps"] * row["exp12_ratio"])
+
+
+def _stores_made(monkeypatch) -> list:
+    """Weak references to the store tensors of each ``bench.Setup`` made from now on."""
+    made, real = [], bench.Setup.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.extend(weakref.ref(t) for t in self.store.tensors.values())
+    monkeypatch.setattr(bench.Setup, "__init__", init)
+    return made
+
+
+@pytest.mark.parametrize("design,count", [("ours+cpu", False), ("ours", True),
+                                          ("sync-lfru", True)])
+def test_a_run_frees_its_store_when_it_returns(trace_path, monkeypatch, design, count):
+    """With the collector off, a run's store goes with its last reference: no reference cycle
+    (the wrappers of ``model_wait_seconds`` and ``count_copies`` were ones) leaves it to a
+    later collection, which could fall inside a later run's capture (on CUDA the store is
+    pinned: freeing it there invalidated the capture, on an H100)."""
+    made = _stores_made(monkeypatch)
+    with no_gc():
+        trace, _ = bench.prepare_trace(trace_path, "odd", TOKENS, LAYERS)
+        setup = bench.Setup(trace, "tiny", torch.float32, "cpu", BATCH)
+        setup.cpu_cost = HostCostModel(1e-3, 3e-4, 1e-4, concurrent=True)
+        row = bench.run_design(setup, design, 2, BATCH, "auto", count=count)
+        del setup
+        assert made and not any(r() is not None for r in made), design
+    assert row["status"] == "ok" and (row.get("cpu_pairs") or row["bytes_copied_counted"])
+
+
+class _Out:
+    def record_stream(self, stream) -> None:
+        pass
+
+
+def test_no_garbage_collection_runs_inside_a_capture():
+    """Cyclic garbage whose finalizer would free pinned memory is not collected while a graph
+    (or a piece of one) is captured, however much the captured function allocates; it is
+    after. The collector's state is restored, also when the capture raises."""
+    cuda, events = FakeCuda(), []
+    capturer = CudaGraphCapturer(torch.device("cuda", 0), cuda=cuda)
+    capturing = [False]
+
+    class Node:
+        pass
+
+    def garbage() -> None:               # a pinned store in a cycle, its free recorded
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        weakref.finalize(b, lambda: events.append(("freed", capturing[0])))
+
+    def fn(fail: bool):
+        def run():
+            capturing[0] = True
+            events.append(("gc on", gc.isenabled()))
+            junk = [[i] for i in range(20000)]        # many collections' worth, were it on
+            break_graph(lambda: None, None)
+            del junk
+            capturing[0] = False
+            if fail:
+                raise RuntimeError("a launch failed")
+            return _Out()
+        return run
+    assert gc.isenabled()
+    garbage()
+    capturer.capture(fn(False))
+    garbage()
+    with pytest.raises(RuntimeError, match="a launch failed"):
+        capturer.capture(fn(True))
+    assert gc.isenabled()
+    gc.collect()
+    assert events.count(("gc on", False)) == 2 and ("gc on", True) not in events
+    assert events.count(("freed", False)) == 2 and ("freed", True) not in events
+
+
+def test_a_capture_error_names_its_chain_where_it_was_raised_and_what_invalidates():
+    """The H100's failure: the Triton launch noticed the invalidated capture, then capture_end
+    raised too. The refusal has both errors, the launch's place, and what to look for."""
+    invalidated = "CUDA error: operation failed due to a previous error during capture"
+
+    def launch():
+        raise RuntimeError("Triton Error [CUDA]: " + invalidated[12:])
+
+    try:
+        try:
+            launch()
+        finally:
+            raise RuntimeError(invalidated)
+    except RuntimeError as err:
+        text = capture_error(err)
+    assert text.startswith("RuntimeError: " + invalidated)
+    assert "(root cause: RuntimeError: Triton Error [CUDA]: operation failed" in text
+    assert f"[raised at {__file__}:" in text and " in launch]" in text
+    assert "cudaFreeHost" in text and "garbage collector" in text
+    assert "cudaFreeHost" not in capture_error(ValueError("no"))
+
+
+def test_each_batch_size_is_warmed_up_as_captured_just_before_its_capture(trace_path,
+                                                                          monkeypatch):
+    """Every captured shape ran first where it is captured (kernels compiled and loaded, each
+    stream's workspaces made), with the same static buffers."""
+    log = []
+
+    class Logging(EagerCapturer):
+        def warm_up(self, fn):
+            log.append("warm_up")
+            return fn()
+
+        def capture(self, fn):
+            log.append("capture")
+            return fn
+
+    real = offload_graphs.StepGraphs.step
+
+    def step(self, ids, pred, h):
+        log.append(("step", ids.shape[0], ids.shape[0] in self.replays))
+        return real(self, ids, pred, h)
+    monkeypatch.setattr(offload_graphs.StepGraphs, "step", step)
+    monkeypatch.setattr(offload_graphs, "capturer_for", lambda device: Logging())
+    row = _rows(trace_path, ["ours"], True)["ours"]
+    firsts = [i for i, e in enumerate(log) if isinstance(e, tuple) and not e[2]]
+    assert len(firsts) == len(row["graph_sizes"]) == len(_sizes(trace_path))
+    for i in firsts:
+        assert log[i + 1:i + 3] == ["warm_up", "capture"]
+    assert log.count("capture") == len(firsts)

@@ -4,6 +4,11 @@
 keeps a graph's semantics."""
 from __future__ import annotations
 
+import contextlib
+import gc
+import traceback
+import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -80,7 +85,10 @@ class CudaGraphCapturer(GraphCapturer):
 
             def on_break(eager, out_like: torch.Tensor | None) -> torch.Tensor | None:
                 nonlocal graph
-                graph.capture_end()
+                with warnings.catch_warnings():     # a piece may hold no kernel (a layer's
+                    warnings.filterwarnings(        # break before any): not an error
+                        "ignore", message="The CUDA Graph is empty")
+                    graph.capture_end()
                 pieces.append(graph)
                 out = None
                 if out_like is not None:
@@ -91,7 +99,7 @@ class CudaGraphCapturer(GraphCapturer):
                 graph.capture_begin(pool=self.pool)
                 return out
             cuda.synchronize(dev)              # nothing in flight may join the capture
-            with cuda.stream(stream), graph_breaks(on_break):
+            with no_gc(), cuda.stream(stream), graph_breaks(on_break):
                 graph.capture_begin(pool=self.pool)
                 try:
                     out = fn()
@@ -122,6 +130,25 @@ class CudaGraphCapturer(GraphCapturer):
         self.pool = None
 
 
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic garbage collector off for the block (as it was before, after it). A
+    collection can start at any allocation, on any thread, and run finalizers there: freeing
+    a page-locked block of cyclic garbage (``ops.empty_pinned``'s deleter calls
+    ``cudaFreeHost``, which synchronizes the device) inside a capture invalidates it, and the
+    deleter cannot raise, so the error surfaces at the capture's next launch. Seen on an H100
+    (2026-11-27): a test's earlier run left its pinned store in a reference cycle and the next
+    run's capture failed in a Triton launch. Garbage made meanwhile waits for the next
+    collection, outside the capture."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class EagerCapturer(GraphCapturer):
     """Re-runs the function at each replay: the CPU tests' stand-in for a CUDA graph (as a
     capture, it executes nothing at capture time)."""
@@ -135,12 +162,50 @@ def default_capturer(device: torch.device) -> GraphCapturer:
 
 
 def capture_error(err: BaseException) -> str:
-    """A failed capture's error and the error it masks: ``capture_end`` raising in the
+    """A failed capture's error and the errors it masks: ``capture_end`` raising in the
     capturer's ``finally`` (e.g. the capture invalidated) hides the forward's own error, the
-    root cause, in ``__context__``. The engine's decode graphs and the offload benchmark's
-    report it."""
+    root cause, in ``__context__`` (each further cause in the chain is added, with where the
+    innermost one was raised). An invalidated capture's error names only the first call to
+    notice: a note says what may have invalidated it. The engine's decode graphs and the
+    offload benchmark's report it."""
+    chain, e = [err], err
+    while len(chain) < 8:
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if e is None or any(e is c for c in chain):
+            break
+        chain.append(e)
     text = f"{type(err).__name__}: {err}"
-    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    if cause is not None:
+    for cause in chain[1:]:
         text += f" (root cause: {type(cause).__name__}: {cause})"
+    where = _raised_at(chain[-1])
+    if where:
+        text += f" [raised at {where}]"
+    if any(_INVALIDATED in str(x) for x in chain):
+        text += _INVALIDATED_NOTE
     return text
+
+
+_INVALIDATED = "operation failed due to a previous error during capture"
+"""cudaErrorStreamCaptureInvalidated's text: an earlier call invalidated the capture."""
+_INVALIDATED_NOTE = (
+    " [the capture was invalidated before the call that raised, by one whose own error was "
+    "dropped or raised on another thread: a host sync (.item(), .cpu(), nonzero, "
+    "torch.cuda.synchronize), a legacy-stream call, or a page-locked block freed (cudaFreeHost: "
+    "a pinned tensor's last reference dropped, e.g. by the garbage collector); "
+    "torch.cuda.set_sync_debug_mode('warn') during the capture names torch's own syncs]")
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout (vllm/, benchmarks/, tests/): frames there say which of our calls raised."""
+
+
+def _raised_at(err: BaseException) -> str:
+    """file:line in function of the innermost frame of ``err``'s traceback in this checkout
+    (e.g. the call that launched the failing Triton kernel), else the innermost; or ""."""
+    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(_ROOT)
+            and "site-packages" not in f.filename]
+    if not frames:
+        return ""
+    f = (ours or frames)[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}"
