@@ -96,14 +96,29 @@ class CudaSideStream:
     the next layer's prefetch ("prefetch"), forked before them. "misses" ran on an H100
     (2026-11-26): the overlap gpu test passed; "prefetch" has not yet run on a GPU."""
 
-    def __init__(self, device: torch.device, streams: dict[str, torch.cuda.Stream]):
-        self.device = device
-        self.streams = streams
+    def __init__(self, device: torch.device):
+        # The device and its streams are resolved at the first fork: a handle is made when a
+        # layer is built (the residency step's account asks for one), also where torch has no
+        # CUDA (the CPU tests of the CUDA platform's choices).
+        self._device = torch.device(device)
         self._done: dict[str, torch.cuda.Event] = {}
+
+    @property
+    def device(self) -> torch.device:
+        if self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
+
+    @property
+    def streams(self) -> dict[str, torch.cuda.Stream]:
+        """The device's stream of each role (made at first use, shared by its handles)."""
+        return {r: _device_side_stream(self.device.index, r) for r in SIDE_STREAM_ROLES}
 
     @contextlib.contextmanager
     def fork(self, role: str = "misses"):
-        stream = self.streams[role]
+        if role not in SIDE_STREAM_ROLES:
+            raise ValueError(f"side stream role {role!r}: allowed {SIDE_STREAM_ROLES}")
+        stream = _device_side_stream(self.device.index, role)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(stream):
@@ -198,10 +213,7 @@ class CudaPlatform(Platform):
         return _triton_elementwise_ops()
 
     def side_stream(self, device: torch.device) -> CudaSideStream:
-        device = torch.device(device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return CudaSideStream(torch.device("cuda", index),
-                              {r: _device_side_stream(index, r) for r in SIDE_STREAM_ROLES})
+        return CudaSideStream(device)
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
