@@ -190,7 +190,8 @@ def run(args) -> dict:
         if reused:
             check_reusable(path, config, args.unrouted_experts)
         else:
-            build_checkpoint(args.random_model, path, dtype, args.seed, args.unrouted_experts)
+            build_checkpoint(args.random_model, path, dtype, args.seed, args.unrouted_experts,
+                             device)
         build_s = time.perf_counter() - start
         partial = dict(result, device=device, build_seconds=build_s, partial=True)
         rows, tokens = run_sizes(args, path, dtype, device, config.vocab_size,
