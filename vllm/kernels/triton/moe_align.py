@@ -170,34 +170,29 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, P, E, S
     n_valid = tl.sum(valid.to(tl.int32), axis=0)
     num_blocks = S // BLOCK_M
     if n_valid == 0:
-        # An empty wave (every id -1): what the GEMMs read, and nothing else.
-        for start in range(0, num_blocks, BLOCK_FILL):
-            b = start + tl.arange(0, BLOCK_FILL)
-            tl.store(block_expert_ptr + b, tl.full([BLOCK_FILL], -1, tl.int64),
-                     mask=b < num_blocks)
-        tl.store(num_padded_ptr, n_valid.to(tl.int64))
+        num_padded = n_valid            # an empty wave (every id -1): the fills alone
     else:
         x = tl.where(valid, raw, E).to(tl.int32)                # [BLOCK_P] expert, E: skipped
         counts = tl.histogram(tl.where(valid, x, 0), BLOCK_E, mask=valid)   # [BLOCK_E] int32
         pad = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M - counts          # [BLOCK_E]
         pad_before = tl.cumsum(pad, axis=0) - pad                           # [BLOCK_E]
         num_padded = n_valid + tl.sum(pad, axis=0)
-        tl.store(num_padded_ptr, num_padded.to(tl.int64))
         # [BLOCK_P] by expert, then by pair index (stable), skipped pairs last
         key = _sort(x * BLOCK_P + i, LOG_P)
         xs = key // BLOCK_P                                     # [BLOCK_P] expert of place j
         placed = xs < E
         j = tl.arange(0, BLOCK_P)
         dest = j + tl.gather(pad_before, tl.where(placed, xs, 0), 0)       # [BLOCK_P]
-        for start in range(0, num_blocks, BLOCK_FILL):          # blocks past the groups
-            b = start + tl.arange(0, BLOCK_FILL)
-            tl.store(block_expert_ptr + b, tl.full([BLOCK_FILL], -1, tl.int64),
-                     mask=(b < num_blocks) & (b * BLOCK_M >= num_padded))
         ok = placed & (dest < S)                                # past S: max_ids broken
         first = ok & (dest % BLOCK_M == 0)                      # a block's first place
         tl.store(block_expert_ptr + dest // BLOCK_M, xs.to(tl.int64), mask=first)
         tl.debug_barrier()              # every fill store precedes the scatter below
         tl.store(sorted_ptr + dest, (key % BLOCK_P).to(tl.int64), mask=ok)
+    tl.store(num_padded_ptr, num_padded.to(tl.int64))
+    for start in range(0, num_blocks, BLOCK_FILL):              # blocks past the groups
+        b = start + tl.arange(0, BLOCK_FILL)
+        tl.store(block_expert_ptr + b, tl.full([BLOCK_FILL], -1, tl.int64),
+                 mask=(b < num_blocks) & (b * BLOCK_M >= num_padded))
 
 
 def moe_align_block_size_torch(topk_ids: torch.Tensor, block_m: int, num_experts: int,
