@@ -145,7 +145,8 @@ class KernelStep(ResidencyStep):
         try:
             with self.side.fork("account"):
                 self.kernel(*args, num_waves=1, part="account", evictions=evictions)
-            yield LoadPlan(args[11][0], args[12][0], args[13][0]), args[14][0]
+            (plan,), slot_ids = self._outputs(args)
+            yield plan, slot_ids[0]
         finally:
             # Even when the caller stopped: a capture must not end with the side stream forked.
             self.side.join("account")
@@ -174,9 +175,15 @@ class KernelStep(ResidencyStep):
         [num_waves, T, K]."""
         args = self._arguments(res, topk_ids, row_slots, wave, num_waves)
         self.kernel(*args, num_waves=num_waves)
+        return self._outputs(args)
+
+    @staticmethod
+    def _outputs(args: tuple) -> tuple[list[LoadPlan], torch.Tensor]:
+        """The plans and slot ids [num_waves, T, K] that ``_arguments``' outputs hold."""
         slots, experts, valid, slot_ids = args[11:]
-        plans = [LoadPlan(slots[i], experts[i], valid[i]) for i in range(num_waves)]
-        return plans, slot_ids
+        # select, not unbind (iterating a tensor): a CPU graph records views it knows.
+        return [LoadPlan(slots[i], experts[i], valid[i]) for i in range(slots.shape[0])], \
+            slot_ids
 
 
 def select_residency_step(res: Residency, device: torch.device) -> ResidencyStep:
