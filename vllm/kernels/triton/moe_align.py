@@ -19,11 +19,11 @@ holds every pair at once (BLOCK_P >= P lanes, one load of the ids), in int32 (ca
      b * BLOCK_M writes its expert to block_expert[b] (torch.searchsorted right in the torch
      version); after a barrier (the fill precedes it), each pair writes sorted_ids[place].
 
-Compiled for SM90 under Triton 3.6 (E = 64, BLOCK_M 16): at 8 pairs one warp, about 490 SASS
+Compiled for SM90 under Triton 3.6 (E = 64, BLOCK_M 16): at 8 pairs one warp, 358 PTX
 instructions (straight-line but for the fill loops) and 3 barriers; at 256 pairs four warps,
-about 930 and 33 barriers (the sort's 36 compare-exchange steps mostly in registers and
-shuffles), where the one-hot version it replaces ran two loops of P / 32 chunks in int64: at
-256 pairs about 250 barriers and 19,000 PTX instructions executed, at 8 pairs 39 barriers.
+845 and 33 barriers (the sort's 36 compare-exchange steps mostly in registers and shuffles;
+docs/benchmarks.md has the command), where the one-hot version it replaces ran two loops of
+P / 32 chunks in int64 with a few barriers each.
 Outputs equal the torch version's exactly (tests/kernels/triton/test_moe_align.py, under the
 interpreter); it compiles for SM90 / SM120 without spills (tests/build). No host read; the
 launch depends on shapes only. This design is not yet run on a GPU (the one-hot version ran on
