@@ -13,12 +13,13 @@ def check_replays_against_eager(llm) -> list[int]:
     graphs, checked = runner.decode_graphs, []
     orig = graphs.logits
 
-    def check(input_ids, positions, md):
-        got = orig(input_ids, positions, md)
+    def check(input_ids, positions, md, ids=None):
+        got = orig(input_ids, positions, md, ids=ids)
         if got is not None:
             got = got.clone()
+            tokens = input_ids if ids is None else ids.to(input_ids.device)
             with set_forward_context(md):         # rewrites the same KV values in place
-                want = runner.model.compute_logits(runner.model(input_ids, positions))
+                want = runner.model.compute_logits(runner.model(tokens, positions))
             assert torch.equal(got, want)
             checked.append(input_ids.shape[0])
         return got

@@ -12,7 +12,7 @@ and CPU, so the patched old sources get their own build; the subprocess also get
 
 It does what tests/engine/test_pinned_outputs.py does (prompts, max_tokens and config keys read
 from the existing pins file, QUANT_ARGS read from the test): greedy, one thread (as
-tests/conftest.py sets), every sampled step's logits recorded at Sampler.__call__ and hashed in
+tests/conftest.py sets), every sampled step's logits recorded at Sampler.sample and hashed in
 order with the test's ``_digest``; the machine signature as the test's ``machine_signature``.
 Keys are ``<dtype>-<backend>`` (moe_backend=backend) or ``bfloat16-<scheme>`` (a checkpoint
 quantized by the reference commit's tool with QUANT_ARGS[scheme], run with moe_backend="torch").
@@ -81,17 +81,19 @@ def worker(model: str, spec: dict, out: str) -> None:
 
     def generate(path: str, **kw):                     # the test's _generate
         seen = []
-        call = sampler_mod.Sampler.__call__
+        # The runner calls Sampler.sample since async scheduling; __call__ in older trees.
+        name = "sample" if hasattr(sampler_mod.Sampler, "sample") else "__call__"
+        call = getattr(sampler_mod.Sampler, name)
 
         def recording(self, logits, *a, **k):
             seen.append(logits.detach().clone())
             return call(self, logits, *a, **k)
-        sampler_mod.Sampler.__call__ = recording
+        setattr(sampler_mod.Sampler, name, recording)
         try:
             params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
             outs = LLM(path, device="cpu", **kw).generate(spec["prompts"], params)
         finally:
-            sampler_mod.Sampler.__call__ = call
+            setattr(sampler_mod.Sampler, name, call)
         return [list(o.outputs[0].token_ids) for o in outs], seen
 
     def digest(logits) -> str:                         # the test's _digest

@@ -117,15 +117,15 @@ def test_failing_add_fails_only_that_request(path, reference):
 def test_failing_step_fails_running_requests_and_keeps_serving(path, reference):
     engine = _make(path, max_num_seqs=1)  # one running request; later ones wait
     runner = engine.engine.runner
-    execute = runner.execute_model
+    launch = runner.launch
     failed = []
 
-    def faulty(sched, token_masks=None):
+    def faulty(sched, token_masks=None, previous=None):
         if not failed and any(s.req_id == "victim" for s in sched.sequences):
             failed.append(True)
             raise RuntimeError("device fell over")
-        return execute(sched, token_masks)
-    runner.execute_model = faulty
+        return launch(sched, token_masks, previous)
+    runner.launch = faulty
 
     async def main():
         victim = await engine.add_request("victim", PROMPTS[2], GREEDY)

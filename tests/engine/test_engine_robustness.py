@@ -30,15 +30,15 @@ def test_engine_usable_after_a_failing_step(tiny_model_factory, monkeypatch):
     llm = LLM(tiny_model_factory())
     ref = llm.generate([[5, 6, 7]], _greedy())[0].outputs[0].token_ids
     runner = llm.llm_engine.runner
-    real = runner.execute_model
+    real = runner.launch
     calls = {"n": 0}
 
-    def flaky(sched, token_masks=None):
+    def flaky(sched, token_masks=None, previous=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real(sched, token_masks)
-    monkeypatch.setattr(runner, "execute_model", flaky)
+        return real(sched, token_masks, previous)
+    monkeypatch.setattr(runner, "launch", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate([[5, 6, 7]], _greedy())
     assert not llm.llm_engine.has_unfinished_requests()

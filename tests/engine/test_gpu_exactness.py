@@ -48,3 +48,21 @@ def test_fp8_w8a8_cached_equals_uncached_bitwise(tiny_model_factory, tmp_path):
     assert _run(path, moe_backend="triton", enforce_eager=True) == ref
     for n in (1, K, E - 1):
         assert _run(path, moe_backend="triton", moe_expert_cache_size=n) == ref, f"capacity {n}"
+
+
+def test_async_scheduling_equals_sync_bitwise(tiny_model_factory):
+    """Steps launched before the tokens of the one in flight reach the host take them from the
+    device (CUDA graphs and eager steps, with and without the cache); requests stopping on a
+    token leave a row that is computed and dropped: the same tokens and logprobs."""
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    for kw in (dict(), dict(enforce_eager=True), dict(moe_expert_cache_size=K)):
+        ref = _run(path, moe_backend="triton", **kw)
+        assert _run(path, moe_backend="triton", async_scheduling=True, **kw) == ref, kw
+    prompts = _prompts()
+    want = [ids for ids, _ in _run(path, moe_backend="triton")]
+    params = [SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ids[3]])
+              for ids in want]
+    outs = [LLM(path, device="cuda", dtype="bfloat16", moe_backend="triton",
+                async_scheduling=a).generate(prompts, params) for a in (False, True)]
+    assert [o.outputs[0].token_ids for o in outs[1]] == [o.outputs[0].token_ids
+                                                         for o in outs[0]]

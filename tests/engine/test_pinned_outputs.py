@@ -57,15 +57,15 @@ def quantized_models(tmp_path_factory):
 def _generate(model: str, monkeypatch, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of the pinned prompts and the logits every sampling step saw."""
     seen: list[torch.Tensor] = []
-    call = sampler_mod.Sampler.__call__
+    call = sampler_mod.Sampler.sample
 
     def recording(self, logits, md, token_masks=None):
         seen.append(logits.detach().clone())
         return call(self, logits, md, token_masks)
-    monkeypatch.setattr(sampler_mod.Sampler, "__call__", recording)
+    monkeypatch.setattr(sampler_mod.Sampler, "sample", recording)
     params = SamplingParams(temperature=0, max_tokens=PINNED["max_tokens"], ignore_eos=True)
     outs = LLM(model, device="cpu", **kw).generate(PINNED["prompts"], params)    # recorded on CPU
-    monkeypatch.setattr(sampler_mod.Sampler, "__call__", call)
+    monkeypatch.setattr(sampler_mod.Sampler, "sample", call)
     return [o.outputs[0].token_ids for o in outs], seen
 
 

@@ -151,10 +151,10 @@ def test_every_graph_writes_one_shared_logits_buffer(tiny_model_factory, monkeyp
     graphs = llm.llm_engine.runner.decode_graphs
     orig, seen = graphs.logits, []
 
-    def spy(input_ids, positions, md):
+    def spy(input_ids, positions, md, ids=None):
         replayed = graphs._out is not None and \
             graphs._entries.get(cuda_graphs.padded_size(input_ids.shape[0], graphs.sizes))
-        out = orig(input_ids, positions, md)
+        out = orig(input_ids, positions, md, ids=ids)
         if out is not None and replayed and replayed.replay is not None:
             seen.append((input_ids.shape[0], out.data_ptr() == graphs._out.data_ptr()))
         return out

@@ -48,8 +48,8 @@ def _generate(path, prompts, params, **kwargs):
     if graphs is not None:
         orig = graphs.logits
 
-        def spy(input_ids, positions, md):
-            out = orig(input_ids, positions, md)
+        def spy(input_ids, positions, md, ids=None):
+            out = orig(input_ids, positions, md, ids=ids)
             if md.num_decodes == md.num_seqs:
                 steps.append((input_ids.shape[0], out is not None))
             return out
@@ -312,12 +312,12 @@ def _gpu_run(path, **kw):
     if graphs is not None:
         orig = graphs.logits
 
-        def check(input_ids, positions, md):
+        def check(input_ids, positions, md, ids=None):
             """A replay equals an eager run over the same static buffers, bit for bit."""
             P = cuda_graphs.padded_size(input_ids.shape[0], graphs.sizes)
             entry = graphs._entries.get(P)
             replayed = entry is not None and entry.replay is not None
-            got = orig(input_ids, positions, md)
+            got = orig(input_ids, positions, md, ids=ids)
             if got is not None and replayed:
                 got = got.clone()
                 assert torch.equal(got, graphs._run(P, entry)[:input_ids.shape[0]])

@@ -35,7 +35,8 @@ def test_every_step_makes_the_runners_device_current(tiny_model_factory):
     from vllm import SamplingParams
     llm = LLM(tiny_model_factory("Qwen3MoeForCausalLM"))
     runner, picked = llm.llm_engine.runner, []
-    runner._platform = SimpleNamespace(select_device=picked.append)
+    runner._platform = SimpleNamespace(select_device=picked.append,
+                                       download=runner._platform.download)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(picked) >= 3 and set(picked) == {runner.device}
 

@@ -131,9 +131,16 @@ class SchedulerConfig:
     by ``__post_init__``; None -> 1, 2, 4, 8, 16, 24, ... below ``max_num_seqs``, then
     ``max_num_seqs`` (``graph_sizes.default_graph_sizes``). A size above ``max_num_seqs`` is
     refused. A decode step of B sequences replays the smallest size >= B."""
+    async_scheduling: bool = False
+    """Launch the next decode step before the tokens of the one in flight reach the host
+    (``Scheduler.schedule_ahead``), so the host's work between steps (outputs, stop checks,
+    scheduling, inputs) overlaps the device's instead of idling it."""
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} is invalid: must be "
+                             "True or False")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs)
 

@@ -32,6 +32,10 @@ class ScheduledSequence:
     state_slot: int | None = None
     """The request's recurrent-state slot (models with recurrent layers), else None. The
     runner reads the slot's state only when start_pos > 0."""
+    pending_token: bool = False
+    """A decode scheduled ahead (``Scheduler.schedule_ahead``): its input token is the one this
+    request samples in the step in flight, not yet on the host; ``token_ids`` holds a
+    placeholder and the runner takes the token from that step's output on the device."""
 
     @property
     def num_tokens(self) -> int:

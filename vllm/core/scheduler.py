@@ -61,6 +61,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # finished since the last schedule()
         self._failed: list[Request] = []  # finished by schedule(); returned by next update
         self._in_flight = False  # a SchedulerOutput awaits update_from_output
+        self._ahead: SchedulerOutput | None = None
+        """``schedule_ahead``'s step: in flight once the one before it is applied."""
         self.num_preemptions_total = 0  # for metrics and tests
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -227,6 +229,56 @@ class Scheduler:
             sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids, state_slot=req.state_slot)
 
+    # ---- async scheduling: the next decode step while one is in flight -----------------
+    def schedule_ahead(self, sched: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``sched`` (in flight: scheduled, not yet applied), as ``schedule()``
+        will make it once ``sched``'s tokens are in, so the runner can launch it before they
+        reach the host (``SchedulerConfig.async_scheduling``). Every request of ``sched`` still
+        running decodes once more, at the next position, its input the token it samples in
+        ``sched`` (``pending_token``), except those that ``sched``'s token finishes by length
+        (max_tokens, max_model_len). A request its token stops (EOS, a stop token or string) is
+        computed once more and that result dropped: ``update_from_output`` skips finished
+        requests. None where only ``schedule()`` can decide: ``sched`` is not all decodes,
+        requests wait (admission), a sampled row reads its output tokens (penalties,
+        min_tokens not yet reached, guided decoding), or a block is short (preemption). The
+        returned step is in flight after ``update_from_output(sched)``; apply it next."""
+        if (not self.config.async_scheduling or not self._in_flight or self._ahead is not None
+                or self.waiting or not sched.sequences):
+            return None
+        seqs: list[ScheduledSequence] = []
+        for s in sched.sequences:
+            if s.num_tokens != 1 or not s.do_sample:
+                return None
+            req = self.requests.get(s.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue                        # aborted since: nothing to compute
+            if req.num_computed_tokens != s.start_pos or _reads_outputs(req):
+                return None
+            n_out = req.num_output_tokens + 1   # with sched's token
+            max_tokens = req.sampling_params.max_tokens
+            if ((max_tokens is not None and n_out >= max_tokens)
+                    or req.num_prompt_tokens + n_out >= self.max_model_len):
+                continue                        # sched's token is its last
+            if not self.block_manager.allocate_for(req, s.start_pos + 2):
+                return None
+            seqs.append(ScheduledSequence(
+                req_id=req.request_id, token_ids=[0], start_pos=s.start_pos + 1,
+                block_ids=list(req.block_ids), do_sample=True,
+                sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids, state_slot=req.state_slot,
+                pending_token=True))
+        if not seqs:
+            return None
+        self._ahead = SchedulerOutput(sequences=seqs, finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        return self._ahead
+
+    def drop_ahead(self) -> None:
+        """Forget ``schedule_ahead``'s step (its launch or the step before it failed): the next
+        ``update_from_output`` leaves nothing in flight. Blocks it allocated stay with their
+        requests, for the steps that will use them."""
+        self._ahead = None
+
     # ---- applying the runner's results -------------------------------------------------
     def update_from_output(self, sched_out: SchedulerOutput,
                            runner_out: RunnerOutput) -> list[Request]:
@@ -238,7 +290,7 @@ class Scheduler:
         ``schedule()``, with ``RunnerOutput({})`` when the output is empty, so those failures
         are reported. Requests finished or aborted since ``schedule()`` are skipped.
         """
-        self._in_flight = False
+        self._in_flight, self._ahead = self._ahead is not None, None
         touched: list[Request] = []
         now = time.monotonic()
         for seq in sched_out.sequences:
@@ -265,6 +317,16 @@ class Scheduler:
         touched.extend(self._failed)
         self._failed = []
         return touched
+
+
+def _reads_outputs(req: Request) -> bool:
+    """Whether sampling ``req``'s next token needs its output tokens on the host: penalties,
+    a min_tokens mask that may still apply (the count known here is one short), guided
+    decoding's grammar state."""
+    sp = req.sampling_params
+    return (sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0
+            or sp.frequency_penalty != 0.0 or req.num_output_tokens < sp.min_tokens
+            or sp.guided_decoding is not None)
 
 
 def _logprob_dict(sampled: SampledToken) -> dict[int, Logprob]:

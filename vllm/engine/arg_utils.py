@@ -48,6 +48,13 @@ class EngineArgs:
     """Decode batch sizes captured as CUDA graphs (a step of B sequences replays the smallest
     size >= B; larger steps run eagerly). Default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs.
     Each must be in [1, max_num_seqs]."""
+    async_scheduling: bool = False
+    """Schedule and launch the next decode step while the current one runs, before its tokens
+    reach the host: the host's work between steps overlaps the device's (vLLM's
+    --async-scheduling). Requests that stop on a token are computed one step more and that
+    result dropped; rows whose sampling reads their output tokens (penalties, min_tokens,
+    guided decoding) and steps that admit requests are scheduled as before. On CPU the model
+    runs on the host, so it only delays each output by a step."""
     device: str = "auto"
     """auto, cpu or cuda."""
     trust_remote_code: bool = False
@@ -150,7 +157,8 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=self.max_num_batched_tokens,
                                            enable_chunked_prefill=bool(self.enable_chunked_prefill),
-                                           cuda_graph_sizes=self.cuda_graph_sizes)
+                                           cuda_graph_sizes=self.cuda_graph_sizes,
+                                           async_scheduling=bool(self.async_scheduling))
         moe = MoECacheConfig(cache_size=self.moe_expert_cache_size,
                              policy=self.moe_expert_cache_policy,
                              routing_trace_path=self.moe_routing_trace_path,

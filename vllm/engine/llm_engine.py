@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.worker.model_runner import ModelRunner
+from vllm.worker.pending_step import PendingStep
 
 logger = init_logger(__name__)
 
@@ -50,6 +51,8 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._dropped_children: set[str] = set()
         """Children of aborted parents whose final outputs may still arrive this step."""
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None
+        """The step launched ahead (async scheduling), applied by the next ``step()``."""
         self._closed = False
 
     @classmethod
@@ -127,17 +130,22 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return an output (cumulative text) for every request that made
-        progress or finished in it."""
-        sched_out = self.scheduler.schedule()
-        self.structured.drop(sched_out.finished_req_ids)
-        sampling = [seq for seq in sched_out.sequences if seq.do_sample]
+        progress or finished in it. With async scheduling the step applied may be the one the
+        last call launched ahead, and the step after it is launched before its tokens are read
+        (``Scheduler.schedule_ahead``), so the host's work here overlaps the device's."""
+        sched_out, pending = self._launch_next()
         try:
-            runner_out = self.runner.execute_model(sched_out, self.structured.masks(sampling))
+            ahead = self.scheduler.schedule_ahead(sched_out)
+            if ahead is not None:
+                self.structured.drop(ahead.finished_req_ids)
+                self._ahead = (ahead, self.runner.launch(ahead, None, pending))
+            runner_out = pending.result()
         except BaseException:
-            # Leave the scheduler consistent (nothing computed) so the engine stays usable; the
-            # caller decides which requests to fail or abort.
+            self._ahead = None
+            self.scheduler.drop_ahead()
             self.scheduler.update_from_output(SchedulerOutput([]), RunnerOutput({}))
             raise
+        sampling = [seq for seq in sched_out.sequences if seq.do_sample]
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for seq in sampling:
             if self.structured.has(seq.req_id) and seq.req_id in runner_out.sampled:
@@ -157,6 +165,22 @@ class LLMEngine:
         self._dropped_children.clear()
         self.moe_stats.maybe_log()
         return outputs
+
+    def _launch_next(self) -> tuple[SchedulerOutput, PendingStep]:
+        """The step to apply now: the one the last call launched ahead, else a new one."""
+        if self._ahead is not None:
+            launched, self._ahead = self._ahead, None
+            return launched
+        sched_out = self.scheduler.schedule()
+        self.structured.drop(sched_out.finished_req_ids)
+        sampling = [seq for seq in sched_out.sequences if seq.do_sample]
+        try:
+            return sched_out, self.runner.launch(sched_out, self.structured.masks(sampling))
+        except BaseException:
+            # Leave the scheduler consistent (nothing computed) so the engine stays usable; the
+            # caller decides which requests to fail or abort.
+            self.scheduler.update_from_output(SchedulerOutput([]), RunnerOutput({}))
+            raise
 
     def _fan_in(self, out: RequestOutput) -> RequestOutput | None:
         parent_id = self._child_to_parent.get(out.request_id)

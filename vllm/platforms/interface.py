@@ -142,6 +142,26 @@ class Platform:
             return t.pin_memory().to(device, non_blocking=True)
         return t.to(device)
 
+    def download(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start copying device tensor ``t`` to the host; the returned call waits for the copy
+        and returns the host tensor. The host goes on meanwhile where ``is_pin_memory_available``
+        (a non-blocking copy into page-locked memory and an event); elsewhere the copy is made
+        now (on CPU ``t`` is already on the host and is returned as is)."""
+        if t.device.type == "cpu":
+            return lambda: t
+        if not self.is_pin_memory_available():
+            host = t.cpu()
+            return lambda: host
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = torch.Event(t.device)
+        done.record()
+
+        def wait() -> torch.Tensor:
+            done.synchronize()
+            return host
+        return wait
+
     def empty_pinned(self, shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device | None = None) -> torch.Tensor:
         """An uninitialised page-locked host tensor for asynchronous copies to ``device`` (the

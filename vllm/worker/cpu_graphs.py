@@ -116,9 +116,12 @@ class DecodeGraphs:
         self._last_size, self._streak = 0, 0
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               md: AttentionMetadata) -> torch.Tensor | None:
+               md: AttentionMetadata, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] f32 of a decode-only step of B sequences from the graph of
-        ``padded_size(B)`` (captured now if due), or None when this step must run eagerly."""
+        ``padded_size(B)`` (captured now if due), or None when this step must run eagerly.
+        ``ids``: the step's token ids in place of ``input_ids``' (a step scheduled ahead)."""
+        if ids is not None:
+            input_ids = ids
         B = input_ids.shape[0]
         if md.num_decodes != md.num_seqs or B != md.num_seqs or self.refused is not None \
                 or md.block_tables.shape[1] > self.max_blocks:

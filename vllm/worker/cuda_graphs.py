@@ -175,13 +175,15 @@ class CudaDecodeGraphs:
         return sorted(P for P, e in self._entries.items() if e.replay is not None)
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               md: AttentionMetadata) -> torch.Tensor | None:
+               md: AttentionMetadata, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] of a decode-only step of B sequences (``input_ids``, ``positions`` and
         ``md``'s tensors on the host) from the graph of the smallest size >= B, captured now on
         its first use; None when the step must run eagerly. A replay's rows are a view of the
         logits buffer every graph shares, rewritten by the next replay of any size: consume them
         within the step and keep no reference (the runner's sampler reads them in stream order,
-        before the next replay is enqueued, and ends on a host read)."""
+        before the next replay is enqueued). ``ids``: the step's token ids [B] on the device, in
+        place of ``input_ids``' (a step scheduled ahead takes them from the step in flight),
+        copied over the staged rows in stream order."""
         B = input_ids.shape[0]
         if self.refused is not None or md.num_decodes != md.num_seqs or B != md.num_seqs \
                 or md.block_tables.shape[1] > self.max_blocks:
@@ -191,6 +193,8 @@ class CudaDecodeGraphs:
             return None
         e = self._entries.get(P) or self._new_entry(P)
         self._stage(P, input_ids, positions, md)
+        if ids is not None:
+            self.static.ids[:B].copy_(ids)
         self._plan(P, e)
         if e.replay is None:
             return self._warm_up_and_capture(P, e)[:B]

@@ -16,7 +16,7 @@ from vllm.config import VllmConfig
 from vllm.core.sched_output import (RunnerOutput, SampledToken, ScheduledSequence,
                                     SchedulerOutput)
 from vllm.logger import init_logger
-from vllm.model_executor.forward_context import AttentionMetadata, set_forward_context
+from vllm.model_executor.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.recurrent_state import recurrent_layers, state_bytes_per_slot
@@ -25,6 +25,7 @@ from vllm.worker import cuda_graphs
 from vllm.worker.cpu_graphs import DecodeGraphs
 from vllm.worker.cpu_graphs import eligible as graphs_eligible
 from vllm.worker.cuda_graphs import CudaDecodeGraphs
+from vllm.worker.pending_step import PendingStep
 from vllm.worker.sampler import Sampler, SamplingMetadata, TokenMasks, prompt_logprobs
 from vllm.worker.step_inputs import StepInputs, prepare_inputs, to_device
 
@@ -182,21 +183,32 @@ class ModelRunner:
                                                      if m.expert_cache is not None])
 
     # ---- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput,
                       token_masks: TokenMasks | None = None) -> RunnerOutput:
-        """One step. ``token_masks``: tokens allowed to some sampled sequences (guided
-        decoding), rows indexing the sequences with ``do_sample`` in order. A step that raises
-        leaves no expert cache trusting a slot whose copy may not have run."""
+        """One step, its tokens read back (``launch`` then ``result``)."""
+        return self.launch(sched, token_masks).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, token_masks: TokenMasks | None = None,
+               previous: PendingStep | None = None) -> PendingStep:
+        """Enqueue one step and return before its tokens reach the host (``result()`` reads
+        them). ``token_masks``: tokens allowed to some sampled sequences (guided decoding),
+        rows indexing the sequences with ``do_sample`` in order. ``previous``: the step in
+        flight, whose device tokens feed this step's ``pending_token`` decodes. A step that
+        raises leaves no expert cache trusting a slot whose copy may not have run."""
         try:
-            return self._execute(sched, token_masks)
+            return self._launch(sched, token_masks, previous)
         except BaseException:
-            for m in self.moe_layers:
-                if m.expert_cache is not None:
-                    m.expert_cache.invalidate()
+            self._invalidate_caches()
             raise
 
-    def _execute(self, sched: SchedulerOutput, token_masks: TokenMasks | None) -> RunnerOutput:
+    def _invalidate_caches(self) -> None:
+        for m in self.moe_layers:
+            if m.expert_cache is not None:
+                m.expert_cache.invalidate()
+
+    def _launch(self, sched: SchedulerOutput, token_masks: TokenMasks | None,
+                previous: PendingStep | None) -> PendingStep:
         # The current device is per thread, and the engine may step from another thread than
         # the one that built the runner (AsyncLLM's): launches that take it must find ours.
         self._platform.select_device(self.device)
@@ -204,15 +216,18 @@ class ModelRunner:
             self.generators.pop(req_id, None)
         seqs = sched.sequences
         if not seqs:
-            return RunnerOutput(sampled={})
+            return PendingStep.done(RunnerOutput(sampled={}))
         inputs = self._prepare_inputs(seqs)                 # host tensors
+        ids = self._pending_ids(seqs, previous)             # [T] on the device, or None
         sampled_seqs = [s for s in seqs if s.do_sample]
         logits = None
         if self.decode_graphs is not None and len(sampled_seqs) == len(seqs):
             logits = self.decode_graphs.logits(inputs.input_ids, inputs.positions,
-                                               inputs.metadata)
+                                               inputs.metadata, ids=ids)
         if logits is None:
             input_ids, positions, attn_metadata, logits_indices = to_device(inputs, self.device)
+            if ids is not None:
+                input_ids.copy_(ids)
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids, positions)
             if self.routing_recorder is not None:
@@ -220,11 +235,35 @@ class ModelRunner:
                                                 for _ in range(s.num_tokens)])
             prompt_lps = self._prompt_logprobs(seqs, hidden)
             if not sampled_seqs:
-                return RunnerOutput(sampled={}, prompt_logprobs=prompt_lps)
+                return PendingStep.done(RunnerOutput(sampled={}, prompt_logprobs=prompt_lps))
             logits = self.model.compute_logits(hidden[logits_indices])
         else:
             prompt_lps = {}   # decode-only steps cover no prompt position that needs one
-        # build() creates the generator of a seeded request on its first sampled step.
+        metadata = self._metadata(sampled_seqs)
+        token_ids, raw = self.sampler.sample(logits, metadata, token_masks)
+        return PendingStep(req_ids=metadata.req_ids, token_ids=token_ids, raw_logprobs=raw,
+                           num_logprobs=metadata.num_logprobs, prompt_logprobs=prompt_lps,
+                           host_tokens=None if raw is not None
+                           else self._platform.download(token_ids),
+                           on_error=self._invalidate_caches)
+
+    def _pending_ids(self, seqs: list[ScheduledSequence], previous: PendingStep | None
+                     ) -> torch.Tensor | None:
+        """The input tokens of a step scheduled ahead (every sequence a ``pending_token``
+        decode) from ``previous``'s device tokens; None for a step with none."""
+        ahead = sum(s.pending_token for s in seqs)
+        if not ahead:
+            return None
+        if ahead != len(seqs) or previous is None:
+            raise RuntimeError(f"{ahead} of {len(seqs)} sequences take their token from the "
+                               f"step in flight ({'none' if previous is None else 'given'}): "
+                               "a step scheduled ahead is all such decodes and follows one")
+        return previous.tokens_for([s.req_id for s in seqs])
+
+    def _metadata(self, sampled_seqs: list[ScheduledSequence]) -> SamplingMetadata:
+        """The last step's sampling metadata advanced to ``sampled_seqs`` where it can be, else
+        built (``build()`` creates the generator of a seeded request on its first sampled
+        step)."""
         metadata = self._sampling_metadata
         if metadata is not None:
             metadata = metadata.advance(sampled_seqs, self.eos_token_id)
@@ -232,9 +271,7 @@ class ModelRunner:
             metadata = SamplingMetadata.build(sampled_seqs, self.generators, self.device,
                                               eos_token_id=self.eos_token_id)
         self._sampling_metadata = metadata
-        tokens = self.sampler(logits, metadata, token_masks)
-        return RunnerOutput(sampled={s.req_id: t for s, t in zip(sampled_seqs, tokens)},
-                            prompt_logprobs=prompt_lps)
+        return metadata
 
     def _prompt_logprobs(self, seqs: list[ScheduledSequence], hidden: torch.Tensor
                          ) -> dict[str, list[tuple[int, SampledToken]]]:

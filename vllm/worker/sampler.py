@@ -292,6 +292,15 @@ def _exponential_noise(shape: tuple[int, int], gens: list[torch.Generator | None
 class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata,
                  token_masks: TokenMasks | None = None) -> list[SampledToken]:
+        token_ids, raw_logprobs = self.sample(logits, metadata, token_masks)
+        return to_sampled_tokens(token_ids, raw_logprobs, metadata.num_logprobs)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+               token_masks: TokenMasks | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' tokens [n] int64 and, when a row asks for logprobs, the raw logprobs
+        [n, V] f32, on the logits' device, with no host read (but for a min_tokens stop id
+        past the vocabulary): ``to_sampled_tokens`` reads them."""
         md = metadata
         n, vocab = logits.shape
         if n != len(md.req_ids):
@@ -322,7 +331,7 @@ class Sampler:
             q = _exponential_noise((n, vocab), md.generators, logits.device)
             sampled = (probs / q).argmax(dim=-1)
             token_ids = torch.where(md.greedy, token_ids, sampled)
-        return _to_sampled_tokens(token_ids, raw_logprobs, md)
+        return token_ids, raw_logprobs
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -332,11 +341,12 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _to_sampled_tokens(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
-                       md: SamplingMetadata) -> list[SampledToken]:
+def to_sampled_tokens(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                      num_logprobs: list[int | None]) -> list[SampledToken]:
+    """``Sampler.sample``'s tensors as one SampledToken per row (a host read)."""
     if raw_logprobs is None:
         return [SampledToken(t) for t in token_ids.tolist()]
-    return logprob_entries(token_ids, raw_logprobs, md.num_logprobs)
+    return logprob_entries(token_ids, raw_logprobs, num_logprobs)
 
 
 def logprob_entries(token_ids: torch.Tensor, raw_logprobs: torch.Tensor,

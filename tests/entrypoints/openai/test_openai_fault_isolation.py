@@ -24,16 +24,16 @@ def app_and_engine(model_path):
 def _arm_fault(engine: AsyncLLM) -> list:
     """The next engine step that runs a model forward raises once."""
     runner = engine.engine.runner
-    execute = runner.execute_model
+    launch = runner.launch
     fired: list = []
 
-    def faulty(sched, token_masks=None):
+    def faulty(sched, token_masks=None, previous=None):
         if not fired and sched.sequences:
             fired.append(True)
-            runner.execute_model = execute
+            runner.launch = launch
             raise RuntimeError("secret internal detail")
-        return execute(sched, token_masks)
-    runner.execute_model = faulty
+        return launch(sched, token_masks, previous)
+    runner.launch = faulty
     return fired
 
 

@@ -1,0 +1,197 @@
+"""``Scheduler.schedule_ahead`` (async scheduling): the step after one in flight, built before
+that step's tokens are applied. A fake runner samples ``fake_token`` (a function of the request
+and its output position), so a pipelined run can be compared with the plain one step by step."""
+from __future__ import annotations
+
+import pytest
+
+from vllm.config import CacheConfig, SchedulerConfig
+from vllm.core.request import Request, RequestStatus
+from vllm.core.sched_output import RunnerOutput, SampledToken, SchedulerOutput
+from vllm.core.scheduler import Scheduler
+from vllm.sampling_params import SamplingParams
+
+
+def _sched(async_scheduling=True, num_blocks=64, block_size=4, max_len=256) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                     async_scheduling=async_scheduling),
+                     CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks), max_len)
+
+
+def _req(rid: str, n_prompt: int = 3, **params) -> Request:
+    params.setdefault("max_tokens", 50)
+    return Request(rid, None, [7 + i for i in range(n_prompt)], SamplingParams(**params))
+
+
+def fake_token(rid: str, n_out: int) -> int:
+    return 100 + 10 * (sum(map(ord, rid)) % 7) + n_out
+
+
+def _sampled(s: Scheduler, out: SchedulerOutput, n_out: dict[str, int]) -> RunnerOutput:
+    """The fake runner's tokens for ``out``; ``n_out``: each request's outputs before it (a
+    request finished since gets a token that is dropped)."""
+    return RunnerOutput({q.req_id: SampledToken(fake_token(q.req_id, n_out.get(q.req_id, -99)))
+                         for q in out.sequences if q.do_sample})
+
+
+def _apply(s: Scheduler, out: SchedulerOutput, runner_out: RunnerOutput,
+           stops: dict[str, int]) -> None:
+    """update_from_output, then finish as the engine would: at max_tokens, or on a stop
+    position (``stops``: request -> the output count at which its token is a stop token)."""
+    for r in s.update_from_output(out, runner_out):
+        if r.is_finished:
+            continue
+        if r.num_output_tokens >= r.sampling_params.max_tokens:
+            s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+        elif stops.get(r.request_id) == r.num_output_tokens:
+            s.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+    s.block_manager.check_invariants()
+
+
+def _run(s: Scheduler, reqs: list[Request], stops: dict[str, int], ahead: bool):
+    """Drive ``s`` to the end, launching ahead where it offers; returns each request's outputs
+    and the number of steps scheduled ahead."""
+    for r in reqs:
+        s.add_request(r)
+    outputs, n_ahead, pending = {r.request_id: r for r in reqs}, 0, None
+    while s.has_unfinished_requests() or pending is not None:
+        out = pending if pending is not None else s.schedule()
+        # The step before ``out`` is applied by now: its outputs are the host's.
+        n_out = {q.req_id: s.requests[q.req_id].num_output_tokens
+                 for q in out.sequences if q.req_id in s.requests}
+        runner_out = _sampled(s, out, n_out)
+        pending = s.schedule_ahead(out) if ahead else None
+        n_ahead += pending is not None
+        if pending is not None:
+            for q in pending.sequences:
+                assert q.pending_token and q.do_sample and q.num_tokens == 1
+                assert q.start_pos == s.requests[q.req_id].num_computed_tokens + 1
+                assert len(q.block_ids) * s.block_manager.block_size >= q.start_pos + 1
+        _apply(s, out, runner_out, stops)
+    return {rid: r.output_token_ids for rid, r in outputs.items()}, n_ahead
+
+
+def test_pipelined_run_gives_the_plain_runs_tokens_and_frees_every_block():
+    """Requests stop by length and on stop positions (their ahead row is computed and
+    dropped); outputs are the plain scheduler's, and every block comes back."""
+    def reqs():
+        return [_req("a", max_tokens=5), _req("b", 9, max_tokens=12), _req("c", max_tokens=30),
+                _req("d", 2, max_tokens=7)]
+    stops = {"c": 9, "d": 3}
+    plain, none_ahead = _run(_sched(), reqs(), stops, ahead=False)
+    s = _sched()
+    piped, n_ahead = _run(s, reqs(), stops, ahead=True)
+    assert piped == plain and none_ahead == 0
+    assert [len(plain[r]) for r in "abcd"] == [5, 12, 9, 3]
+    # One prefill step, then b's 11 decode steps: the first from schedule(), every later
+    # one scheduled ahead (b's 12th token is its last, so none after it).
+    assert n_ahead == 10
+    assert s.block_manager.num_free_blocks == 64 and not s._in_flight
+
+
+def test_ahead_leaves_out_the_requests_their_token_finishes_by_length():
+    s = _sched(max_len=12)
+    for r in (_req("a", max_tokens=2), _req("b", 9, max_tokens=50), _req("c")):
+        s.add_request(r)
+    first = s.schedule()                       # the prefills: not decodes, nothing ahead
+    assert s.schedule_ahead(first) is None
+    _apply(s, first, _sampled(s, first, {"a": 0, "b": 0, "c": 0}), {})
+    out = s.schedule()
+    ahead = s.schedule_ahead(out)
+    # a: its 2nd token is its last (max_tokens); b: 9 + 2 tokens stay below max_len 12.
+    assert [(q.req_id, q.start_pos, q.token_ids) for q in ahead.sequences] == [
+        ("b", 10, [0]), ("c", 4, [0])]
+    _apply(s, out, _sampled(s, out, {"a": 1, "b": 1, "c": 1}), {})
+    assert "a" not in s.requests
+    ahead2 = s.schedule_ahead(ahead)           # b's next token reaches max_len: left out
+    assert [q.req_id for q in ahead2.sequences] == ["c"]
+    assert s.schedule_ahead(out) is None       # one step ahead at most
+
+
+@pytest.mark.parametrize("params,why", [
+    (dict(repetition_penalty=1.2), "penalties"), (dict(presence_penalty=0.5), "penalties"),
+    (dict(frequency_penalty=0.5), "penalties"), (dict(min_tokens=3), "min_tokens"),
+])
+def test_no_ahead_where_sampling_reads_the_outputs(params, why):
+    s = _sched()
+    s.add_request(_req("a"))
+    s.add_request(_req("b", **params))
+    out = s.schedule()
+    _apply(s, out, _sampled(s, out, {"a": 0, "b": 0}), {})
+    out = s.schedule()
+    assert s.schedule_ahead(out) is None, why
+
+
+def test_min_tokens_reached_allows_ahead():
+    """min_tokens masks while the outputs are fewer; the host count is one short ahead, so
+    only once it alone reaches min_tokens."""
+    s = _sched()
+    s.add_request(_req("a", min_tokens=2))
+    n = 0
+    results = []
+    while n < 4:
+        out = s.schedule()
+        ahead = s.schedule_ahead(out)
+        results.append((s.requests["a"].num_output_tokens, ahead is not None))
+        if ahead is not None:
+            s.drop_ahead()
+        _apply(s, out, _sampled(s, out, {"a": s.requests["a"].num_output_tokens}), {})
+        n += 1
+    assert results == [(0, False), (1, False), (2, True), (3, True)]
+
+
+def test_no_ahead_when_off_waiting_or_short_of_blocks():
+    off = _sched(async_scheduling=False)
+    off.add_request(_req("a"))
+    out = off.schedule()
+    _apply(off, out, _sampled(off, out, {"a": 0}), {})
+    assert off.schedule_ahead(off.schedule()) is None
+    s = _sched()
+    s.add_request(_req("a"))
+    out = s.schedule()
+    _apply(s, out, _sampled(s, out, {"a": 0}), {})
+    s.add_request(_req("w"))                   # admission is schedule()'s
+    s.waiting[0].status = RequestStatus.WAITING
+    out = s.schedule()                         # a decodes, w prefills
+    assert s.schedule_ahead(out) is None
+    _apply(s, out, _sampled(s, out, {"a": 1, "w": 0}), {})
+    tight = _sched(num_blocks=1, block_size=4)  # 4 KV slots: prompt 3 + 1 decode
+    tight.add_request(_req("a"))
+    out = tight.schedule()
+    _apply(tight, out, _sampled(tight, out, {"a": 0}), {})
+    out = tight.schedule()                     # position 3: the last slot
+    assert tight.schedule_ahead(out) is None   # position 4 needs a block there is not
+
+
+def test_in_flight_order_and_drop_ahead():
+    s = _sched()
+    s.add_request(_req("a"))
+    out = s.schedule()
+    _apply(s, out, _sampled(s, out, {"a": 0}), {})
+    out = s.schedule()
+    ahead = s.schedule_ahead(out)
+    _apply(s, out, _sampled(s, out, {"a": 1}), {})
+    with pytest.raises(RuntimeError, match="twice"):
+        s.schedule()                           # the ahead step is in flight: apply it first
+    _apply(s, ahead, _sampled(s, ahead, {"a": 2}), {})
+    assert s.requests["a"].output_token_ids == [fake_token("a", i) for i in range(3)]
+    out = s.schedule()
+    assert s.schedule_ahead(out) is not None
+    s.drop_ahead()                             # its launch failed: nothing in flight after
+    s.update_from_output(SchedulerOutput([]), RunnerOutput({}))
+    assert s.schedule().sequences[0].start_pos == s.requests["a"].num_computed_tokens
+
+
+def test_ahead_reports_finished_ids_once():
+    s = _sched()
+    for r in ("a", "b"):
+        s.add_request(_req(r))
+    out = s.schedule()
+    _apply(s, out, _sampled(s, out, {"a": 0, "b": 0}), {})
+    s.abort_requests("b")
+    out = s.schedule()
+    assert out.finished_req_ids == {"b"}
+    s.abort_requests("a")                      # aborted while its decode is in flight
+    assert s.schedule_ahead(out) is None       # nothing left to run ahead
+    _apply(s, out, RunnerOutput({"a": SampledToken(1)}), {})
+    assert s.schedule().finished_req_ids == {"a"}
