@@ -143,6 +143,7 @@ def run_sizes(args, path: str, dtype: torch.dtype, device: str, vocab: int,
                   moe_expert_overlap=args.moe_expert_overlap,
                   moe_expert_cpu_compute=args.moe_expert_cpu_compute,
                   moe_expert_link_compression=args.moe_expert_link_compression,
+                  async_scheduling=args.async_scheduling,
                   kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
         if args.unrouted_experts:       # every routed expert loaded before the timed steps
             decode(llm, make_prompts(vocab, 32, 64, args.seed + 1), 1)
@@ -205,7 +206,8 @@ def run(args) -> dict:
         "device": device, "device_name": platform_for(device).describe(torch.device(device)),
         "dtype": str(dtype)[6:], "prompt_len": args.prompt_len, "output_len": args.output_len,
         "batches": args.batch, "cache_sizes": args.moe_expert_cache_size,
-        "enforce_eager": args.enforce_eager, "moe_expert_overlap": args.moe_expert_overlap,
+        "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling,
+        "moe_expert_overlap": args.moe_expert_overlap,
         "moe_expert_cpu_compute": args.moe_expert_cpu_compute,
         "moe_expert_link_compression": args.moe_expert_link_compression,
         "threads": torch.get_num_threads(),
@@ -226,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--enforce-eager", action="store_true", help="no CPU / CUDA graphs")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="launch each decode step before the last one's tokens are read")
     ap.add_argument("--attention-backend", default="auto",
                     help="the engine's attention_backend (e.g. flashinfer_paged)")
     ap.add_argument("--profile-steps", type=int, default=0,

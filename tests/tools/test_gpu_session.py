@@ -29,7 +29,7 @@ def test_the_script_is_valid_bash():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
 
 
-@pytest.mark.parametrize("stage,bench,count", [("first", "benchmark_decode", 3),
+@pytest.mark.parametrize("stage,bench,count", [("first", "benchmark_decode", 4),
                                                ("first", "benchmark_quantization", 2),
                                                ("first", "benchmark_expert_offload", 1),
                                                ("first", "benchmark_moe_layer", 1),
@@ -60,8 +60,8 @@ def test_first_skips_the_steps_past_its_budget(tmp_path):
                          check=True)
     assert "benchmarks/" not in out.stdout and "pytest" not in out.stdout
     skipped = [line.split()[0] for line in (tmp_path / "summary.txt").read_text().splitlines()]
-    assert skipped == ["pytest-gpu", "decode-graphs", "moe-layer", "offload", "quant",
-                       "quant-cutlass", "decode-exp12", "decode-eager"]
+    assert skipped == ["pytest-gpu", "decode-graphs", "decode-async", "moe-layer", "offload",
+                       "quant", "quant-cutlass", "decode-exp12", "decode-eager"]
 
 
 @pytest.mark.parametrize("stage", ["first", "check", "suite", "decode", "offload", "quant",

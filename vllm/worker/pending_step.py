@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from vllm.core.sched_output import RunnerOutput, SampledToken
+from vllm.platforms import platform_for
 from vllm.worker.sampler import to_sampled_tokens
 
 
@@ -67,4 +68,5 @@ class PendingStep:
             raise RuntimeError(f"requests {missing} were scheduled ahead of a step that did not "
                                f"sample them (it sampled {self.req_ids})")
         index = torch.tensor([row[r] for r in req_ids], dtype=torch.int64)
-        return self.token_ids.index_select(0, index.to(self.token_ids.device))
+        dev = self.token_ids.device
+        return self.token_ids.index_select(0, platform_for(dev).upload(index, dev))

@@ -20,7 +20,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from vllm.core.sched_output import SampledToken, ScheduledSequence
 from vllm.kernels.cpu.ops import argmax_rows
-from vllm.platforms import native_kernels
+from vllm.platforms import native_kernels, platform_for
 
 _PAD = -1  # padding id in the token tensors; mapped to an extra dropped column
 
@@ -152,10 +152,15 @@ class SamplingMetadata:
         mt_rows, mt_toks, mt_max = _min_tokens_tensors(rows, eos_token_id, device)
         # Every per-row parameter in two uploads ([6, n] f32, [2, n] int64), sliced on the
         # device: a batch that changes builds this each step, and each upload blocks the host.
-        floats = torch.tensor([[1.0 if g else sp.temperature for g, sp in zip(greedy, sps)],
-                               [sp.top_p for sp in sps], [sp.min_p for sp in sps], rep, pres,
-                               freq], dtype=torch.float32).to(device)
-        ints = torch.tensor([greedy, [sp.top_k for sp in sps]], dtype=torch.int64).to(device)
+        # Through page-locked memory where there is some: a plain copy would wait for the
+        # device to finish the step in flight (async scheduling builds this one ahead of it).
+        upload = platform_for(device).upload
+        floats = upload(torch.tensor([[1.0 if g else sp.temperature
+                                       for g, sp in zip(greedy, sps)],
+                                      [sp.top_p for sp in sps], [sp.min_p for sp in sps], rep,
+                                      pres, freq], dtype=torch.float32), device)
+        ints = upload(torch.tensor([greedy, [sp.top_k for sp in sps]], dtype=torch.int64),
+                      device)
         return cls(
             req_ids=[s.req_id for s in rows],
             temperature=floats[0],

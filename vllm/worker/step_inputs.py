@@ -18,6 +18,7 @@ import torch
 
 from vllm.core.sched_output import ScheduledSequence
 from vllm.model_executor.forward_context import AttentionMetadata
+from vllm.platforms import platform_for
 
 
 @dataclass
@@ -107,7 +108,9 @@ def _views(flat: torch.Tensor, sizes: tuple[int, ...], host: tuple) -> StepInput
 
 
 def to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
-    """The same inputs on ``device``: one copy of ``flat`` (the host's, as is, on CPU)."""
+    """The same inputs on ``device``: one copy of ``flat`` (the host's, as is, on CPU), through
+    page-locked memory where there is some, so the host does not wait for the step in flight
+    (async scheduling)."""
     if device.type == "cpu":
         return inputs
-    return _views(inputs.flat.to(device), inputs.sizes, inputs.host)
+    return _views(platform_for(device).upload(inputs.flat, device), inputs.sizes, inputs.host)
