@@ -1,7 +1,7 @@
 """The engine's host work per decode step: everything a step does besides running the model.
 
     python benchmarks/benchmark_host_step.py [--batch 1 32] [--steps 200] [--repeat 5] [--json]
-        [--out FILE.json]
+        [--async-scheduling] [--out FILE.json]
 
 On a GPU a decode step is one graph replay plus this host work (scheduling, the step's inputs,
 sampling, detokenizing and stop checks, the outputs), which the GPU waits through: at batch 1
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
         with tempfile.TemporaryDirectory() as path:
             build_checkpoint("tiny", path, torch.float32)
             llm = LLM(model=path, dtype="float32", device="cpu", max_num_seqs=max(args.batch),
-                      seed=0)
+                      seed=0, async_scheduling=args.async_scheduling)
             rows = []
             for b in args.batch:
                 decode_steps(llm.llm_engine, b, 20, clocks)                     # warm-up
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
             c.close()
         torch.set_num_threads(threads)
     return {"model": "tiny (benchmark_decode preset), float32, 1 thread", "device": "cpu",
-            "rows": rows}
+            "async_scheduling": args.async_scheduling, "rows": rows}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine schedules each decode step ahead (its host work is the "
+                         "same; on a GPU it overlaps the device's)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)

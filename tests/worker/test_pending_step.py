@@ -48,3 +48,15 @@ def test_a_failing_read_calls_on_error():
 def test_download_on_cpu_returns_the_tensor():
     t = torch.arange(4)
     assert platform_for("cpu").download(t)() is t
+
+
+@pytest.mark.gpu
+def test_download_on_cuda_returns_the_values_after_the_copy():
+    """Pinned memory and an event: the host reads the tensor once the copy, queued behind the
+    kernel that wrote it, has run."""
+    x = torch.randn(4096, 4096, device="cuda")
+    t = (x @ x).argmax(dim=1)                   # a kernel still running when download starts
+    wait = platform_for("cuda").download(t)
+    host = wait()
+    assert host.device.type == "cpu" and host.is_pinned()
+    assert torch.equal(host, t.cpu())
