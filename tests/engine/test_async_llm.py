@@ -154,3 +154,38 @@ def test_shutdown_rejects_new_requests(path):
         await engine.add_request("late", "hi", GREEDY)
     with pytest.raises(EngineDead):
         asyncio.run(main())
+
+
+def test_async_scheduling_serves_the_same_outputs_and_aborts_cleanly(path, reference):
+    """The engine thread with steps launched ahead: concurrent requests get the offline
+    outputs, a client leaving mid-stream is aborted while a step ahead holds it, and every
+    KV block comes back."""
+    engine = _make(path, async_scheduling=True)
+    runner, ahead = engine.engine.runner, []
+    launch = runner.launch
+
+    def spy(sched, token_masks=None, previous=None):
+        ahead.append(previous is not None)
+        return launch(sched, token_masks, previous)
+    runner.launch = spy
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate("class Stack:", long, "long")
+        tasks = [asyncio.create_task(_final(engine, p, GREEDY, f"r{i}"))
+                 for i, p in enumerate(PROMPTS)]
+        seen = 0
+        async for _ in gen:
+            seen += 1
+            if seen == 5:
+                break
+        await gen.aclose()
+        return await asyncio.gather(*tasks)
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [o.outputs[0].text for o in outs] == [reference[p] for p in PROMPTS]
+    assert any(ahead)
+    sched = engine.engine.scheduler
+    assert not sched.requests and sched.block_manager.num_free_blocks == runner.num_blocks
