@@ -1,7 +1,7 @@
 """The engine's host work per decode step: everything a step does besides running the model.
 
     python benchmarks/benchmark_host_step.py [--batch 1 32] [--steps 200] [--repeat 5] [--json]
-        [--async-scheduling] [--out FILE.json]
+        [--async-scheduling] [--cuda-graph-path] [--out FILE.json]
 
 On a GPU a decode step is one graph replay plus this host work (scheduling, the step's inputs,
 sampling, detokenizing and stop checks, the outputs), which the GPU waits through: at batch 1
@@ -17,6 +17,7 @@ greedy requests of 5 prompt tokens (ignore_eos, FINAL_ONLY as ``LLM.generate``) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -68,6 +69,36 @@ def decode_steps(engine, batch: int, steps: int, clocks: list[MethodClock]
     return time.perf_counter() - start, [c.seconds for c in clocks], n
 
 
+def aten_ops_per_step(engine, batch: int, steps: int) -> float:
+    """torch ops the host dispatches per decode step (torch.profiler's aten:: events, nested
+    ones included, as ``decode_profile.py`` counts them on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, _, n = decode_steps(engine, batch, steps, [])
+    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / max(n, 1)
+
+
+@contextlib.contextmanager
+def cuda_graph_path():
+    """Decode steps through ``CudaDecodeGraphs`` on CPU (the CUDA path's staging, its copy, the
+    sampling of its logits), each replay returning the output its capture computed: a step
+    then costs the engine's host work alone, ``replay_ms`` is 0."""
+    from vllm.worker import cuda_graphs
+    from vllm.worker.graph_capture import GraphCapturer
+
+    class Captured(GraphCapturer):
+        def capture(self, fn):
+            out = fn()
+            return lambda: out
+    saved = cuda_graphs.uses_cuda_graphs, cuda_graphs.default_capturer
+    cuda_graphs.uses_cuda_graphs = lambda device: True
+    cuda_graphs.default_capturer = lambda device: Captured()
+    try:
+        yield
+    finally:
+        cuda_graphs.uses_cuda_graphs, cuda_graphs.default_capturer = saved
+
+
 def run(args: argparse.Namespace) -> dict:
     from vllm import LLM
     from vllm.kernels.cpu.graph import CpuGraph
@@ -75,8 +106,9 @@ def run(args: argparse.Namespace) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     clocks = [MethodClock(CpuGraph, "replay"), MethodClock(ModelRunner, "_prepare_inputs")]
+    path_ctx = cuda_graph_path() if args.cuda_graph_path else contextlib.nullcontext()
     try:
-        with tempfile.TemporaryDirectory() as path:
+        with tempfile.TemporaryDirectory() as path, path_ctx:
             build_checkpoint("tiny", path, torch.float32)
             llm = LLM(model=path, dtype="float32", device="cpu", max_num_seqs=max(args.batch),
                       seed=0, async_scheduling=args.async_scheduling)
@@ -90,14 +122,16 @@ def run(args: argparse.Namespace) -> dict:
                 rows.append({"batch": b, "steps": n, "step_ms": step_ms, "replay_ms": replay_ms,
                              "host_ms": step_ms - replay_ms,
                              "host_ms_per_request": (step_ms - replay_ms) / b,
-                             "inputs_ms": inputs / n * 1e3})
+                             "inputs_ms": inputs / n * 1e3,
+                             "aten_ops_per_step": aten_ops_per_step(llm.llm_engine, b, 40)})
             llm.llm_engine.shutdown()
     finally:
         for c in clocks:
             c.close()
         torch.set_num_threads(threads)
     return {"model": "tiny (benchmark_decode preset), float32, 1 thread", "device": "cpu",
-            "async_scheduling": args.async_scheduling, "rows": rows}
+            "async_scheduling": args.async_scheduling, "cuda_graph_path": args.cuda_graph_path,
+            "rows": rows}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the engine schedules each decode step ahead (its host work is the "
                          "same; on a GPU it overlaps the device's)")
+    ap.add_argument("--cuda-graph-path", action="store_true",
+                    help="decode steps through the CUDA graphs' code on CPU, each replay "
+                         "returning its capture's output (the CUDA path's host work alone)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
@@ -129,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"batch {r['batch']:>3}: step {r['step_ms']:.3f} ms = replays "
                   f"{r['replay_ms']:.3f} + host {r['host_ms']:.3f} ms "
                   f"({r['host_ms_per_request'] * 1e3:.1f} us per request; the step's inputs "
-                  f"{r['inputs_ms'] * 1e3:.1f} us)")
+                  f"{r['inputs_ms'] * 1e3:.1f} us; {r['aten_ops_per_step']:.0f} torch ops)")
     return out
 
 

@@ -36,3 +36,18 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "0"])
     assert "--steps [0] is invalid" in capsys.readouterr().err
+
+
+def test_cuda_graph_path_rows_are_host_work_alone():
+    """--cuda-graph-path: the steps go through CudaDecodeGraphs, whose replays return their
+    captures' output (no CPU graph replays), and the module is restored afterwards; with
+    --async-scheduling too."""
+    from vllm.worker import cuda_graphs
+    saved = cuda_graphs.uses_cuda_graphs, cuda_graphs.default_capturer
+    out = bench.main(["--batch", "2", "--steps", "5", "--repeat", "1", "--cuda-graph-path",
+                      "--async-scheduling"])
+    assert out["cuda_graph_path"] and out["async_scheduling"]
+    (row,) = out["rows"]
+    assert row["steps"] == 5 and row["replay_ms"] == 0 and row["host_ms"] == row["step_ms"]
+    assert row["aten_ops_per_step"] > 0
+    assert (cuda_graphs.uses_cuda_graphs, cuda_graphs.default_capturer) == saved

@@ -12,12 +12,13 @@ prefill or mixed step, runs eagerly. Rows [B, P) are padding: token 0 at positio
 real rows, the KV cache and the cache's state are what an eager step would give. Sampling (and
 guided decoding's masks) stays outside the graph, on the returned logits rows.
 
-Static inputs, shared by every size (as vLLM's): token ids, positions, slot mapping, seq lens
-[Pmax] and block tables [Pmax, M] int64 on the device (Pmax = the largest size, M = max blocks
-per sequence), each field contiguous, plus ``query_start_loc`` = arange(Pmax + 1); the graph of
-size P reads rows [:P]. A step writes its values into a pinned host staging copy of the same
-layout and copies rows [:P] of each field in, non-blocking (an event keeps the next step from
-rewriting the staging while a copy may be in flight). The metadata's host lists are fixed
+Static inputs, one int64 buffer on the device shared by every size (``_Inputs``): the graph of
+size P reads its token ids, positions, slot mapping and seq lens [P] and block tables [P, M] (M
+= max blocks per sequence) laid end to end from the buffer's start, plus ``query_start_loc`` =
+arange(Pmax + 1)[:P + 1] (Pmax = the largest size). A step writes its values into a pinned host
+staging buffer of the same layout and copies that prefix in with one non-blocking copy (an
+event keeps the next step from rewriting the staging while the copy may be in flight); before,
+five copies, one per field, and about twice the host ops. The metadata's host lists are fixed
 placeholders: ``query_lens_cpu`` all 1 and ``seq_lens_cpu`` all ``max_model_len`` (an upper
 bound; a ``cuda_graph_safe`` backend never reads them).
 
@@ -120,16 +121,27 @@ def cuda_graph_refusal(attn_layers: list, moe_layers: list, state_layers: list =
 
 
 class _Inputs:
-    """Token ids, positions, slot mapping, seq lens [Pmax] and block tables [Pmax, M] int64, each
-    field contiguous, so rows [:P] of every field are contiguous views (Pmax: largest size)."""
+    """One int64 buffer of Pmax * (4 + M) values holding, for a padded size P, the layout
+    ``fields(P)``: token ids, positions, slot mapping and seq lens [P] each, then block tables
+    [P, M], end to end from offset 0 (Pmax: the largest size, M: max blocks per sequence). A
+    size's fields are one contiguous prefix, so a step stages them in one copy; sizes overlap
+    in the buffer, and each step writes all of its own size's prefix before its replay."""
 
     def __init__(self, P: int, M: int, device: torch.device, pin: bool = False):
         with torch.inference_mode(False):      # written inside and outside inference mode
             self.buf = torch.zeros(P * (4 + M), dtype=torch.int64, device=device,
                                    pin_memory=pin)
+        self.M = M
+
+    def fields(self, P: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, seq_lens [P], tables [P, M]) of size P."""
         b = self.buf
-        self.fields = (b[:P], b[P:2 * P], b[2 * P:3 * P], b[3 * P:4 * P], b[4 * P:].view(P, M))
-        self.ids, self.positions, self.slots, self.seq_lens, self.tables = self.fields
+        return b[:P], b[P:2 * P], b[2 * P:3 * P], b[3 * P:4 * P], \
+            b[4 * P:P * (4 + self.M)].view(P, self.M)
+
+    def prefix(self, P: int) -> torch.Tensor:
+        """Size P's fields, end to end."""
+        return self.buf[:P * (4 + self.M)]
 
 
 @dataclass
@@ -160,6 +172,8 @@ class CudaDecodeGraphs:
                 self.fence = torch.cuda.Event()
         with torch.inference_mode(False):
             self.query_start_loc = torch.arange(P + 1, dtype=torch.int64, device=self.device)
+        self._pad_rows = torch.tensor([[0], [0], [PAD_SLOT_ID], [1]], dtype=torch.int64)
+        """A padding row's token, position, slot (no KV write) and context length."""
         self._entries: dict[int, _Entry] = {}
         self._out: torch.Tensor | None = None
         """Logits [Pmax, V], allocated outside any capture at the first one: each graph copies
@@ -194,16 +208,16 @@ class CudaDecodeGraphs:
         e = self._entries.get(P) or self._new_entry(P)
         self._stage(P, input_ids, positions, md)
         if ids is not None:
-            self.static.ids[:B].copy_(ids)
+            self.static.fields(P)[0][:B].copy_(ids)
         self._plan(P, e)
         if e.replay is None:
             return self._warm_up_and_capture(P, e)[:B]
         return e.replay()[:B]
 
     def _new_entry(self, P: int) -> _Entry:
-        s, qsl = self.static, self.query_start_loc[:P + 1]
-        md = AttentionMetadata(slot_mapping=s.slots[:P], block_tables=s.tables[:P],
-                               seq_lens=s.seq_lens[:P], query_start_loc=qsl,
+        _, _, slots, seq_lens, tables = self.static.fields(P)
+        md = AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                               query_start_loc=self.query_start_loc[:P + 1],
                                seq_lens_cpu=[self.max_model_len] * P, query_lens_cpu=[1] * P,
                                num_decodes=P, block_size=self.block_size)
         e = self._entries[P] = _Entry(md)
@@ -211,22 +225,27 @@ class CudaDecodeGraphs:
 
     def _stage(self, P: int, input_ids: torch.Tensor, positions: torch.Tensor,
                md: AttentionMetadata) -> None:
-        """The step's B rows, then P - B padding rows, into the staging; then rows [:P] of each
-        field into the static inputs (non-blocking from pinned memory)."""
+        """The step's B rows, then P - B padding rows, into size P's fields of the staging;
+        then that prefix into the static inputs in one copy (non-blocking from pinned
+        memory)."""
         B, m = input_ids.shape[0], md.block_tables.shape[1]
         if self.fence is not None:
-            self.fence.synchronize()           # the previous step's copies have finished
+            self.fence.synchronize()           # the previous step's copy has finished
         h = self.staging
-        h.ids[:B], h.positions[:B], h.slots[:B], h.seq_lens[:B] = \
-            input_ids, positions, md.slot_mapping, md.seq_lens
-        h.ids[B:P], h.positions[B:P], h.slots[B:P], h.seq_lens[B:P] = 0, 0, PAD_SLOT_ID, 1
-        h.tables[:B, :m] = md.block_tables
-        h.tables[:B, m:] = 0
-        h.tables[B:P] = 0
-        for dst, src in zip(self.static.fields, h.fields):
-            dst[:P].copy_(src[:P], non_blocking=self.fence is not None)
+        rows = h.buf[:4 * P].view(4, P)        # ids, positions, slots, seq lens
+        for i, src in enumerate((input_ids, positions, md.slot_mapping, md.seq_lens)):
+            rows[i, :B] = src
+        if B < P:
+            rows[:, B:] = self._pad_rows
+        tables = h.fields(P)[4]
+        tables[:B, :m] = md.block_tables
+        if m < h.M:
+            tables[:B, m:] = 0
+        if B < P:
+            tables[B:] = 0
+        self.static.prefix(P).copy_(h.prefix(P), non_blocking=self.fence is not None)
         if self.fence is not None:
-            self.fence.record(torch.cuda.current_stream(self.device))   # the copies' stream
+            self.fence.record(torch.cuda.current_stream(self.device))   # the copy's stream
 
     def _plan(self, P: int, e: _Entry) -> None:
         """Host-side per-step plans (module docstring), from the staged rows: never captured."""
@@ -239,13 +258,14 @@ class CudaDecodeGraphs:
                     found[id(planner)] = planner
             self._planners = list(found.values())
         for planner in self._planners:
-            planner.plan_decode_graph(e.md, self.staging.seq_lens[:P], self.staging.tables[:P])
+            _, _, _, seq_lens, tables = self.staging.fields(P)
+            planner.plan_decode_graph(e.md, seq_lens, tables)
 
     def _run(self, P: int, e: _Entry) -> torch.Tensor:
         """The forward and logits over rows [:P] of the static inputs: [P, V]."""
         with set_forward_context(e.md):
-            return self.model.compute_logits(self.model(self.static.ids[:P],
-                                                        self.static.positions[:P]))
+            ids, positions = self.static.fields(P)[:2]
+            return self.model.compute_logits(self.model(ids, positions))
 
     def _warm_up_and_capture(self, P: int, e: _Entry) -> torch.Tensor:
         # This step, eagerly: the warm-up. MoE backends that must not allocate or compile inside
