@@ -63,10 +63,15 @@ def _run(s: Scheduler, reqs: list[Request], stops: dict[str, int], ahead: bool):
         pending = s.schedule_ahead(out) if ahead else None
         n_ahead += pending is not None
         if pending is not None:
+            after = {q.req_id: q.start_pos + q.num_tokens for q in out.sequences}
             for q in pending.sequences:
-                assert q.pending_token and q.do_sample and q.num_tokens == 1
-                assert q.start_pos == s.requests[q.req_id].num_computed_tokens + 1
-                assert len(q.block_ids) * s.block_manager.block_size >= q.start_pos + 1
+                if q.pending_token:            # the token out samples, at the next position
+                    assert q.do_sample and q.num_tokens == 1 and q.start_pos == after[q.req_id]
+                else:                          # admitted: a prefill of known tokens
+                    assert q.req_id not in after
+                    assert q.start_pos == s.requests[q.req_id].num_computed_tokens
+                assert len(q.block_ids) * s.block_manager.block_size >= \
+                    q.start_pos + q.num_tokens
         _apply(s, out, runner_out, stops)
     return {rid: r.output_token_ids for rid, r in outputs.items()}, n_ahead
 
@@ -83,9 +88,9 @@ def test_pipelined_run_gives_the_plain_runs_tokens_and_frees_every_block():
     piped, n_ahead = _run(s, reqs(), stops, ahead=True)
     assert piped == plain and none_ahead == 0
     assert [len(plain[r]) for r in "abcd"] == [5, 12, 9, 3]
-    # One prefill step, then b's 11 decode steps: the first from schedule(), every later
-    # one scheduled ahead (b's 12th token is its last, so none after it).
-    assert n_ahead == 10
+    # One prefill step, then b's 11 decode steps, each scheduled ahead (b's 12th token is its
+    # last, so none after it).
+    assert n_ahead == 11
     assert s.block_manager.num_free_blocks == 64 and not s._in_flight
 
 
@@ -93,19 +98,18 @@ def test_ahead_leaves_out_the_requests_their_token_finishes_by_length():
     s = _sched(max_len=12)
     for r in (_req("a", max_tokens=2), _req("b", 9, max_tokens=50), _req("c")):
         s.add_request(r)
-    first = s.schedule()                       # the prefills: not decodes, nothing ahead
-    assert s.schedule_ahead(first) is None
+    first = s.schedule()                       # the prefills, each sampling its first token
+    ahead = s.schedule_ahead(first)
+    assert [(q.req_id, q.start_pos) for q in ahead.sequences] == [("a", 3), ("b", 9), ("c", 3)]
+    assert s.schedule_ahead(first) is None     # one step ahead at most
     _apply(s, first, _sampled(s, first, {"a": 0, "b": 0, "c": 0}), {})
-    out = s.schedule()
-    ahead = s.schedule_ahead(out)
-    # a: its 2nd token is its last (max_tokens); b: 9 + 2 tokens stay below max_len 12.
-    assert [(q.req_id, q.start_pos, q.token_ids) for q in ahead.sequences] == [
+    nxt = s.schedule_ahead(ahead)              # a's 2nd token is its last (max_tokens)
+    assert [(q.req_id, q.start_pos, q.token_ids) for q in nxt.sequences] == [
         ("b", 10, [0]), ("c", 4, [0])]
-    _apply(s, out, _sampled(s, out, {"a": 1, "b": 1, "c": 1}), {})
+    _apply(s, ahead, _sampled(s, ahead, {"a": 1, "b": 1, "c": 1}), {})
     assert "a" not in s.requests
-    ahead2 = s.schedule_ahead(ahead)           # b's next token reaches max_len: left out
-    assert [q.req_id for q in ahead2.sequences] == ["c"]
-    assert s.schedule_ahead(out) is None       # one step ahead at most
+    last = s.schedule_ahead(nxt)               # b's 3rd token reaches max_model_len 12
+    assert [q.req_id for q in last.sequences] == ["c"]
 
 
 @pytest.mark.parametrize("params,why", [
@@ -140,21 +144,17 @@ def test_min_tokens_reached_allows_ahead():
     assert results == [(0, False), (1, False), (2, True), (3, True)]
 
 
-def test_no_ahead_when_off_waiting_or_short_of_blocks():
+def test_no_ahead_when_off_for_a_prompt_chunk_or_short_of_blocks():
     off = _sched(async_scheduling=False)
     off.add_request(_req("a"))
     out = off.schedule()
     _apply(off, out, _sampled(off, out, {"a": 0}), {})
     assert off.schedule_ahead(off.schedule()) is None
-    s = _sched()
-    s.add_request(_req("a"))
-    out = s.schedule()
-    _apply(s, out, _sampled(s, out, {"a": 0}), {})
-    s.add_request(_req("w"))                   # admission is schedule()'s
-    s.waiting[0].status = RequestStatus.WAITING
-    out = s.schedule()                         # a decodes, w prefills
-    assert s.schedule_ahead(out) is None
-    _apply(s, out, _sampled(s, out, {"a": 1, "w": 0}), {})
+    chunked = Scheduler(SchedulerConfig(max_num_batched_tokens=4, async_scheduling=True),
+                        CacheConfig(block_size=4, num_gpu_blocks=64), 256)
+    chunked.add_request(_req("a", 6))
+    out = chunked.schedule()                   # 4 of 6 prompt tokens: samples nothing
+    assert not out.sequences[0].do_sample and chunked.schedule_ahead(out) is None
     tight = _sched(num_blocks=1, block_size=4)  # 4 KV slots: prompt 3 + 1 decode
     tight.add_request(_req("a"))
     out = tight.schedule()
@@ -163,6 +163,22 @@ def test_no_ahead_when_off_waiting_or_short_of_blocks():
     assert tight.schedule_ahead(out) is None   # position 4 needs a block there is not
 
 
+def test_ahead_admits_waiting_requests_after_its_decodes():
+    """Waiting requests join the step ahead as schedule() admits them (prefills after the
+    decodes, in the budget left); a prompt that samples in the step in flight decodes in
+    the step ahead of it."""
+    s = _sched()
+    s.add_request(_req("a"))
+    out = s.schedule()
+    ahead = s.schedule_ahead(out)              # a's prompt samples: its decode goes ahead
+    assert [(q.req_id, q.start_pos, q.pending_token) for q in ahead.sequences] == [
+        ("a", 3, True)]
+    _apply(s, out, _sampled(s, out, {"a": 0}), {})
+    s.add_request(_req("w", 5))
+    nxt = s.schedule_ahead(ahead)
+    assert [(q.req_id, q.start_pos, q.num_tokens, q.pending_token) for q in nxt.sequences] \
+        == [("a", 4, 1, True), ("w", 0, 5, False)]
+    assert not s.waiting and s.requests["w"].status is RequestStatus.RUNNING
 def test_in_flight_order_and_drop_ahead():
     s = _sched()
     s.add_request(_req("a"))

@@ -233,45 +233,55 @@ class Scheduler:
     def schedule_ahead(self, sched: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``sched`` (in flight: scheduled, not yet applied), as ``schedule()``
         will make it once ``sched``'s tokens are in, so the runner can launch it before they
-        reach the host (``SchedulerConfig.async_scheduling``). Every request of ``sched`` still
-        running decodes once more, at the next position, its input the token it samples in
-        ``sched`` (``pending_token``), except those that ``sched``'s token finishes by length
-        (max_tokens, max_model_len). A request its token stops (EOS, a stop token or string) is
-        computed once more and that result dropped: ``update_from_output`` skips finished
-        requests. None where only ``schedule()`` can decide: ``sched`` is not all decodes,
-        requests wait (admission), a sampled row reads its output tokens (penalties,
-        min_tokens not yet reached, guided decoding), or a block is short (preemption). The
-        returned step is in flight after ``update_from_output(sched)``; apply it next."""
+        reach the host (``SchedulerConfig.async_scheduling``). Every request that samples in
+        ``sched`` and is still running decodes once more, at the position after its chunk,
+        its input the token it samples there (``pending_token``), except those that token
+        finishes by length (max_tokens, max_model_len); then waiting requests are admitted as
+        ``schedule()`` admits them, in the token budget left. A request its token stops (EOS,
+        a stop token or string) is computed once more and that result dropped:
+        ``update_from_output`` skips finished requests. None where only ``schedule()`` can
+        decide: a chunk of ``sched`` does not sample (a prompt's next chunk), a sampled row
+        reads its output tokens (penalties, min_tokens not yet reached, guided decoding), or a
+        block is short (preemption). The returned step is in flight after
+        ``update_from_output(sched)``; apply it next."""
         if (not self.config.async_scheduling or not self._in_flight or self._ahead is not None
-                or self.waiting or not sched.sequences):
+                or not sched.sequences):
             return None
-        seqs: list[ScheduledSequence] = []
+        decodes: list[ScheduledSequence] = []
         for s in sched.sequences:
-            if s.num_tokens != 1 or not s.do_sample:
-                return None
+            if not s.do_sample:
+                return None                     # a prompt's next chunk: schedule()'s
             req = self.requests.get(s.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue                        # aborted since: nothing to compute
             if req.num_computed_tokens != s.start_pos or _reads_outputs(req):
                 return None
-            n_out = req.num_output_tokens + 1   # with sched's token
-            max_tokens = req.sampling_params.max_tokens
-            if ((max_tokens is not None and n_out >= max_tokens)
-                    or req.num_prompt_tokens + n_out >= self.max_model_len):
+            if self._last_by_length(req, req.num_output_tokens + 1):
                 continue                        # sched's token is its last
-            if not self.block_manager.allocate_for(req, s.start_pos + 2):
+            pos = s.start_pos + s.num_tokens    # where sched's token goes
+            if not self.block_manager.allocate_for(req, pos + 1):
                 return None
-            seqs.append(ScheduledSequence(
-                req_id=req.request_id, token_ids=[0], start_pos=s.start_pos + 1,
+            decodes.append(ScheduledSequence(
+                req_id=req.request_id, token_ids=[0], start_pos=pos,
                 block_ids=list(req.block_ids), do_sample=True,
                 sampling_params=req.sampling_params, prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids, state_slot=req.state_slot,
                 pending_token=True))
-        if not seqs:
+        prefills: list[ScheduledSequence] = []
+        self._schedule_waiting(self.config.max_num_batched_tokens - len(decodes), prefills)
+        if not decodes and not prefills:
             return None
-        self._ahead = SchedulerOutput(sequences=seqs, finished_req_ids=self._finished_ids)
+        self._ahead = SchedulerOutput(sequences=decodes + prefills,
+                                      finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         return self._ahead
+
+    def _last_by_length(self, req: Request, n_out: int) -> bool:
+        """Whether ``req`` stops by length with ``n_out`` output tokens (the output
+        processor's max_tokens and max_model_len checks)."""
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and n_out >= max_tokens)
+                or req.num_prompt_tokens + n_out >= self.max_model_len)
 
     def drop_ahead(self) -> None:
         """Forget ``schedule_ahead``'s step (its launch or the step before it failed): the next

@@ -138,7 +138,9 @@ class LLMEngine:
             ahead = self.scheduler.schedule_ahead(sched_out)
             if ahead is not None:
                 self.structured.drop(ahead.finished_req_ids)
-                self._ahead = (ahead, self.runner.launch(ahead, None, pending))
+                # Masks only for rows it admitted: a guided row never decodes ahead.
+                masks = self.structured.masks([q for q in ahead.sequences if q.do_sample])
+                self._ahead = (ahead, self.runner.launch(ahead, masks, pending))
             runner_out = pending.result()
         except BaseException:
             self._ahead = None

@@ -119,9 +119,10 @@ class DecodeGraphs:
                md: AttentionMetadata, ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] f32 of a decode-only step of B sequences from the graph of
         ``padded_size(B)`` (captured now if due), or None when this step must run eagerly.
-        ``ids``: the step's token ids in place of ``input_ids``' (a step scheduled ahead)."""
+        ``ids``: token ids [n <= B] for the first n rows, written over ``input_ids``' (a step
+        scheduled ahead takes them from the step in flight)."""
         if ids is not None:
-            input_ids = ids
+            input_ids[:ids.shape[0]].copy_(ids)
         B = input_ids.shape[0]
         if md.num_decodes != md.num_seqs or B != md.num_seqs or self.refused is not None \
                 or md.block_tables.shape[1] > self.max_blocks:

@@ -195,9 +195,9 @@ class CudaDecodeGraphs:
         its first use; None when the step must run eagerly. A replay's rows are a view of the
         logits buffer every graph shares, rewritten by the next replay of any size: consume them
         within the step and keep no reference (the runner's sampler reads them in stream order,
-        before the next replay is enqueued). ``ids``: the step's token ids [B] on the device, in
-        place of ``input_ids``' (a step scheduled ahead takes them from the step in flight),
-        copied over the staged rows in stream order."""
+        before the next replay is enqueued). ``ids``: token ids [n <= B] on the device for the
+        first n rows, in place of ``input_ids``' (a step scheduled ahead takes them from the
+        step in flight), copied over the staged rows in stream order."""
         B = input_ids.shape[0]
         if self.refused is not None or md.num_decodes != md.num_seqs or B != md.num_seqs \
                 or md.block_tables.shape[1] > self.max_blocks:
@@ -208,7 +208,7 @@ class CudaDecodeGraphs:
         e = self._entries.get(P) or self._new_entry(P)
         self._stage(P, input_ids, positions, md)
         if ids is not None:
-            self.static.fields(P)[0][:B].copy_(ids)
+            self.static.fields(P)[0][:ids.shape[0]].copy_(ids)
         self._plan(P, e)
         if e.replay is None:
             return self._warm_up_and_capture(P, e)[:B]

@@ -227,7 +227,7 @@ class ModelRunner:
         if logits is None:
             input_ids, positions, attn_metadata, logits_indices = to_device(inputs, self.device)
             if ids is not None:
-                input_ids.copy_(ids)
+                input_ids[:ids.shape[0]].copy_(ids)
             with set_forward_context(attn_metadata):
                 hidden = self.model(input_ids, positions)
             if self.routing_recorder is not None:
@@ -249,16 +249,16 @@ class ModelRunner:
 
     def _pending_ids(self, seqs: list[ScheduledSequence], previous: PendingStep | None
                      ) -> torch.Tensor | None:
-        """The input tokens of a step scheduled ahead (every sequence a ``pending_token``
-        decode) from ``previous``'s device tokens; None for a step with none."""
-        ahead = sum(s.pending_token for s in seqs)
-        if not ahead:
+        """The input tokens [n] of a step's leading ``pending_token`` decodes (scheduled ahead)
+        from ``previous``'s device tokens; None for a step with none."""
+        n = sum(s.pending_token for s in seqs)
+        if not n:
             return None
-        if ahead != len(seqs) or previous is None:
-            raise RuntimeError(f"{ahead} of {len(seqs)} sequences take their token from the "
-                               f"step in flight ({'none' if previous is None else 'given'}): "
-                               "a step scheduled ahead is all such decodes and follows one")
-        return previous.tokens_for([s.req_id for s in seqs])
+        if not all(s.pending_token for s in seqs[:n]) or previous is None:
+            raise RuntimeError(f"{n} of {len(seqs)} sequences take their token from the step "
+                               f"in flight ({'none' if previous is None else 'given'}): they "
+                               "lead a step scheduled ahead, which follows one")
+        return previous.tokens_for([s.req_id for s in seqs[:n]])
 
     def _metadata(self, sampled_seqs: list[ScheduledSequence]) -> SamplingMetadata:
         """The last step's sampling metadata advanced to ``sampled_seqs`` where it can be, else
