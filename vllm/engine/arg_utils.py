@@ -49,12 +49,13 @@ class EngineArgs:
     size >= B; larger steps run eagerly). Default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs.
     Each must be in [1, max_num_seqs]."""
     async_scheduling: bool = False
-    """Schedule and launch the next decode step while the current one runs, before its tokens
-    reach the host: the host's work between steps overlaps the device's (vLLM's
+    """Schedule and launch the next step while the current one runs, before its tokens reach
+    the host: the host's work between steps overlaps the device's (vLLM's
     --async-scheduling). Requests that stop on a token are computed one step more and that
-    result dropped; rows whose sampling reads their output tokens (penalties, min_tokens,
-    guided decoding) and steps that admit requests are scheduled as before. On CPU the model
-    runs on the host, so it only delays each output by a step."""
+    result dropped; while a decoding row's sampling reads its output tokens (penalties,
+    min_tokens, guided decoding), a prompt is prefilled in chunks or blocks run short, steps
+    are scheduled as before. On CPU the model runs on the host, so it only delays each output
+    by a step."""
     device: str = "auto"
     """auto, cpu or cuda."""
     trust_remote_code: bool = False
