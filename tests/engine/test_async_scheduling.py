@@ -68,6 +68,19 @@ def test_greedy_with_stops_equals_the_plain_engine(tiny_model_factory, kw):
     assert not any(plain_launches) and sum(launches) >= 10
 
 
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "DeepseekV2ForCausalLM",
+                                  "GptOssForCausalLM"])
+def test_other_architectures_equal_the_plain_engine(tiny_model_factory, arch):
+    """Recurrent state (Qwen3-Next's Gated DeltaNet: a stopped request's extra row writes
+    its slot before the slot is handed on), MLA's one-plane cache, sinks and windows."""
+    path = tiny_model_factory(arch)
+    prompts = _prompts(4, seed=6)
+    params = _stopping_params(path, prompts)
+    plain, _ = _run(path, prompts, params)
+    piped, launches = _run(path, prompts, params, async_scheduling=True)
+    assert piped == plain and sum(launches) >= 5
+
+
 def test_seeded_sampling_and_logprobs_equal_the_plain_engine(tiny_model_factory):
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     prompts = _prompts(4, seed=1)
