@@ -155,7 +155,7 @@ class Platform:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
         host.copy_(t, non_blocking=True)
         done = torch.Event(t.device)
-        done.record()
+        done.record(torch.accelerator.current_stream(t.device))    # the copy's stream
 
         def wait() -> torch.Tensor:
             done.synchronize()
