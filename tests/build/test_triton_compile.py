@@ -19,10 +19,11 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 # batch with padding rows (w = 1 a constexpr), and both of that batch's waves in one launch, as
 # the provider plans them (wave -1: ``KernelStep.waves``); and a batch-1 decode step planned as
 # the CUDA provider plans it, its route, then its account for a side stream (wave -2: the
-# route's launch, -3: the account's).
+# route's launch, -3: the account's), and the batch of 32's two waves so (-4, -5).
 LAUNCHES = {"n16_decode": (16, 1, 0, False), "n63_decode": (63, 1, 0, False),
             "n63_wave1": (63, 32, 1, True), "n63_b32_all_waves": (63, 32, -1, True),
-            "n63_decode_route": (63, 1, -2, False), "n63_decode_account": (63, 1, -3, False)}
+            "n63_decode_route": (63, 1, -2, False), "n63_decode_account": (63, 1, -3, False),
+            "n63_b32_route": (63, 32, -4, True), "n63_b32_account": (63, 32, -5, True)}
 POLICIES = ("lru", "lfu", "lfru", "lrfu", "lrfu_next")      # kernel_code 0 to 4
 
 # The body of a script run by compile_in_subprocess (tests/triton_compile.py): the residency
@@ -48,10 +49,11 @@ def launch(policy, N, T, wave, padded):
     ids = torch.empty(T, 8, dtype=torch.int64, device="meta")
     rows = torch.empty(T, dtype=torch.int64, device="meta") if padded else None
     step = KernelStep(m.residency_step, "triton", False, Side() if wave < -1 else None)
-    run = (lambda: list(step.waves(res, ids, rows, 2 if wave == -1 else 1))) if wave < 0 else \
+    W = 2 if wave in (-1, -4, -5) else 1
+    run = (lambda: list(step.waves(res, ids, rows, W))) if wave < 0 else \
         (lambda: step(res, ids, rows, wave))
     launched = capture_launches([(m, "_residency_step_kernel")], run)
-    return launched[-wave - 2 if wave < -1 else 0][1:]
+    return launched[1 if wave in (-3, -5) else 0][1:]
 
 for cc in (90, 120):
     for name, (N, T, wave, padded) in LAUNCHES.items():
@@ -97,7 +99,10 @@ def test_residency_step_does_not_spill(compiled, cc, launch):
     4 warps, 63 slots of a batch-1 decode took 255 registers and spilled 40 bytes under 3.6;
     the other policies 32-86. The launch of both waves (2026-11-27, 8 warps): lrfu_next 164-168
     under 3.9 and 254-255, without a spill, under 3.6 (its loop holds more than one wave's
-    body); the others 76-114 and 112-122."""
+    body); the others 76-114 and 112-122. Its route and account for a side stream (2026-11-27,
+    SM90 / SM120): the route 88-166 under 3.9 and 128-255 under 3.6 (it holds the waves'
+    routes and, for a step whose experts need several waves, their whole bodies), the account
+    40-120 and 42-130; no spill."""
     got = {p: compiled[f"{cc}/{launch}/{p}"] for p in POLICIES}
     got = {p: (k["registers"], k["spills"], k["stack"]) for p, k in got.items()}
     assert all(spills == stack == 0 or (regs <= 64 and spills <= 4 and stack <= 8)

@@ -191,18 +191,18 @@ def test_a_replayed_cached_decode_step_launches_few_kernels(tiny_model_factory, 
         assert "add" not in n.torch, n.torch       # residual adds ride in the norms' launches
 
 
-def test_a_replayed_step_of_two_waves_has_one_residency_launch_per_layer(tiny_model_factory,
-                                                                         monkeypatch):
+def test_a_replayed_step_of_two_waves_has_one_residency_step_per_layer(tiny_model_factory,
+                                                                        monkeypatch):
     """Batch 2 x top-2 with 2 slots: two waves a layer by shape (issue 26: one residency step
-    per layer, here one launch: a step of several waves is not split into route and account).
-    The second wave still launches its align and expert kernels; nothing else of the layer
-    repeats."""
+    per layer, its route and its account for the side stream, as at batch 1). The second wave
+    still launches its align and expert kernels; nothing else of the layer repeats."""
     one, L = _replayed_launches(tiny_model_factory, monkeypatch, 1)
     monkeypatch.undo()
     two, L2 = _replayed_launches(tiny_model_factory, monkeypatch, 2)
     assert L == L2 == 2
+    for n in one + two:
+        assert n.triton["_residency_step_kernel"] == 2 * L
     for n in two:
-        assert n.triton["_residency_step_kernel"] == L
         assert n.triton["_align_kernel"] == 2 * L and n.triton["_topk_softmax_kernel"] == L
     # What a wave adds per layer (2026-11-27): its align, two GEMMs, the activation and its
     # copy (here the Triton gather, a launch per tensor: 2; vllm._C's gathers all in one).

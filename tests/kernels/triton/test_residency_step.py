@@ -64,31 +64,40 @@ def test_triton_one_launch_for_all_waves_equals_reference(triton_step, policy, E
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("E,K,N,num_steps", [(16, 4, 4, 24), (16, 4, 15, 24)])
 def test_triton_route_then_account_equals_reference(policy, E, K, N, num_steps):
-    """``KernelStep`` with a side stream: a step of one wave launches its route, forks its
-    account onto the side stream (role "account") and joins it once the wave was taken; steps
-    of several waves stay one launch. Against the reference wave by wave: every plan, the slot
-    ids and all state after each step (N = 4 of 16 at top-4 mixes one-wave and several-wave
-    steps; N = 15 has only one-wave steps)."""
+    """``KernelStep`` with a side stream: a step launches its route, forks its account onto
+    the side stream (role "account") and joins it once the waves were taken. A step of several
+    waves splits so when its experts fit the first wave, else its route runs the waves whole
+    and the account nothing. Against the reference wave by wave: every plan, the slot ids and
+    all state after each step (N = 4 of 16 at top-4 mixes one-wave steps and several-wave ones
+    of both kinds; N = 15 has only one-wave steps)."""
     from side_streams import RecordingSideStream
     side = RecordingSideStream()
     step = KernelStep(triton_module("residency_step").residency_step, "triton", on_host=False,
                       side=side)
-    one_wave = []
+    kinds = []                                 # (waves by shape, waves the experts needed)
 
     def compare(*args):
-        one_wave.append(step_all_waves(*args) == 1)
+        W = step_all_waves(*args)
+        kinds.append((W, int(args[3].step_waves)))
     _run(step, E, K, N, policy, num_steps, seed=E * 7 + N, compare=compare)
-    assert any(one_wave)
-    assert side.roles == [("fork", "account"), ("join", "account")] * sum(one_wave)
+    assert side.roles == [("fork", "account"), ("join", "account")] * len(kinds)
+    assert any(W == 1 for W, _ in kinds)
+    if N == 4:
+        assert any(W > 1 and n <= 1 for W, n in kinds)      # the split several-wave launch
+        assert any(W > 1 and n > 1 for W, n in kinds)       # the route runs the waves whole
 
 
-def test_triton_parts_refuse_several_waves(triton_step):
+def test_triton_parts_refuse_bad_evictions_or_a_later_first_wave(triton_step):
     res = Residency(16, 4, get_policy("lru"))
     ids = torch.zeros(1, 4, dtype=torch.int64)
     args = triton_step._arguments(res, ids, None, 0, 2)
-    with pytest.raises(ValueError, match="part='route' plans one wave"):
+    with pytest.raises(ValueError, match=r"part='route' of waves \[0, 2\) needs .* 3 elements"):
         triton_step.kernel(*args, num_waves=2, part="route",
                            evictions=torch.zeros(1, dtype=torch.int64))
+    later = triton_step._arguments(res, ids, None, 1, 2)
+    with pytest.raises(ValueError, match=r"waves \[1, 3\) needs them to start at wave 0"):
+        triton_step.kernel(*later, num_waves=2, part="account",
+                           evictions=torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="part='half'; allowed"):
         triton_step.kernel(*args, num_waves=2, part="half")
 

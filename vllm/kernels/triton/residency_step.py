@@ -39,8 +39,13 @@ Since then a one-wave launch can run in two parts (``PARTS``, ``part=``): "route
 assignment, miss list, victim ranking, placement and slot ids; an all-hits step branches past
 the ranking) and "account" (the policy state, lrfu_next's learning and the counters, from the
 route's wave_of_expert, plan_valid and eviction count), which ``KernelStep`` forks onto a side
-stream beside the wave's copy and expert kernels. The same state after both as after "all"
-(the interpreter tests). Not yet timed on a GPU. Differences from
+stream beside the wave's copy and expert kernels. A launch of several waves (a batch whose
+T*K exceeds the slots) splits too when the step's experts fit one wave, as an all-hits decode
+step at batch 32 and 63 of 64 slots: the route plans every wave (the later ones empty) and
+leaves a flag for the account, which then accounts every wave; when they do not fit, the
+route runs each wave whole and the account nothing (a later wave's route ranks victims by the
+state the earlier wave's account leaves). The same state after both as after "all" (the
+interpreter tests). Not yet timed on a GPU. Differences from
 the C kernel: a valid pair with an id >= E routes nowhere (a launch cannot raise; the router
 never produces one), and its only scratch is the victim ranking's [BLOCK_N] keys, allocated
 per call (from the graph's pool inside a capture).
@@ -255,26 +260,55 @@ def _residency_step_kernel(
     i * P. ONE_WAVE (num_waves == 1: a step with min(E, T*K) <= N, as every batch-1 decode
     step) is the wave's body alone (or its PART), wave 0 handing its waves over in registers:
     the code of a launch per wave. Otherwise wave 0's assignment runs first, then a loop runs
-    the body once per wave, the body compiled once (PART is ALL)."""
+    the body once per wave (PART ROUTE: the routes alone when the step's experts fit one wave,
+    ev_ptr[num_waves] telling the ACCOUNT launch so, else whole waves)."""
     if ONE_WAVE:
         _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
                    freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D,
                    ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY, HAS_ROWS,
                    FIRST_WAVE, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, PART)
+    elif PART == ACCOUNT:
+        # The route left every wave's account to this launch (ev[num_waves] == 1) only when
+        # the waves after the first are empty; otherwise it ran them all whole.
+        if tl.load(ev_ptr + num_waves) != 0:
+            for i in range(0, num_waves):
+                tl.debug_barrier()
+                _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
+                           cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr,
+                           par_ptr, pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
+                           sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr + i, POLICY, HAS_ROWS,
+                           False, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E,
+                           ACCOUNT)
     else:
         if FIRST_WAVE:
             e = tl.arange(0, BLOCK_E)
             soe = tl.load(soe_ptr + e, mask=e < E, other=-1)
             _assign_waves(ids_ptr, rows_ptr, P, K, E, N, soe, woe_ptr, cnt_ptr, HAS_ROWS,
                           BLOCK_E, BLOCK_P)
-        for i in range(0, num_waves):
-            # Every thread's stores of the wave before are visible to the next wave's loads.
-            tl.debug_barrier()
-            _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
-                       cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr,
-                       pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
-                       sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr, POLICY, HAS_ROWS, False,
-                       SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ALL)
+        # ROUTE: when the step's experts fit one wave, the later waves are empty and no wave's
+        # route reads what an earlier wave's account writes, so every route runs here and
+        # every account in the ACCOUNT launch; else each wave whole, as ALL.
+        split = False
+        if PART == ROUTE:
+            split = tl.load(cnt_ptr + STEP_WAVES) <= 1
+            tl.store(ev_ptr + num_waves, split.to(tl.int64))
+        if split:
+            for i in range(0, num_waves):
+                tl.debug_barrier()
+                _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
+                           cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr,
+                           par_ptr, pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
+                           sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr + i, POLICY, HAS_ROWS,
+                           False, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ROUTE)
+        else:
+            for i in range(0, num_waves):
+                # Every thread's stores of the wave before are visible to the next wave's loads.
+                tl.debug_barrier()
+                _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
+                           cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr,
+                           par_ptr, pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
+                           sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr, POLICY, HAS_ROWS, False,
+                           SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ALL)
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str, device: torch.device) -> None:
@@ -293,9 +327,10 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     """Waves [wave, wave + num_waves) of one layer, one launch: the signature of
     ``moe_cache.residency_step``. All tensors on the device of topk_ids [T, K] int64; state
     updated in place; plans [num_waves, N] and slot_ids [num_waves, T, K] written.
-    ``part`` (``PARTS``, one wave only): "route" then "account" with the same arguments and
-    ``evictions`` [1] int64 (the route's eviction count, for the account) leave what "all"
-    leaves; "account" reads the plan "route" wrote and writes nothing "route" wrote."""
+    ``part`` (``PARTS``): "route" then "account" with the same arguments and ``evictions``
+    int64 (the route's eviction count per wave, for the account; with several waves, from wave
+    0, one more element: whether the account has the waves to do) leave what "all" leaves;
+    "account" reads the plan "route" wrote and writes nothing "route" wrote."""
     dev = topk_ids.device
     i64, f64 = torch.int64, torch.float64
     for t, dt, what in ((topk_ids, i64, "topk_ids"), (slot_of_expert, i64, "slot_of_expert"),
@@ -310,9 +345,12 @@ def residency_step(topk_ids: torch.Tensor, row_slots: torch.Tensor | None, wave:
     if part not in PARTS:
         raise ValueError(f"triton residency_step: part={part!r}; allowed {list(PARTS)}")
     if part != "all":
-        if num_waves != 1 or evictions is None or evictions.numel() != 1:
-            raise ValueError(f"triton residency_step: part={part!r} plans one wave "
-                             f"(num_waves={num_waves}) with an evictions tensor of 1 element")
+        need = 1 if num_waves == 1 else num_waves + 1
+        if (num_waves > 1 and wave != 0) or evictions is None or evictions.numel() != need:
+            raise ValueError(f"triton residency_step: part={part!r} of waves [{wave}, "
+                             f"{wave + num_waves}) needs them to start at wave 0 and an "
+                             f"evictions tensor of {need} elements (one per wave, and the "
+                             "route's flag when several)")
         _check(evictions, i64, "evictions", dev)
     if row_slots is not None:
         _check(row_slots, i64, "row_slots", dev)

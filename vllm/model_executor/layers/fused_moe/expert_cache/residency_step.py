@@ -23,8 +23,9 @@ Implementations, each bit for bit the same decisions, plan, slot ids, policy sta
     CPU graphs, on CUDA one Triton launch (``vllm/kernels/triton/residency_step.py``), no host
     read, fixed grid (CUDA-graph capturable): one per layer and step. Plans [W, N] and slot ids
     [W, T, K] (W * T * K * 8 bytes: 4 MiB for a prefill of 8192 tokens, top-8, 8 waves).
-    With a side stream (CUDA) a one-wave step is two launches: the route before the wave's
-    copy and experts, the account (policy state, counters) beside them.
+    With a side stream (CUDA) a step is two launches: the route before the waves' copies and
+    experts, the account (policy state, counters) beside them (with several waves only when
+    the step's experts fit the first; else the route runs the waves whole).
 ``select_residency_step`` picks one per layer: the platform's kernel when the policy has a
 ``kernel_code``, else the reference.
 """
@@ -101,11 +102,11 @@ def reference_step(res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tens
 
 class KernelStep(ResidencyStep):
     """A platform's fused kernel (the signature of ``vllm.kernels.cpu.moe_cache.residency_step``),
-    fed the residency's own tensors. ``side``: where the kernel plans a wave in two launches
-    (``part`` "route", then "account": the Triton kernel), a step of one wave runs the account
-    (the policy state and counters) on this side stream, role "account", beside the wave's copy
-    and expert kernels, and joins it after them: only the route (plan, maps, slot ids) is on the
-    way to the experts. The same state after the step as one launch."""
+    fed the residency's own tensors. ``side``: where the kernel plans a step in two launches
+    (``part`` "route", then "account": the Triton kernel), the account (the policy state and
+    counters) runs on this side stream, role "account", beside the waves' copies and expert
+    kernels, and joins after them: only the route (plans, maps, slot ids) is on the way to the
+    experts. The same state after the step as one launch."""
     plans_ahead = True
 
     def __init__(self, kernel: Callable[..., None], name: str, on_host: bool,
@@ -127,26 +128,28 @@ class KernelStep(ResidencyStep):
         (``CachedWeightProvider.invalidate``): by the plan when a wave raised, by the engine
         after a failed step (model_runner) and after a refused CPU-graph capture
         (cpu_graphs)."""
-        if self.side is not None and num_waves == 1:
-            yield from self._routed(res, topk_ids, row_slots)
+        if self.side is not None:
+            yield from self._routed(res, topk_ids, row_slots, num_waves)
             return
         plans, slot_ids = self._launch(res, topk_ids, row_slots, 0, num_waves)
         # select, not unbind: a CPU graph records views it knows (kernels/cpu/graph.py).
         yield from ((plans[i], slot_ids[i]) for i in range(num_waves))
 
-    def _routed(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None
-                ) -> Iterator[tuple[LoadPlan, torch.Tensor]]:
-        """One wave: the route on the current stream, the account forked after it (it reads
-        the route's plan and eviction count, and the policy state the route read), joined once
-        the caller has enqueued the wave's kernels (its next ``next``, or closing this)."""
-        evictions = torch.empty(1, dtype=torch.int64, device=topk_ids.device)
-        args = self._arguments(res, topk_ids, row_slots, 0, 1)
-        self.kernel(*args, num_waves=1, part="route", evictions=evictions)
+    def _routed(self, res: Residency, topk_ids: torch.Tensor, row_slots: torch.Tensor | None,
+                num_waves: int) -> Iterator[tuple[LoadPlan, torch.Tensor]]:
+        """The waves' route on the current stream, the account forked after it (it reads the
+        route's plans and eviction counts, and the policy state the route read; with several
+        waves, the route's word on whether it left the accounts), joined once the caller has
+        enqueued the waves' kernels (after the last wave, or on closing this)."""
+        evictions = torch.empty(num_waves + (num_waves > 1), dtype=torch.int64,
+                                device=topk_ids.device)
+        args = self._arguments(res, topk_ids, row_slots, 0, num_waves)
+        self.kernel(*args, num_waves=num_waves, part="route", evictions=evictions)
         try:
             with self.side.fork("account"):
-                self.kernel(*args, num_waves=1, part="account", evictions=evictions)
-            (plan,), slot_ids = self._outputs(args)
-            yield plan, slot_ids[0]
+                self.kernel(*args, num_waves=num_waves, part="account", evictions=evictions)
+            plans, slot_ids = self._outputs(args)
+            yield from ((plans[i], slot_ids[i]) for i in range(num_waves))
         finally:
             # Even when the caller stopped: a capture must not end with the side stream forked.
             self.side.join("account")
