@@ -271,14 +271,10 @@ def _residency_step_kernel(
         # The route left every wave's account to this launch (ev[num_waves] == 1) only when
         # the waves after the first are empty; otherwise it ran them all whole.
         if tl.load(ev_ptr + num_waves) != 0:
-            for i in range(0, num_waves):
-                tl.debug_barrier()
-                _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
-                           cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr,
-                           par_ptr, pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
-                           sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr + i, POLICY, HAS_ROWS,
-                           False, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E,
-                           ACCOUNT)
+            _waves(ids_ptr, rows_ptr, P, K, E, N, w0, num_waves, soe_ptr, eos_ptr, woe_ptr,
+                   cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr,
+                   pow_ptr, D, ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY,
+                   HAS_ROWS, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ACCOUNT)
     else:
         if FIRST_WAVE:
             e = tl.arange(0, BLOCK_E)
@@ -293,22 +289,34 @@ def _residency_step_kernel(
             split = tl.load(cnt_ptr + STEP_WAVES) <= 1
             tl.store(ev_ptr + num_waves, split.to(tl.int64))
         if split:
-            for i in range(0, num_waves):
-                tl.debug_barrier()
-                _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
-                           cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr,
-                           par_ptr, pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
-                           sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr + i, POLICY, HAS_ROWS,
-                           False, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ROUTE)
+            _waves(ids_ptr, rows_ptr, P, K, E, N, w0, num_waves, soe_ptr, eos_ptr, woe_ptr,
+                   cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr,
+                   pow_ptr, D, ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY,
+                   HAS_ROWS, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ROUTE)
         else:
-            for i in range(0, num_waves):
-                # Every thread's stores of the wave before are visible to the next wave's loads.
-                tl.debug_barrier()
-                _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr,
-                           cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr,
-                           par_ptr, pow_ptr, D, ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N,
-                           sid_ptr + i * P, ks_ptr, kx_ptr, ev_ptr, POLICY, HAS_ROWS, False,
-                           SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ALL)
+            _waves(ids_ptr, rows_ptr, P, K, E, N, w0, num_waves, soe_ptr, eos_ptr, woe_ptr,
+                   cnt_ptr, freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr,
+                   pow_ptr, D, ps_ptr, pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY,
+                   HAS_ROWS, SMALL_E, BLOCK_E, BLOCK_N, BLOCK_P, ROW_BLOCK, ROWS_E, ALL)
+
+
+@triton.jit
+def _waves(ids_ptr, rows_ptr, P, K, E, N, w0, num_waves, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
+           freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D, ps_ptr,
+           pe_ptr, pv_ptr, sid_ptr, ks_ptr, kx_ptr, ev_ptr, POLICY: tl.constexpr,
+           HAS_ROWS: tl.constexpr, SMALL_E: tl.constexpr, BLOCK_E: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, ROW_BLOCK: tl.constexpr,
+           ROWS_E: tl.constexpr, PART: tl.constexpr):
+    """``_wave_step``'s PART for waves [w0, w0 + num_waves) after wave 0's assignment, one
+    after the other: wave i's plan at i * N, slot ids at i * P, eviction count at ev_ptr + i."""
+    for i in range(0, num_waves):
+        # Every thread's stores of the wave before are visible to the next wave's loads.
+        tl.debug_barrier()
+        _wave_step(ids_ptr, rows_ptr, P, K, E, N, w0 + i, soe_ptr, eos_ptr, woe_ptr, cnt_ptr,
+                   freq_ptr, last_ptr, crf_ptr, wt_ptr, b_ptr, prev_ptr, par_ptr, pow_ptr, D,
+                   ps_ptr + i * N, pe_ptr + i * N, pv_ptr + i * N, sid_ptr + i * P, ks_ptr,
+                   kx_ptr, ev_ptr + i, POLICY, HAS_ROWS, False, SMALL_E, BLOCK_E, BLOCK_N,
+                   BLOCK_P, ROW_BLOCK, ROWS_E, PART)
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str, device: torch.device) -> None:
