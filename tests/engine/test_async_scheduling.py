@@ -42,6 +42,16 @@ def _run(path, prompts, params, **kw):
               c.cumulative_logprob) for c in o.outputs] for o in outs], launches
 
 
+def _check_equal(path, prompts, params, min_ahead: int, **kw) -> list:
+    """The plain engine's outputs, after checking async scheduling's equal them with at least
+    ``min_ahead`` steps launched ahead."""
+    plain, plain_launches = _run(path, prompts, params, **kw)
+    piped, launches = _run(path, prompts, params, async_scheduling=True, **kw)
+    assert piped == plain
+    assert not any(plain_launches) and sum(launches) >= min_ahead
+    return plain
+
+
 def _stopping_params(path, prompts):
     """Greedy requests of different lengths, each stopping on a token its plain run samples
     mid-way (so it stops there, before max_tokens)."""
@@ -60,12 +70,8 @@ def _stopping_params(path, prompts):
 def test_greedy_with_stops_equals_the_plain_engine(tiny_model_factory, kw):
     path = tiny_model_factory("Qwen3MoeForCausalLM")
     prompts = _prompts()
-    params = _stopping_params(path, prompts)
-    plain, plain_launches = _run(path, prompts, params, **kw)
-    piped, launches = _run(path, prompts, params, async_scheduling=True, **kw)
-    assert piped == plain
+    plain = _check_equal(path, prompts, _stopping_params(path, prompts), 10, **kw)
     assert {o[0][2] for o in plain} == {"stop", "length"}
-    assert not any(plain_launches) and sum(launches) >= 10
 
 
 @pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "DeepseekV2ForCausalLM",
@@ -75,10 +81,7 @@ def test_other_architectures_equal_the_plain_engine(tiny_model_factory, arch):
     its slot before the slot is handed on), MLA's one-plane cache, sinks and windows."""
     path = tiny_model_factory(arch)
     prompts = _prompts(4, seed=6)
-    params = _stopping_params(path, prompts)
-    plain, _ = _run(path, prompts, params)
-    piped, launches = _run(path, prompts, params, async_scheduling=True)
-    assert piped == plain and sum(launches) >= 5
+    _check_equal(path, prompts, _stopping_params(path, prompts), 5)
 
 
 def test_seeded_sampling_and_logprobs_equal_the_plain_engine(tiny_model_factory):
@@ -86,9 +89,7 @@ def test_seeded_sampling_and_logprobs_equal_the_plain_engine(tiny_model_factory)
     prompts = _prompts(4, seed=1)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=10 + i, max_tokens=8 + i,
                              logprobs=2, n=2 if i == 0 else 1) for i in range(4)]
-    plain, _ = _run(path, prompts, params)
-    piped, launches = _run(path, prompts, params, async_scheduling=True)
-    assert piped == plain and sum(launches) >= 5
+    _check_equal(path, prompts, params, 5)
 
 
 def test_rows_that_read_their_outputs_keep_the_plain_schedule(tiny_model_factory):
