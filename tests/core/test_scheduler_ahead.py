@@ -211,3 +211,45 @@ def test_ahead_reports_finished_ids_once():
     assert s.schedule_ahead(out) is None       # nothing left to run ahead
     _apply(s, out, RunnerOutput({"a": SampledToken(1)}), {})
     assert s.schedule().finished_req_ids == {"a"}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_pipelined_runs_keep_every_invariant(seed):
+    """Random arrivals, aborts (also of requests in a step ahead) and stop positions over few
+    blocks (preemption: in 5 of these 10 runs) and a small token budget (prompts in chunks),
+    pipelined where the scheduler offers: every block comes back, and each request's outputs
+    are exactly the fake model's tokens up to where it stopped (max_tokens, a stop position,
+    or its abort)."""
+    import random
+    rng = random.Random(seed)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12,
+                                  async_scheduling=True),
+                  CacheConfig(block_size=4, num_gpu_blocks=10), 40)
+    reqs, stops, aborted = {}, {}, set()
+    pending, step, n_ahead = None, 0, 0
+    while step < 12 or s.has_unfinished_requests() or pending is not None:
+        if step < 12 and rng.random() < 0.6:
+            rid = f"q{step}"
+            reqs[rid] = _req(rid, rng.randint(1, 20), max_tokens=rng.randint(1, 12))
+            stops[rid] = rng.randint(1, 14)
+            s.add_request(reqs[rid])
+        if s.running and rng.random() < 0.1:          # also while a step is ahead
+            victim = rng.choice(s.running).request_id
+            s.abort_requests(victim)
+            aborted.add(victim)
+        out = pending if pending is not None else s.schedule()
+        n_out = {q.req_id: s.requests[q.req_id].num_output_tokens
+                 for q in out.sequences if q.req_id in s.requests}
+        runner_out = _sampled(s, out, n_out)
+        pending = s.schedule_ahead(out)
+        n_ahead += pending is not None
+        _apply(s, out, runner_out, stops)
+        step += 1
+        assert step < 500
+    assert s.block_manager.num_free_blocks == 10 and not s._in_flight
+    for rid, r in reqs.items():
+        n = len(r.output_token_ids)
+        assert r.output_token_ids == [fake_token(rid, i) for i in range(n)]
+        if rid not in aborted and r.status is not RequestStatus.FINISHED_ERROR:
+            assert n == min(r.sampling_params.max_tokens, stops[rid]), rid
+    assert n_ahead > 0
