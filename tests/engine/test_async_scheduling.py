@@ -232,3 +232,17 @@ def test_requests_arriving_mid_run_join_steps_ahead(tiny_model_factory):
     # Its tokens (its text starts with the random prompt's own undecodable tail).
     assert plain["r3"][0] in ([91, 71, 85, 0], [80, 81, 0])          # "yes" / "no", EOS
     assert any(mixed)                          # a step ahead carried decodes and prefills
+
+
+def test_a_routing_trace_turns_async_scheduling_off(tiny_model_factory, tmp_path, vllm_log):
+    """A step ahead may compute rows that are dropped; the trace records the requests' tokens
+    only, so the engine schedules as before (and says so)."""
+    import logging
+    path = tiny_model_factory("Qwen3MoeForCausalLM")
+    vllm_log.set_level(logging.INFO)
+    llm = LLM(path, device="cpu", async_scheduling=True,
+              moe_routing_trace_path=str(tmp_path / "t.npz"))
+    launches = _spy_launches(llm)
+    llm.generate(_prompts(2), SamplingParams(temperature=0.0, max_tokens=6))
+    assert not any(launches)
+    assert "async_scheduling off: a routing trace is recorded" in vllm_log.text

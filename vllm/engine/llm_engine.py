@@ -40,6 +40,12 @@ class LLMEngine:
         self.tokenizer = self.prompts.tokenizer
         self.runner = ModelRunner(vllm_config)
         self.runner.eos_token_id = self.prompts.eos_token_id
+        sc = vllm_config.scheduler_config
+        if sc.async_scheduling and self.runner.routing_recorder is not None:
+            # A step ahead computes rows whose tokens are then dropped: the trace would hold
+            # their routing as if they were the requests' tokens.
+            logger.info("async_scheduling off: a routing trace is recorded")
+            sc.async_scheduling = False
         self.scheduler = Scheduler(vllm_config.scheduler_config, vllm_config.cache_config,
                                    mc.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, mc.max_model_len)
