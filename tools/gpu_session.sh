@@ -176,7 +176,7 @@ first)
         --out "$OUT/decode-graphs.json"
     # Async scheduling: the host's work between steps (0.5 ms at batch 1, 1.1 at batch 32 in
     # the 2026-11-27 rows above) beside the device's instead of before it; same sizes.
-    step 60 decode-async "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 63 \
+    step 70 decode-async "${DECODE[@]}" --batch 1 32 --moe-expert-cache-size 0 63 \
         --output-len 32 --async-scheduling --out "$LOGS/decode-async.json"
     step 60 moe-layer "${MOE_LAYER[@]}" --out "$OUT/moe-layer.json"
     # Before the quantized rows (measured once already): its header times the copy engine on
