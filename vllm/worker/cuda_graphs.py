@@ -132,16 +132,38 @@ class _Inputs:
             self.buf = torch.zeros(P * (4 + M), dtype=torch.int64, device=device,
                                    pin_memory=pin)
         self.M = M
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        """Per size: its fields, its [4, P] rows and its prefix, made once (a view is a
+        host op per step otherwise)."""
+
+    def _of(self, P: int) -> tuple[torch.Tensor, ...]:
+        views = self._views.get(P)
+        if views is None:
+            b, M = self.buf, self.M
+            with torch.inference_mode(False):  # views written outside inference mode too
+                views = self._views[P] = (b[:P], b[P:2 * P], b[2 * P:3 * P], b[3 * P:4 * P],
+                                          b[4 * P:P * (4 + M)].view(P, M),
+                                          b[:4 * P].view(4, P), b[:P * (4 + M)])
+        return views
 
     def fields(self, P: int) -> tuple[torch.Tensor, ...]:
-        """(ids, positions, slots, seq_lens [P], tables [P, M]) of size P."""
-        b = self.buf
-        return b[:P], b[P:2 * P], b[2 * P:3 * P], b[3 * P:4 * P], \
-            b[4 * P:P * (4 + self.M)].view(P, self.M)
+        """(ids, positions, slots, seq_lens [P], tables [P, M]) of size P, the same tensors
+        at every call."""
+        return self._of(P)[:5]
+
+    def model_inputs(self, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) of size P as new views at each call: a forward's positions must
+        be a tensor no earlier forward had (``RotaryEmbedding._cos_sin`` keeps its rows by
+        the positions tensor's identity, so a warm-up's would stand in for a capture's)."""
+        return self.buf[:P], self.buf[P:2 * P]
+
+    def rows(self, P: int) -> torch.Tensor:
+        """[4, P]: size P's ids, positions, slots and seq lens, one row each."""
+        return self._of(P)[5]
 
     def prefix(self, P: int) -> torch.Tensor:
         """Size P's fields, end to end."""
-        return self.buf[:P * (4 + self.M)]
+        return self._of(P)[6]
 
 
 @dataclass
@@ -232,7 +254,7 @@ class CudaDecodeGraphs:
         if self.fence is not None:
             self.fence.synchronize()           # the previous step's copy has finished
         h = self.staging
-        rows = h.buf[:4 * P].view(4, P)        # ids, positions, slots, seq lens
+        rows = h.rows(P)                       # ids, positions, slots, seq lens
         for i, src in enumerate((input_ids, positions, md.slot_mapping, md.seq_lens)):
             rows[i, :B] = src
         if B < P:
@@ -264,8 +286,7 @@ class CudaDecodeGraphs:
     def _run(self, P: int, e: _Entry) -> torch.Tensor:
         """The forward and logits over rows [:P] of the static inputs: [P, V]."""
         with set_forward_context(e.md):
-            ids, positions = self.static.fields(P)[:2]
-            return self.model.compute_logits(self.model(ids, positions))
+            return self.model.compute_logits(self.model(*self.static.model_inputs(P)))
 
     def _warm_up_and_capture(self, P: int, e: _Entry) -> torch.Tensor:
         # This step, eagerly: the warm-up. MoE backends that must not allocate or compile inside
