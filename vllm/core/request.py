@@ -23,6 +23,14 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()
 
+    def at_length_limit(self, n_out: int, max_model_len: int | None) -> bool:
+        """Whether ``n_out`` output tokens finish this request by length: ``max_tokens``, or
+        prompt plus outputs reaching ``max_model_len`` (the output processor's check, which the
+        scheduler also makes ahead of the tokens)."""
+        max_tokens = self.sampling_params.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or (
+            max_model_len is not None and self.num_prompt_tokens + n_out >= max_model_len)
+
     @property
     def is_finished(self) -> bool:
         return self in _FINISHED
@@ -110,6 +118,14 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    def at_length_limit(self, n_out: int, max_model_len: int | None) -> bool:
+        """Whether ``n_out`` output tokens finish this request by length: ``max_tokens``, or
+        prompt plus outputs reaching ``max_model_len`` (the output processor's check, which the
+        scheduler also makes ahead of the tokens)."""
+        max_tokens = self.sampling_params.max_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or (
+            max_model_len is not None and self.num_prompt_tokens + n_out >= max_model_len)
 
     @property
     def is_finished(self) -> bool:

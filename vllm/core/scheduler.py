@@ -256,7 +256,7 @@ class Scheduler:
                 continue                        # aborted since: nothing to compute
             if req.num_computed_tokens != s.start_pos or _reads_outputs(req):
                 return None
-            if self._last_by_length(req, req.num_output_tokens + 1):
+            if req.at_length_limit(req.num_output_tokens + 1, self.max_model_len):
                 continue                        # sched's token is its last
             pos = s.start_pos + s.num_tokens    # where sched's token goes
             if not self.block_manager.allocate_for(req, pos + 1):
@@ -275,13 +275,6 @@ class Scheduler:
                                       finished_req_ids=self._finished_ids)
         self._finished_ids = set()
         return self._ahead
-
-    def _last_by_length(self, req: Request, n_out: int) -> bool:
-        """Whether ``req`` stops by length with ``n_out`` output tokens (the output
-        processor's max_tokens and max_model_len checks)."""
-        max_tokens = req.sampling_params.max_tokens
-        return ((max_tokens is not None and n_out >= max_tokens)
-                or req.num_prompt_tokens + n_out >= self.max_model_len)
 
     def drop_ahead(self) -> None:
         """Forget ``schedule_ahead``'s step (its launch or the step before it failed): the next

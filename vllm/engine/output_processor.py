@@ -195,10 +195,7 @@ class OutputProcessor:
             # EOS reports stop_reason None, as vLLM does; a stop_token_id reports the id.
             return RequestStatus.FINISHED_STOPPED, (None if tid == req.eos_token_id
                                                     and tid not in sp.stop_token_ids else tid)
-        max_tokens = sp.max_tokens
-        n_total = req.num_prompt_tokens + n_out
-        if (max_tokens is not None and n_out >= max_tokens) or (
-                self.max_model_len is not None and n_total >= self.max_model_len):
+        if req.at_length_limit(n_out, self.max_model_len):
             return RequestStatus.FINISHED_LENGTH, None
         return None
 
