@@ -52,9 +52,9 @@ class PendingStep:
         return self._output
 
     def _sampled(self) -> list[SampledToken]:
-        if self.raw_logprobs is None and self.host_tokens is not None:
-            return [SampledToken(t) for t in self.host_tokens().tolist()]
-        return to_sampled_tokens(self.token_ids, self.raw_logprobs, self.num_logprobs)
+        # The host copy where one was started (the runner starts one unless logprobs are read).
+        tokens = self.token_ids if self.host_tokens is None else self.host_tokens()
+        return to_sampled_tokens(tokens, self.raw_logprobs, self.num_logprobs)
 
     def tokens_for(self, req_ids: list[str]) -> torch.Tensor:
         """[len(req_ids)] int64 on the device: the token each request sampled in this step."""
