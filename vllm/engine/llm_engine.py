@@ -18,6 +18,7 @@ from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.worker.model_runner import ModelRunner
 from vllm.worker.pending_step import PendingStep
+from vllm.worker.sampler import TokenMasks
 
 logger = init_logger(__name__)
 
@@ -145,8 +146,7 @@ class LLMEngine:
             if ahead is not None:
                 self.structured.drop(ahead.finished_req_ids)
                 # Masks only for rows it admitted: a guided row never decodes ahead.
-                masks = self.structured.masks([q for q in ahead.sequences if q.do_sample])
-                self._ahead = (ahead, self.runner.launch(ahead, masks, pending))
+                self._ahead = (ahead, self.runner.launch(ahead, self._masks(ahead), pending))
             runner_out = pending.result()
         except BaseException:
             self._ahead = None
@@ -181,14 +181,17 @@ class LLMEngine:
             return launched
         sched_out = self.scheduler.schedule()
         self.structured.drop(sched_out.finished_req_ids)
-        sampling = [seq for seq in sched_out.sequences if seq.do_sample]
         try:
-            return sched_out, self.runner.launch(sched_out, self.structured.masks(sampling))
+            return sched_out, self.runner.launch(sched_out, self._masks(sched_out))
         except BaseException:
             # Leave the scheduler consistent (nothing computed) so the engine stays usable; the
             # caller decides which requests to fail or abort.
             self.scheduler.update_from_output(SchedulerOutput([]), RunnerOutput({}))
             raise
+
+    def _masks(self, sched_out: SchedulerOutput) -> TokenMasks | None:
+        """Guided decoding's token masks for the step's sampled rows, in the runner's order."""
+        return self.structured.masks([seq for seq in sched_out.sequences if seq.do_sample])
 
     def _fan_in(self, out: RequestOutput) -> RequestOutput | None:
         parent_id = self._child_to_parent.get(out.request_id)
