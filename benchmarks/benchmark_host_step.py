@@ -25,7 +25,7 @@ import time
 import torch
 from bench_io import write_json
 from decode_models import build_checkpoint
-from decode_profile import prefilled
+from decode_profile import prefilled, summarize
 
 
 class MethodClock:
@@ -70,12 +70,12 @@ def decode_steps(engine, batch: int, steps: int, clocks: list[MethodClock]
 
 
 def aten_ops_per_step(engine, batch: int, steps: int) -> float:
-    """torch ops the host dispatches per decode step (torch.profiler's aten:: events, nested
-    ones included, as ``decode_profile.py`` counts them on a GPU)."""
+    """torch ops the host dispatches per decode step, counted as ``decode_profile.summarize``
+    counts them on a GPU (torch.profiler's aten:: events, nested ones included)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _, _, n = decode_steps(engine, batch, steps, [])
-    return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / max(n, 1)
+        seconds, _, n = decode_steps(engine, batch, steps, [])
+    return summarize(prof.key_averages(), max(n, 1), seconds)["torch_ops_per_step"]
 
 
 @contextlib.contextmanager
