@@ -279,8 +279,8 @@ class CudaDecodeGraphs:
                     planner = make(m.kv_cache)
                     found[id(planner)] = planner
             self._planners = list(found.values())
+        _, _, _, seq_lens, tables = self.staging.fields(P)
         for planner in self._planners:
-            _, _, _, seq_lens, tables = self.staging.fields(P)
             planner.plan_decode_graph(e.md, seq_lens, tables)
 
     def _run(self, P: int, e: _Entry) -> torch.Tensor:
