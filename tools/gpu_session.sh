@@ -2,8 +2,9 @@
 # One GPU session's checks and figures, in stages that each end inside a 10-minute command.
 #
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
-#                                       # build, every gpu test (-n 8), the decode headline,
-#                                       # one cached layer's graph cost by kernel (16 and 63
+#                                       # build, every gpu test (-n 8), the decode headline
+#                                       # (and with async scheduling), one cached layer's
+#                                       # graph cost by kernel (16 and 63
 #                                       # slots), a short offload run (copy speed by plan
 #                                       # entries), the quantized figures, decode with exp12
 #                                       # misses, eager decode (the C++-exception probe under

@@ -85,7 +85,7 @@ def test_cuda_residency_step_is_the_triton_kernel():
     assert platform_for("cuda").residency_step_kernel() is triton_step.residency_step
     step = select_residency_step(Residency(8, 2, get_policy("lrfu")), torch.device("cuda"))
     assert (step.name, step.on_host, step.cpu_graph_node) == ("triton", False, False)
-    # Its one-wave steps run the route, then the account on a side stream: the handle is made
+    # Its steps run the route, then the account on a side stream: the handle is made
     # here, where torch may have no CUDA (its device and stream resolve at the first fork).
     assert platform_for("cuda").residency_step_parts() and step.side is not None
 
