@@ -4,11 +4,11 @@
 #   bash tools/gpu_session.sh first     # ALL a 15-minute session can afford, in one command:
 #                                       # build, every gpu test (-n 8), the decode headline
 #                                       # (and with async scheduling), one cached layer's
-#                                       # graph cost by kernel (16 and 63
-#                                       # slots), a short offload run (copy speed by plan
-#                                       # entries), the quantized figures, decode with exp12
-#                                       # misses, eager decode (the C++-exception probe under
-#                                       # gdb passed on 2026-11-27: retry keeps it)
+#                                       # graph cost by kernel (16 and 63 slots), a short
+#                                       # offload run (copy speed by plan entries), the
+#                                       # quantized figures, decode with exp12 misses, eager
+#                                       # decode (the C++-exception probe under gdb passed on
+#                                       # 2026-11-27: retry keeps it)
 #   bash tools/gpu_session.sh retry     # after fixes: build, probe, gpu tests, quantized figures
 #   bash tools/gpu_session.sh check     # install, the gpu tests, the GPU-path tests
 #   bash tools/gpu_session.sh suite     # the whole suite on the GPU machine (CPU assumptions)
